@@ -1,0 +1,54 @@
+"""Drafters: guess ``block_size - 1`` tokens after the pending token (see ``base``).
+
+- :class:`DFlashDrafter` — bidirectional block drafter conditioned on target tap features;
+- :class:`PromptLookupDrafter` — n-gram lookup in the context;
+- :class:`SyntheticDrafter` — SYNTHETIC, for benchmarks: a chosen acceptance profile
+  against the target's own greedy continuation.
+"""
+
+from dflash.model.drafters.base import Drafter, stack_tap_features
+from dflash.model.drafters.dflash_config import DFlashConfig, default_tap_layers
+from dflash.model.drafters.dflash_drafter import DFlashDrafter
+from dflash.model.drafters.errors import (
+    CheckpointConfigError,
+    CheckpointFileError,
+    DraftArgumentError,
+    DrafterCheckpointError,
+    DrafterError,
+    MissingKeysError,
+    OracleMismatchError,
+    TargetMismatchError,
+    TensorShapeError,
+    UnexpectedKeysError,
+    UnknownDrafterSpecError,
+)
+from dflash.model.drafters.prompt_lookup import LookupResult, PromptLookupDrafter
+from dflash.model.drafters.registry import DRAFTER_NAMES, DraftTarget, make_drafter
+from dflash.model.drafters.synthetic import AcceptanceProfile, Oracle, SyntheticDrafter
+
+__all__ = [
+    "DRAFTER_NAMES",
+    "AcceptanceProfile",
+    "CheckpointConfigError",
+    "CheckpointFileError",
+    "DFlashConfig",
+    "DFlashDrafter",
+    "DraftArgumentError",
+    "DraftTarget",
+    "Drafter",
+    "DrafterCheckpointError",
+    "DrafterError",
+    "LookupResult",
+    "MissingKeysError",
+    "Oracle",
+    "OracleMismatchError",
+    "PromptLookupDrafter",
+    "SyntheticDrafter",
+    "TargetMismatchError",
+    "TensorShapeError",
+    "UnexpectedKeysError",
+    "UnknownDrafterSpecError",
+    "default_tap_layers",
+    "make_drafter",
+    "stack_tap_features",
+]

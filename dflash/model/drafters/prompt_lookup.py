@@ -1,0 +1,96 @@
+"""Prompt-lookup (n-gram) drafter: continue the most recent earlier occurrence of the suffix.
+
+With ``seq = context + [last]``, try ``n = max_ngram, ..., min_ngram``: the first ``n`` whose
+suffix ``seq[-n:]`` occurred earlier wins, and the most recent earlier occurrence is used.
+The proposal copies the tokens that followed it. When the copy reaches the end of ``seq``
+it keeps reading from the proposal itself, i.e. the matched pattern repeats periodically,
+so a match always yields ``block_size - 1`` tokens. With no match at any ``n`` the proposal
+is ``last`` repeated. Everything is deterministic; no model is involved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from dflash.model.drafters.base import check_block_size, check_context, check_token
+from dflash.model.drafters.errors import DraftArgumentError
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """One lookup: the proposal and where it came from.
+
+    ``ngram`` is the matched suffix length (0: no match, ``tokens`` is ``last`` repeated);
+    ``match_start`` the index in ``context + [last]`` of the earlier occurrence; ``copied``
+    how many proposed tokens were read from ``context + [last]`` before the periodic repeat.
+    """
+
+    tokens: tuple[int, ...]
+    ngram: int
+    match_start: int | None
+    copied: int
+
+
+class PromptLookupDrafter:
+    """n-gram lookup over the context (see module docstring). Needs no target features."""
+
+    label = "prompt-lookup"
+    tap_layers: tuple[int, ...] = ()
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_search: int | None = None):
+        """``max_search``: look only at the last ``max_search`` tokens (``None``: all)."""
+        for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DraftArgumentError(f"{name!r} must be an int >= 1 (got {value!r})")
+        if min_ngram > max_ngram:
+            raise DraftArgumentError(
+                f"'min_ngram' ({min_ngram}) must be <= 'max_ngram' ({max_ngram})"
+            )
+        if max_search is not None and (
+            isinstance(max_search, bool) or not isinstance(max_search, int) or max_search < 2
+        ):
+            raise DraftArgumentError(
+                f"'max_search' must be None or an int >= 2 (got {max_search!r})"
+            )
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.max_search = max_search
+
+    def lookup(self, context: list[int], last: int, block_size: int) -> LookupResult:
+        """The proposal for ``context + [last]`` with its provenance."""
+        check_block_size(block_size)
+        check_token("last", last)
+        seq = [*check_context(context), last]
+        if self.max_search is not None:
+            seq = seq[-self.max_search :]
+        length = len(seq)
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            start = _most_recent_occurrence(seq, n)
+            if start is None:
+                continue
+            ext = list(seq)
+            for k in range(block_size - 1):
+                ext.append(ext[start + n + k])  # start+n+k < len(ext): periodic once past seq
+            copied = min(block_size - 1, length - (start + n))
+            offset = len(context) + 1 - length  # index shift when max_search trimmed seq
+            return LookupResult(tuple(ext[length:]), n, start + offset, copied)
+        return LookupResult((last,) * (block_size - 1), 0, None, 0)
+
+    def propose(
+        self, context: list[int], last: int, block_size: int, features: Tensor | None = None
+    ) -> list[int]:
+        """``block_size - 1`` tokens; ``features`` is ignored (this drafter reads no target)."""
+        return list(self.lookup(context, last, block_size).tokens)
+
+
+def _most_recent_occurrence(seq: list[int], n: int) -> int | None:
+    """Largest ``j < len(seq) - n`` with ``seq[j:j+n] == seq[-n:]``, or None."""
+    length = len(seq)
+    pattern = seq[length - n :]
+    end_token = pattern[-1]
+    for j in range(length - n - 1, -1, -1):
+        if seq[j + n - 1] == end_token and seq[j : j + n] == pattern:
+            return j
+    return None

@@ -1,0 +1,92 @@
+"""``make_drafter``: build a drafter from a spec string (the ``--draft`` argument).
+
+Specs: ``"prompt-lookup"``, ``"synthetic"`` (needs ``oracle``), ``"dflash"`` (a seeded random
+DFlash drafter shaped for the target — the built-in default, untrained) or a directory
+holding a DFlash drafter checkpoint. Names win over directories; write ``./dflash`` to load
+a directory of that name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence, Sized
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from dflash.model.drafters.base import Drafter
+from dflash.model.drafters.dflash_config import DFlashConfig
+from dflash.model.drafters.dflash_drafter import DFlashDrafter
+from dflash.model.drafters.errors import DraftArgumentError, UnknownDrafterSpecError
+from dflash.model.drafters.prompt_lookup import PromptLookupDrafter
+from dflash.model.drafters.synthetic import Oracle, SyntheticDrafter
+
+DRAFTER_NAMES = ("dflash", "prompt-lookup", "synthetic")
+
+
+class _HasWeight(Protocol):
+    @property
+    def weight(self) -> Tensor: ...
+
+
+class DraftTarget(Protocol):
+    """What drafters need from a target model (``TargetModel`` has all of it)."""
+
+    @property
+    def embed_tokens(self) -> _HasWeight: ...
+
+    @property
+    def lm_head(self) -> _HasWeight: ...
+
+    @property
+    def layers(self) -> Sized: ...
+
+
+def make_drafter(
+    spec: str,
+    target: DraftTarget,
+    *,
+    seed: int = 0,
+    oracle: Oracle | None = None,
+    acceptance: float | Sequence[float] = 0.8,
+    dtype: torch.dtype | None = None,
+) -> Drafter:
+    """Build the drafter named by ``spec`` for ``target``.
+
+    Args:
+        spec: a name in :data:`DRAFTER_NAMES` or a DFlash drafter checkpoint directory.
+        target: supplies the shared embedding / LM head and the layer count.
+        seed: seeds the random ``"dflash"`` drafter and the ``"synthetic"`` drafter.
+        oracle: ``"synthetic"`` only: the target's greedy sequence or next-token callable.
+        acceptance: ``"synthetic"`` only: one per-slot probability, or a per-slot profile.
+        dtype: DFlash drafters only: parameter dtype (default: the embedding's).
+    """
+    if not isinstance(spec, str) or not spec:
+        raise UnknownDrafterSpecError(f"'spec' must be a non-empty string (got {spec!r})")
+    embed = target.embed_tokens.weight  # [V, H]
+    lm_head = target.lm_head.weight  # [V, H]
+    if spec == "prompt-lookup":
+        return PromptLookupDrafter()
+    if spec == "synthetic":
+        if oracle is None:
+            raise DraftArgumentError(
+                "'oracle' is required for spec 'synthetic' (the target's greedy continuation)"
+            )
+        vocab = int(lm_head.shape[0])
+        if isinstance(acceptance, Sequence):
+            return SyntheticDrafter.from_profile(oracle, acceptance, vocab, seed)
+        return SyntheticDrafter(oracle, acceptance, vocab, seed)
+    if spec == "dflash":
+        config = DFlashConfig.for_target(
+            hidden_size=int(embed.shape[1]),
+            vocab_size=int(embed.shape[0]),
+            num_target_layers=len(target.layers),
+        )
+        return DFlashDrafter.random(config, embed, lm_head, seed, dtype=dtype)
+    if Path(spec).is_dir():
+        return DFlashDrafter.from_pretrained(spec, embed, lm_head, dtype=dtype)
+    raise UnknownDrafterSpecError(
+        f"unknown drafter spec {spec!r}: expected one of {list(DRAFTER_NAMES)} "
+        f"or an existing DFlash drafter checkpoint directory"
+    )

@@ -1,0 +1,30 @@
+"""Recurrent-state kernels for speculative verification, each beside its torch reference.
+
+- :func:`gdn_verify`: the gated delta rule over ``T`` draft tokens, writing the F32 state
+  after every token into checkpoint slots (chain or validated tree geometry).
+- :func:`causal_conv1d_capture`: depthwise causal conv1d + SiLU that captures its inputs.
+- :func:`rollback_restore`: live state and conv window <- slot ``commit_n - 1`` for all
+  recurrent layers of a shard in one launch; :func:`slot_views` is the zero-copy remap.
+
+Entry points validate every argument first, then run Triton on CUDA tensors (and on CPU
+tensors under ``TRITON_INTERPRET=1``) and the ``*_reference`` twin otherwise; pass
+``backend="triton"`` or ``"reference"`` to choose explicitly.
+"""
+
+from dflash.kernels.conv import causal_conv1d_capture
+from dflash.kernels.conv_reference import causal_conv1d_capture_reference
+from dflash.kernels.gdn import gdn_verify
+from dflash.kernels.gdn_reference import gdn_verify_reference
+from dflash.kernels.rollback import RollbackBoundsError, rollback_restore, slot_views
+from dflash.kernels.rollback_reference import rollback_restore_reference
+
+__all__ = [
+    "RollbackBoundsError",
+    "causal_conv1d_capture",
+    "causal_conv1d_capture_reference",
+    "gdn_verify",
+    "gdn_verify_reference",
+    "rollback_restore",
+    "rollback_restore_reference",
+    "slot_views",
+]

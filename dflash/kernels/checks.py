@@ -1,0 +1,106 @@
+"""Input checks shared by the kernel entry points, and the backend choice.
+
+Every public kernel validates its arguments here *before* anything is launched, so bad
+input surfaces as a ``TypeError`` / ``ValueError`` that names the argument, the rule and
+the value, never as an error from inside a kernel.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+
+from dflash.geometry import ChainGeometry, TreeGeometry
+
+Backend = Literal["auto", "triton", "reference"]
+
+#: Triton reads TRITON_INTERPRET when a kernel is decorated (at import), so the choice of
+#: running Triton on CPU tensors is fixed when this module is first imported.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def tensor(name: str, value: object, ndim: int) -> torch.Tensor:
+    """Return ``value`` if it is a floating tensor of rank ``ndim``, else raise naming it."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"'{name}' must be a torch.Tensor (got {type(value).__name__})")
+    if value.ndim != ndim:
+        raise ValueError(f"'{name}' must have {ndim} dimensions (got shape {tuple(value.shape)})")
+    if value.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"'{name}' must be a floating tensor (got dtype {value.dtype})")
+    return value
+
+
+def shape(name: str, value: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
+    if tuple(value.shape) != expected:
+        raise ValueError(
+            f"'{name}' must have shape {what} = {expected} (got {tuple(value.shape)})"
+        )
+
+
+def dtype(name: str, value: torch.Tensor, expected: torch.dtype) -> None:
+    if value.dtype != expected:
+        raise ValueError(f"'{name}' must be {expected} (got {value.dtype})")
+
+
+def same_device(named: dict[str, torch.Tensor | None]) -> torch.device:
+    """All given tensors share one device; return it."""
+    present = {n: t for n, t in named.items() if t is not None}
+    first_name, first = next(iter(present.items()))
+    for n, t in present.items():
+        if t.device != first.device:
+            raise ValueError(
+                f"'{n}' is on {t.device} but '{first_name}' is on {first.device}; "
+                "all tensors must share one device"
+            )
+    return first.device
+
+
+def geometry_parents(geometry: object, T: int, final_state_only: bool) -> tuple[int, ...] | None:
+    """The root-inclusive parent tuple of a validated geometry, or ``None`` for a chain.
+
+    Only :class:`ChainGeometry` / :class:`TreeGeometry` are accepted (a plain list, a
+    ``Rejection`` or anything else raises ``TypeError``). ``None`` is accepted only with
+    ``final_state_only=True`` (prefill, decode, replay: a plain sequential run).
+    """
+    if geometry is None:
+        if not final_state_only:
+            raise TypeError(
+                "'geometry' must be a ChainGeometry or TreeGeometry when capturing "
+                "checkpoints (got None; only final_state_only=True runs without one)"
+            )
+        return None
+    if not isinstance(geometry, (ChainGeometry, TreeGeometry)):
+        raise TypeError(
+            "'geometry' must be a validated ChainGeometry or TreeGeometry "
+            f"(got {type(geometry).__name__})"
+        )
+    if geometry.n_actual != T:
+        raise ValueError(
+            f"'geometry' n_actual must equal the token count T={T} (got {geometry.n_actual})"
+        )
+    if isinstance(geometry, ChainGeometry):
+        return None
+    if final_state_only:
+        raise ValueError("'geometry' must be a chain with final_state_only=True (got a tree)")
+    chain = tuple(range(-1, T - 1))
+    return None if geometry.parents == chain else tuple(geometry.parents)
+
+
+def use_triton(backend: str, device: torch.device) -> bool:
+    """Resolve ``backend`` for tensors on ``device``: True runs Triton, False the reference."""
+    if backend == "reference":
+        return False
+    runnable = device.type == "cuda" or (device.type == "cpu" and INTERPRET)
+    if backend == "auto":
+        return runnable
+    if backend == "triton":
+        if not runnable:
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 (got {device})"
+            )
+        return True
+    raise ValueError(f"'backend' must be 'auto', 'triton' or 'reference' (got {backend!r})")

@@ -1,0 +1,81 @@
+"""Public entry point: depthwise causal conv1d that captures its input rows."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash.kernels import checks
+from dflash.kernels.conv_reference import causal_conv1d_capture_reference
+
+
+def causal_conv1d_capture(
+    x: torch.Tensor,
+    conv_rows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    captured: torch.Tensor,
+    *,
+    activation: str | None = "silu",
+    backend: checks.Backend = "auto",
+) -> torch.Tensor:
+    """Causal depthwise conv1d over ``T`` tokens, capturing ``concat(conv_rows, x)``.
+
+    Args:
+        x: ``[B, T, C]`` new inputs.
+        conv_rows: ``[B, Kc-1, C]`` the previous ``Kc-1`` inputs, oldest first; any strided
+            view, including a view of ``captured`` itself (slot remap). Same dtype as ``x``.
+        weight: ``[C, Kc]``; ``weight[:, Kc-1]`` multiplies the newest input.
+        bias: ``[C]`` or ``None``.
+        captured: ``[B, Kc-1+S, C]`` with ``S >= T``, same dtype as ``x``, contiguous along
+            ``C``; rows ``0 .. Kc-2+T`` receive ``concat(conv_rows, x)``. The window after
+            accepting ``n`` tokens is ``captured[:, n : n+Kc-1]``.
+        activation: ``"silu"`` or ``None``.
+        backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see ``gdn_verify``).
+
+    Returns:
+        y: ``[B, T, C]`` in x's dtype.
+
+    Raises:
+        TypeError: an argument is not a tensor.
+        ValueError: shapes, dtypes, devices or ``activation`` are wrong, or ``T > S``.
+    """
+    x = checks.tensor("x", x, 3)
+    B, T, C = x.shape
+    if T < 1:
+        raise ValueError(f"'x' must hold at least one token (got T={T})")
+    weight = checks.tensor("weight", weight, 2)
+    Kc = weight.shape[1]
+    checks.shape("weight", weight, (C, Kc), "[C, Kc] with C from x")
+    if Kc < 2:
+        raise ValueError(f"'weight' kernel size Kc must be >= 2 (got {Kc})")
+    conv_rows = checks.tensor("conv_rows", conv_rows, 3)
+    checks.shape("conv_rows", conv_rows, (B, Kc - 1, C), "[B, Kc-1, C]")
+    checks.dtype("conv_rows", conv_rows, x.dtype)
+    if bias is not None:
+        bias = checks.tensor("bias", bias, 1)
+        checks.shape("bias", bias, (C,), "[C]")
+    captured = checks.tensor("captured", captured, 3)
+    rows = captured.shape[1]
+    checks.shape("captured", captured, (B, rows, C), "[B, Kc-1+S, C]")
+    checks.dtype("captured", captured, x.dtype)
+    if rows - (Kc - 1) < T:
+        raise ValueError(
+            f"'captured' needs Kc-1+T={Kc - 1 + T} rows for T={T} tokens (got {rows})"
+        )
+    if C > 1 and captured.stride(2) != 1:
+        raise ValueError(
+            f"'captured' must be contiguous along channels (got strides {captured.stride()})"
+        )
+    if activation not in ("silu", None):
+        raise ValueError(f"'activation' must be 'silu' or None (got {activation!r})")
+    device = checks.same_device(
+        {"x": x, "conv_rows": conv_rows, "weight": weight, "bias": bias, "captured": captured}
+    )
+
+    if not checks.use_triton(backend, device):
+        return causal_conv1d_capture_reference(
+            x, conv_rows, weight, bias, captured, activation=activation
+        )
+    from dflash.kernels.conv_triton import launch_causal_conv1d_capture
+
+    return launch_causal_conv1d_capture(x, conv_rows, weight, bias, captured, activation=activation)

@@ -1,0 +1,81 @@
+"""The gated delta rule with checkpoint capture, as plain torch loops (the reference).
+
+Per value head ``h`` (key head ``h // (HV // HK)``) and token ``t``, with the state
+``S`` of shape ``[K, V]`` (flash-linear-attention's ``fused_recurrent_gated_delta_rule``):
+
+    q_t, k_t <- q_t / sqrt(|q_t|^2 + 1e-6), k_t / sqrt(|k_t|^2 + 1e-6)   (if use_qk_l2norm)
+    q_t      <- q_t * scale
+    S        <- S * exp(g_t)
+    u_t      =  beta_t * (v_t - S^T k_t)
+    S        <- S + k_t u_t^T
+    o_t      =  S^T q_t
+
+Token ``t`` starts from the state after its parent token (a chain: token ``t-1``; token 0
+and the root of a tree: ``initial_state``). Arithmetic runs in ``initial_state``'s dtype
+(float32 in use, float64 when a test passes float64 states), one token at a time, so a
+checkpoint equals the state reached by running the same tokens one call at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash.kernels import checks
+
+
+def gdn_verify_reference(
+    q: torch.Tensor,             # [B, T, HK, K]
+    k: torch.Tensor,             # [B, T, HK, K]
+    v: torch.Tensor,             # [B, T, HV, V]
+    g: torch.Tensor,             # [B, T, HV] log decay
+    beta: torch.Tensor,          # [B, T, HV]
+    initial_state: torch.Tensor, # [B, HV, K, V]
+    checkpoints: torch.Tensor,   # [B, S, HV, K, V], S >= T
+    geometry: object,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    final_state_only: bool = False,
+    snapshot: torch.Tensor | None = None,  # [B, HV, K, V]
+) -> torch.Tensor:
+    """Reference twin of :func:`dflash.kernels.gdn_verify` (same arguments and effects)."""
+    B, T, HK, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    parents = checks.geometry_parents(geometry, T, final_state_only)
+    if parents is None:
+        parents = tuple(range(-1, T - 1))
+    dt = initial_state.dtype
+    scale = K**-0.5 if scale is None else scale
+
+    # Read the whole initial state before writing anything: it may alias a checkpoint slot.
+    init = initial_state.to(dt).clone()
+    if snapshot is not None:
+        snapshot.copy_(init)
+
+    qf, kf, vf = q.to(dt), k.to(dt), v.to(dt)
+    gf, bf = g.to(dt), beta.to(dt)
+    if use_qk_l2norm:
+        qf = qf / torch.sqrt((qf * qf).sum(-1, keepdim=True) + 1e-6)
+        kf = kf / torch.sqrt((kf * kf).sum(-1, keepdim=True) + 1e-6)
+    qf = qf * scale
+    group = HV // HK
+    qf = qf.repeat_interleave(group, dim=2)  # [B, T, HV, K]
+    kf = kf.repeat_interleave(group, dim=2)
+
+    o = torch.empty(B, T, HV, V, dtype=dt, device=v.device)
+    after: list[torch.Tensor] = []  # after[t]: [B, HV, K, V], the state after token t
+    for t in range(T):
+        S = init if parents[t] < 0 else after[parents[t]]
+        S = S * torch.exp(gf[:, t])[:, :, None, None]
+        k_t, q_t = kf[:, t], qf[:, t]                        # [B, HV, K]
+        kv = (S * k_t[:, :, :, None]).sum(2)                 # S^T k: [B, HV, V]
+        u = bf[:, t][:, :, None] * (vf[:, t] - kv)           # [B, HV, V]
+        S = S + k_t[:, :, :, None] * u[:, :, None, :]
+        o[:, t] = (S * q_t[:, :, :, None]).sum(2)
+        after.append(S)
+
+    if final_state_only:
+        checkpoints[:, 0] = after[-1].to(checkpoints.dtype)
+    else:
+        checkpoints[:, :T] = torch.stack(after, dim=1).to(checkpoints.dtype)
+    return o.to(v.dtype)

@@ -1,0 +1,287 @@
+"""Caches for one shard (a contiguous set of layers on one device).
+
+- :class:`KVCache` — keys/values of the shard's attention layers.
+- :class:`RecurrentPool` — live state, conv window, F32 checkpoint slots, captured conv
+  inputs and the pre-verify snapshot of the shard's recurrent layers, stacked so one
+  ``rollback_restore`` launch restores them all.
+- :class:`ShardCaches` — one of each.
+
+Where the live recurrent state is (``RecurrentPool.live_slot``):
+
+======================  ==========================================================
+``live_slot``           live state / conv window of layer ``l``
+======================  ==========================================================
+``None``                ``state[l]`` / ``conv[l]``
+``j`` (after a remap)   ``checkpoints[l, :, j]`` / ``captured[l, :, j+1 : j+Kc]``
+======================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dflash.kernels import rollback_restore
+from dflash.model.config import HybridConfig
+
+
+class CacheError(RuntimeError):
+    """A cache operation that would leave the caches inconsistent; nothing was changed."""
+
+
+class KVCache:
+    """Keys/values ``[L, B, HKV, max_len, D]`` for the attention layers ``attn_layer_ids``."""
+
+    def __init__(
+        self,
+        attn_layer_ids: tuple[int, ...],
+        max_len: int,
+        *,
+        batch: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if max_len <= 0:
+            raise ValueError(f"'max_len' must be > 0 (got {max_len})")
+        self.layer_ids = tuple(attn_layer_ids)
+        self.max_len = max_len
+        shape = (len(self.layer_ids), batch, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+        self._index = {layer: i for i, layer in enumerate(self.layer_ids)}
+
+    def views(self, layer: int) -> tuple[Tensor, Tensor]:
+        """``(k, v)`` storage of one layer: ``[B, HKV, max_len, D]`` each."""
+        i = self._index[layer]
+        return self.k[i], self.v[i]
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` positions (rows past ``n`` are ignored from now on)."""
+        if not 0 <= n <= self.length:
+            raise CacheError(f"'n' must be in [0, length={self.length}] (got {n})")
+        self.length = n
+
+
+class RecurrentPool:
+    """Recurrent storage of the layers ``rec_layer_ids`` (``L`` of them), ``S = max_draft``.
+
+    ``state [L,B,HV,K,V] f32``, ``conv [L,B,Kc-1,C]``, ``checkpoints [L,B,S,HV,K,V] f32``,
+    ``captured [L,B,Kc-1+S,C]``, ``snapshot [L,B,HV,K,V] f32``. ``length`` counts the tokens
+    absorbed into the live state.
+    """
+
+    def __init__(
+        self,
+        rec_layer_ids: tuple[int, ...],
+        max_draft: int,
+        *,
+        batch: int,
+        num_v_heads: int,
+        key_dim: int,
+        value_dim: int,
+        conv_kernel: int,
+        conv_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if max_draft <= 0:
+            raise ValueError(f"'max_draft' must be > 0 (got {max_draft})")
+        self.layer_ids = tuple(rec_layer_ids)
+        self.max_draft = max_draft
+        self.conv_kernel = conv_kernel
+        n, f32 = len(self.layer_ids), torch.float32
+        state_shape = (n, batch, num_v_heads, key_dim, value_dim)
+        self.state = torch.zeros(state_shape, dtype=f32, device=device)
+        self.conv = torch.zeros(n, batch, conv_kernel - 1, conv_dim, dtype=dtype, device=device)
+        self.checkpoints = torch.zeros(
+            n, batch, max_draft, num_v_heads, key_dim, value_dim, dtype=f32, device=device
+        )
+        self.captured = torch.zeros(
+            n, batch, conv_kernel - 1 + max_draft, conv_dim, dtype=dtype, device=device
+        )
+        self.snapshot = torch.zeros(state_shape, dtype=f32, device=device)
+        self.live_slot: int | None = None
+        self.length = 0
+        self._index = {layer: i for i, layer in enumerate(self.layer_ids)}
+        # Bookkeeping of the last verify: where it started, how many slots it wrote, where
+        # the live state was before it, and which layers have their snapshot written.
+        self.verify_start: int | None = None
+        self.verified_n = 0
+        self._slot_before_verify: int | None = None
+        self._snapshot_written = [False] * n
+        self.awaiting_rollback = False
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        """Exact bytes of the capture storage: checkpoints + captured + snapshot."""
+        parts = (self.checkpoints, self.captured, self.snapshot)
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def live_views(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The live ``(state [B,HV,K,V], conv window [B,Kc-1,C])`` of one layer (views)."""
+        i = self._index[layer]
+        j = self.live_slot
+        if j is None:
+            return self.state[i], self.conv[i]
+        return self.checkpoints[i, :, j], self.captured[i, :, j + 1 : j + self.conv_kernel]
+
+    def capture_views(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``(checkpoints [B,S,HV,K,V], captured [B,Kc-1+S,C], snapshot [B,HV,K,V])``."""
+        i = self._index[layer]
+        return self.checkpoints[i], self.captured[i], self.snapshot[i]
+
+    # -- verify bookkeeping (called by TargetModel.run_layers) -----------------------------
+
+    def begin_verify(self, start: int, n: int) -> None:
+        """Record a verify of ``n`` slots at ``start``; park the live conv window in ``conv``.
+
+        After a remap the live conv rows lie inside ``captured``, which the verify
+        overwrites; copying these ``Kc-1`` rows per layer first keeps the pre-verify window
+        in ``conv`` (the recurrent state's copy is the kernel's ``snapshot`` write).
+        """
+        self.check_can_advance("verify")
+        if n > self.max_draft:
+            raise CacheError(f"verify of {n} slots exceeds 'max_draft'={self.max_draft}")
+        j = self.live_slot
+        if j is not None:
+            self.conv.copy_(self.captured[:, :, j + 1 : j + self.conv_kernel])
+        self.verify_start, self.verified_n = start, n
+        self._slot_before_verify = j
+        self._snapshot_written = [False] * len(self.layer_ids)
+
+    def live_for_verify(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Initial state and conv rows a verify reads (conv parked by :meth:`begin_verify`)."""
+        state, _ = self.live_views(layer)
+        return state, self.conv[self._index[layer]]
+
+    def end_verify_layer(self, layer: int) -> None:
+        self._snapshot_written[self._index[layer]] = True
+
+    def end_verify(self) -> None:
+        """The verify is complete; until a rollback the pool only accepts a rollback."""
+        self.awaiting_rollback = True
+
+    def check_can_advance(self, mode: str) -> None:
+        """Raise unless the live state may be read (no verify awaiting its rollback)."""
+        if self.verify_start is not None:
+            raise CacheError(
+                f"mode {mode!r} needs a rollback of the last verify first "
+                "(restore_checkpoint, remap or restore_snapshot)"
+            )
+
+    # -- rollback ---------------------------------------------------------------------------
+
+    def _check_commit(self, commit_n: int) -> int:
+        if self.verify_start is None or not self.awaiting_rollback:
+            raise CacheError("no completed verify to roll back to (run a verify first)")
+        if isinstance(commit_n, bool) or not isinstance(commit_n, int):
+            raise CacheError(f"'commit_n' must be an int (got {commit_n!r})")
+        if not 1 <= commit_n <= self.verified_n:
+            raise CacheError(
+                f"'commit_n' must be in [1, verified slots={self.verified_n}] (got {commit_n})"
+            )
+        return self.verify_start + commit_n
+
+    def restore_checkpoint(self, commit_n: int) -> None:
+        """Live state ← checkpoint slot ``commit_n-1`` (one ``rollback_restore`` launch)."""
+        new_length = self._check_commit(commit_n)
+        rollback_restore(self.state, self.conv, self.checkpoints, self.captured, commit_n)
+        self.live_slot = None
+        self.length = new_length
+        self._clear_verify()
+
+    def remap(self, commit_n: int) -> None:
+        """Make checkpoint slot ``commit_n-1`` the live state; moves no bytes."""
+        new_length = self._check_commit(commit_n)
+        self.live_slot = commit_n - 1
+        self.length = new_length
+        self._clear_verify()
+
+    def restore_snapshot(self) -> None:
+        """Live state ← the pre-verify state, ``live_slot`` ← None (the fail-closed path).
+
+        Layers whose verify wrote a snapshot take it; layers the verify never reached
+        still hold their pre-verify state where it was. The conv window was parked in
+        ``conv`` by :meth:`begin_verify`.
+        """
+        if self.verify_start is None:
+            raise CacheError("no verify to undo (restore_snapshot needs a preceding verify)")
+        j = self._slot_before_verify
+        for i, written in enumerate(self._snapshot_written):
+            if written:
+                self.state[i].copy_(self.snapshot[i])
+            elif j is not None:
+                self.state[i].copy_(self.checkpoints[i, :, j])
+        self.live_slot = None
+        self.length = self.verify_start
+        self._clear_verify()
+
+    def _clear_verify(self) -> None:
+        self.verify_start = None
+        self.verified_n = 0
+        self.awaiting_rollback = False
+
+    def reset(self) -> None:
+        """Empty state (before a prefill)."""
+        self.state.zero_()
+        self.conv.zero_()
+        self.live_slot = None
+        self.length = 0
+        self._clear_verify()
+
+
+class ShardCaches:
+    """One :class:`KVCache` and one :class:`RecurrentPool` for a contiguous layer range."""
+
+    def __init__(self, kv: KVCache, pool: RecurrentPool) -> None:
+        self.kv = kv
+        self.pool = pool
+
+    @classmethod
+    def for_layers(
+        cls,
+        config: HybridConfig,
+        layer_ids: tuple[int, ...] | range,
+        *,
+        max_len: int,
+        max_draft: int,
+        batch: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> ShardCaches:
+        """Caches for ``layer_ids`` of ``config`` (attention and recurrent ones split out)."""
+        ids = tuple(layer_ids)
+        for layer in ids:
+            if not 0 <= layer < config.num_hidden_layers:
+                raise ValueError(
+                    f"'layer_ids' entry must be in [0, {config.num_hidden_layers}) (got {layer})"
+                )
+        attn = tuple(i for i in ids if config.layer_types[i] == "full_attention")
+        rec = tuple(i for i in ids if config.layer_types[i] == "linear_attention")
+        kv = KVCache(
+            attn, max_len, batch=batch, num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim, dtype=dtype, device=device,
+        )
+        pool = RecurrentPool(
+            rec, max_draft, batch=batch, num_v_heads=config.linear_num_value_heads,
+            key_dim=config.linear_key_head_dim, value_dim=config.linear_value_head_dim,
+            conv_kernel=config.linear_conv_kernel_dim, conv_dim=config.conv_dim,
+            dtype=dtype, device=device,
+        )
+        return cls(kv, pool)
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return tuple(sorted(self.kv.layer_ids + self.pool.layer_ids))
+
+    @property
+    def length(self) -> int:
+        """Committed positions (KV length and recurrent length agree between steps)."""
+        return self.kv.length if self.kv.layer_ids else self.pool.length
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return self.pool.checkpoint_bytes

@@ -1,0 +1,244 @@
+"""Checkpoint loading: ``config.json`` + safetensors (single file or sharded index).
+
+Files are opened with ``safetensors.safe_open`` (memory-mapped; nothing is unpickled).
+Every tensor is read into a fresh tensor, checked against the expected name, shape and
+dtype kind, and only after *all* checks pass are the tensors assigned to a new model, so
+a failed load never leaves a half-loaded model behind.
+
+Key names accepted (prefix stripped, then matched against the model's parameters):
+
+================================  ===========================================
+checkpoint key                    meaning
+================================  ===========================================
+``model.language_model.X``        ``X`` (Qwen3.5 multimodal wrapper)
+``model.X``                       ``X`` (``*ForCausalLM``)
+``lm_head.weight``                LM head (ignored when embeddings are tied)
+``model.visual.*``, ``visual.*``  vision tower — ignored, counted in the report
+``mtp.*``                         multi-token-prediction head — ignored, counted
+================================  ===========================================
+
+Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` are split into the per-role
+projections ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+
+from dflash.model.config import ConfigError, HybridConfig
+
+if TYPE_CHECKING:
+    from dflash.model.target import TargetModel
+
+log = logging.getLogger(__name__)
+
+_IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file or tensor."""
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load read and what it ignored (and why)."""
+
+    files: tuple[str, ...]
+    tensors_loaded: int
+    ignored: dict[str, int] = field(default_factory=dict)  # prefix/reason -> count
+
+
+def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
+    single = directory / "model.safetensors"
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            data = json.loads(index.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"index {str(index)!r} is not readable JSON: {exc}") from exc
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CheckpointError(
+                f"index {str(index)!r} must hold a 'weight_map' object of tensor -> file names"
+            )
+        files = []
+        for name in sorted(set(weight_map.values())):
+            path = directory / name
+            if Path(name).name != name or not path.is_file():
+                raise CheckpointError(
+                    f"index {str(index)!r} names shard {name!r}, which is not a file in "
+                    f"{str(directory)!r}"
+                )
+            files.append(path)
+        return files, weight_map
+    if single.is_file():
+        return [single], None
+    raise CheckpointError(
+        f"no weights in {str(directory)!r}: expected 'model.safetensors' or "
+        "'model.safetensors.index.json'"
+    )
+
+
+def _read_all(files: list[Path], weight_map: dict[str, str] | None) -> dict[str, Tensor]:
+    raw: dict[str, Tensor] = {}
+    seen_in: dict[str, str] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open handles have keys(), no __iter__
+                    if key in seen_in:
+                        raise CheckpointError(
+                            f"tensor {key!r} appears in both {seen_in[key]!r} and {path.name!r}"
+                        )
+                    if weight_map is not None and weight_map.get(key) != path.name:
+                        raise CheckpointError(
+                            f"tensor {key!r} found in shard {path.name!r} but the index says "
+                            f"{weight_map.get(key)!r}"
+                        )
+                    raw[key] = f.get_tensor(key)
+                    seen_in[key] = path.name
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointError(
+                f"weights file {path.name!r} is truncated or corrupt ({exc})"
+            ) from exc
+    if weight_map is not None:
+        missing = sorted(set(weight_map) - set(raw))
+        if missing:
+            raise CheckpointError(
+                f"tensor {missing[0]!r} is listed in the index (shard {weight_map[missing[0]]!r})"
+                f" but absent from that file ({len(missing)} such tensors)"
+            )
+    return raw
+
+
+def _strip(raw: dict[str, Tensor], tied: bool) -> tuple[dict[str, Tensor], dict[str, int]]:
+    out: dict[str, Tensor] = {}
+    ignored: dict[str, int] = {}
+    for key, tensor in raw.items():
+        prefix = next((p for p in _IGNORED_PREFIXES if key.startswith(p)), None)
+        if prefix is not None:
+            ignored[prefix + "*"] = ignored.get(prefix + "*", 0) + 1
+            continue
+        if key == "lm_head.weight" and tied:
+            ignored["lm_head.weight (tied to embed_tokens)"] = 1
+            continue
+        name = key
+        for p in ("model.language_model.", "model."):
+            if key.startswith(p):
+                name = key[len(p) :]
+                break
+        if name in out:
+            raise CheckpointError(f"tensor {key!r} maps to {name!r}, which is already present")
+        out[name] = tensor
+    return out, ignored
+
+
+def _split_fused(config: HybridConfig, tensors: dict[str, Tensor]) -> None:
+    """Qwen3-Next: split ``in_proj_qkvz`` / ``in_proj_ba`` (grouped per key head)."""
+    hk, dk = config.linear_num_key_heads, config.linear_key_head_dim
+    r = config.linear_num_value_heads // hk
+    rdv = r * config.linear_value_head_dim
+    h = config.hidden_size
+    for layer in config.recurrent_layer_ids:
+        base = f"layers.{layer}.linear_attn."
+        for fused, rows in (("in_proj_qkvz", hk * (2 * dk + 2 * rdv)), ("in_proj_ba", hk * 2 * r)):
+            key = base + fused + ".weight"
+            if key not in tensors:
+                raise CheckpointError(f"tensor {key!r} is missing (qwen3_next fused projection)")
+            _check_shape(key, tensors[key], (rows, h))
+        qkvz = tensors.pop(base + "in_proj_qkvz.weight").reshape(hk, 2 * dk + 2 * rdv, h)
+        q, k, v, z = torch.split(qkvz, [dk, dk, rdv, rdv], dim=1)
+        tensors[base + "in_proj_qkv.weight"] = torch.cat(
+            [q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)], dim=0
+        )
+        tensors[base + "in_proj_z.weight"] = z.reshape(-1, h)
+        ba = tensors.pop(base + "in_proj_ba.weight").reshape(hk, 2 * r, h)
+        tensors[base + "in_proj_b.weight"] = ba[:, :r].reshape(-1, h)
+        tensors[base + "in_proj_a.weight"] = ba[:, r:].reshape(-1, h)
+
+
+def _check_shape(name: str, tensor: Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != expected:
+        raise CheckpointError(
+            f"tensor {name!r} has shape {list(tensor.shape)} but the config expects "
+            f"{list(expected)} (config.json does not match these weights?)"
+        )
+
+
+def _check_names(expected: dict[str, Any], found: dict[str, Tensor], config: HybridConfig) -> None:
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    if unexpected:
+        name = unexpected[0]
+        hint = ""
+        parts = name.split(".")
+        if parts[0] == "layers" and parts[1].isdigit():
+            layer = int(parts[1])
+            if layer >= config.num_hidden_layers:
+                hint = f"; config.json has num_hidden_layers={config.num_hidden_layers}"
+            else:
+                hint = f"; config.json says layer {layer} is {config.layer_types[layer]!r}"
+        raise CheckpointError(
+            f"unexpected tensor {name!r} in the checkpoint ({len(unexpected)} unexpected "
+            f"in all){hint}"
+        )
+    if missing:
+        raise CheckpointError(
+            f"missing tensor {missing[0]!r} (expected shape {list(expected[missing[0]].shape)}; "
+            f"{len(missing)} missing in all)"
+        )
+
+
+def load_target(
+    cls: type[TargetModel], directory: Path, *, dtype: torch.dtype, device: torch.device
+) -> TargetModel:
+    """Build ``cls`` from ``directory``; raise :class:`CheckpointError` on any defect."""
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(directory)!r} does not exist")
+    try:
+        config = HybridConfig.from_hf_config(directory / "config.json")
+    except ConfigError as exc:
+        raise CheckpointError(f"config.json in {str(directory)!r}: {exc}") from exc
+    files, weight_map = _weight_files(directory)
+    raw = _read_all(files, weight_map)
+    tensors, ignored = _strip(raw, config.tie_word_embeddings)
+    if config.model_type == "qwen3_next":
+        _split_fused(config, tensors)
+    with torch.device("meta"):
+        model = cls(config)
+    expected = dict(model.named_parameters())  # tied lm_head is listed once, as embed_tokens
+    _check_names(expected, tensors, config)
+    fresh: dict[str, Tensor] = {}
+    for name, param in expected.items():
+        tensor = tensors[name]
+        if tensor.dtype not in _FLOAT_DTYPES:
+            raise CheckpointError(
+                f"tensor {name!r} has dtype {tensor.dtype} but a floating dtype "
+                f"(float32, bfloat16, float16) is expected"
+            )
+        _check_shape(name, tensor, tuple(param.shape))
+        fresh[name] = tensor.to(device=device, dtype=dtype, copy=True)
+    if "lm_head.weight" not in fresh:
+        fresh["lm_head.weight"] = fresh["embed_tokens.weight"]
+    model.load_state_dict(fresh, strict=True, assign=True)
+    model.tie_weights_()
+    report = LoadReport(
+        files=tuple(p.name for p in files), tensors_loaded=len(fresh), ignored=ignored
+    )
+    for what, count in ignored.items():
+        log.info("ignored %d tensor(s) matching %s (not part of the text model)", count, what)
+    model.load_report = report
+    return model.eval()

@@ -1,0 +1,314 @@
+"""`TargetModel`: the hybrid target model and its four forward modes.
+
+=========  =====================================================================
+mode       what happens to the caches
+=========  =====================================================================
+prefill    recurrent state reset, then ``T`` tokens from position 0 (start must be 0)
+decode     one token at ``start``; live state advanced in place
+replay     ``T`` tokens at ``start``; live state advanced in place
+verify     ``T = geometry.n_actual`` draft tokens at ``start``: per-token states go to
+           checkpoint slots ``0..T-1``, conv inputs to ``captured``, the pre-verify
+           state to ``snapshot``; the live state is left for the rollback to set
+=========  =====================================================================
+
+Attention layers write keys/values at ``start … start+T-1`` in every mode, and the KV
+length becomes ``start+T`` (the execution layer truncates it after a verify).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, cast
+
+import torch
+from torch import Tensor, nn
+
+from dflash.geometry import ChainGeometry, TreeGeometry
+from dflash.model.caches import CacheError, ShardCaches
+from dflash.model.config import HybridConfig
+from dflash.model.layers import (
+    AttentionLayer,
+    DecoderLayer,
+    DeltaNetLayer,
+    KernelBackend,
+    RMSNorm,
+    rotary_cos_sin,
+)
+
+if TYPE_CHECKING:
+    from dflash.model.loading import LoadReport
+
+Mode = Literal["prefill", "decode", "verify", "replay"]
+_MODES = ("prefill", "decode", "verify", "replay")
+
+
+class TargetModel(nn.Module):
+    """Embeddings → decoder layers → final norm → LM head.
+
+    ``kernel_backend`` picks the recurrent kernels of :mod:`dflash.kernels`: ``"auto"``
+    runs Triton on CUDA tensors and the torch reference on CPU tensors (also under
+    ``TRITON_INTERPRET=1``: the interpreter is for kernel tests, not model runs);
+    ``"reference"`` forces the reference (the float32 oracle on GPU); ``"triton"`` forces
+    Triton (CUDA, or CPU under the interpreter).
+    """
+
+    def __init__(self, config: HybridConfig, *, kernel_backend: KernelBackend = "auto") -> None:
+        super().__init__()
+        self.config = config
+        self.kernel_backend: KernelBackend = kernel_backend
+        self.load_report: LoadReport | None = None  # set by from_pretrained
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DeltaNetLayer(config) if kind == "linear_attention" else AttentionLayer(config)
+            for kind in config.layer_types
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def tiny_default(cls, seed: int = 0) -> TargetModel:
+        """The built-in default: :meth:`HybridConfig.tiny_default` with seeded weights (CPU)."""
+        return cls.seeded(HybridConfig.tiny_default(), seed=seed)
+
+    @classmethod
+    def seeded(
+        cls,
+        config: HybridConfig,
+        *,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> TargetModel:
+        """A model of ``config`` with weights drawn from ``seed`` directly on ``device``.
+
+        The draw happens in float32 on ``device`` and is then cast, so the same seed gives
+        the same weights (up to rounding) in every dtype on one device.
+        """
+        from dflash.model.init import seeded_parameters
+
+        with torch.device("meta"):
+            model = cls(config)
+        params = seeded_parameters(model, seed=seed, dtype=dtype, device=torch.device(device))
+        model.load_state_dict(params, strict=True, assign=True)
+        model.tie_weights_()
+        return model.eval()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> TargetModel:
+        """Load ``config.json`` + safetensors weights (memory-mapped, never pickle)."""
+        from dflash.model.loading import load_target
+
+        return load_target(cls, Path(directory), dtype=dtype, device=torch.device(device))
+
+    def tie_weights_(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def new_caches(
+        self,
+        *,
+        max_len: int,
+        max_draft: int = 16,
+        batch: int = 1,
+        layer_ids: Sequence[int] | None = None,
+    ) -> ShardCaches:
+        """Caches for ``layer_ids`` (default: all layers) on this model's device and dtype."""
+        weight = self.embed_tokens.weight
+        ids = tuple(range(self.config.num_hidden_layers)) if layer_ids is None else tuple(layer_ids)
+        return ShardCaches.for_layers(
+            self.config, ids, max_len=max_len, max_draft=max_draft, batch=batch,
+            dtype=weight.dtype, device=weight.device,
+        )
+
+    # -- forward --------------------------------------------------------------------------
+
+    def run_layers(
+        self,
+        hidden: Tensor,
+        layer_ids: Sequence[int],
+        caches: ShardCaches,
+        start_pos: int,
+        mode: Mode,
+        geometry: ChainGeometry | TreeGeometry | None = None,
+        taps: Sequence[int] = (),
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        """Run ``hidden: [B, T, hidden]`` through ``layer_ids`` (ascending, all in ``caches``).
+
+        Returns the output hidden states and ``{layer: output of that layer}`` for every
+        tap layer among ``layer_ids``.
+        """
+        ids = tuple(layer_ids)
+        t = self._check_run(hidden, ids, caches, start_pos, mode, geometry)
+        kv, pool = caches.kv, caches.pool
+        if mode == "prefill":
+            pool.reset()
+            kv.length = 0
+        elif mode == "verify":
+            pool.begin_verify(start_pos, t)
+        else:
+            pool.check_can_advance(mode)
+        chain = geometry if isinstance(geometry, ChainGeometry) else None
+        backend = self._backend(hidden.device)
+        positions = torch.arange(start_pos, start_pos + t, device=hidden.device)
+        cos, sin = rotary_cos_sin(self.config, positions, hidden.dtype)
+        end = start_pos + t
+        visible = None
+        if t > 1:
+            rows = torch.arange(end, device=hidden.device)
+            visible = rows[None, :] <= positions[:, None]  # [T, start+T], causal over the chain
+        wanted = set(taps)
+        tapped: dict[int, Tensor] = {}
+        for layer_id in ids:
+            layer = cast(DecoderLayer, self.layers[layer_id])
+            x = layer.input_layernorm(hidden)
+            if isinstance(layer, AttentionLayer):
+                k_cache, v_cache = kv.views(layer_id)
+                x = layer.self_attn(x, cos, sin, k_cache, v_cache, start_pos, visible)
+            elif not isinstance(layer, DeltaNetLayer):
+                kind = type(layer).__name__
+                raise TypeError(f"layer {layer_id} is a {kind}, not a decoder layer")
+            elif mode == "verify":
+                state, conv_rows = pool.live_for_verify(layer_id)
+                capture = pool.capture_views(layer_id)
+                x = layer.linear_attn(x, state, conv_rows, chain, capture, backend)
+                pool.end_verify_layer(layer_id)
+            else:
+                state, conv_rows = pool.live_views(layer_id)
+                x = layer.linear_attn(x, state, conv_rows, None, None, backend)
+            hidden = hidden + x
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            if layer_id in wanted:
+                tapped[layer_id] = hidden
+        if kv.layer_ids:
+            kv.length = end
+        if mode == "verify":
+            pool.end_verify()
+        else:
+            pool.length = end
+        return hidden, tapped
+
+    def _backend(self, device: torch.device) -> KernelBackend:
+        if self.kernel_backend == "auto" and device.type == "cpu":
+            return "reference"
+        return self.kernel_backend
+
+    def forward(
+        self,
+        ids: Tensor,
+        caches: ShardCaches,
+        mode: Mode,
+        *,
+        geometry: ChainGeometry | TreeGeometry | None = None,
+        taps: Sequence[int] = (),
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        """One-shard composition: ``ids: [B, T]`` → ``(logits [B, T, vocab], taps)``.
+
+        Positions start at the caches' committed length (0 for prefill).
+        """
+        if ids.dim() != 2:
+            raise ValueError(f"'ids' must be [B, T] (got shape {tuple(ids.shape)})")
+        start = 0 if mode == "prefill" else caches.length
+        hidden = self.embed_tokens(ids)
+        hidden, tapped = self.run_layers(
+            hidden, range(self.config.num_hidden_layers), caches, start, mode, geometry, taps
+        )
+        return self.lm_head(self.norm(hidden)), tapped
+
+    def _check_run(
+        self,
+        hidden: Tensor,
+        ids: tuple[int, ...],
+        caches: ShardCaches,
+        start_pos: int,
+        mode: str,
+        geometry: object,
+    ) -> int:
+        if mode not in _MODES:
+            raise ValueError(f"'mode' must be one of {list(_MODES)} (got {mode!r})")
+        if hidden.dim() != 3 or hidden.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"'hidden' must be [B, T, {self.config.hidden_size}] (got {tuple(hidden.shape)})"
+            )
+        t = hidden.shape[1]
+        if t == 0:
+            raise ValueError("'hidden' must hold at least one token (got T=0)")
+        if mode == "decode" and t != 1:
+            raise ValueError(f"mode 'decode' takes exactly one token (got T={t})")
+        if mode == "verify":
+            if isinstance(geometry, TreeGeometry):
+                raise TypeError(
+                    "'geometry' TreeGeometry is not supported by the target model's verify "
+                    "(the conv window capture is chain-only); pass a ChainGeometry"
+                )
+            if not isinstance(geometry, ChainGeometry):
+                raise TypeError(
+                    f"mode 'verify' needs a validated ChainGeometry (got {type(geometry).__name__})"
+                )
+            if geometry.n_actual != t:
+                raise ValueError(
+                    f"'geometry' has n_actual={geometry.n_actual} slots but 'hidden' has T={t}"
+                )
+        elif geometry is not None:
+            raise ValueError(f"'geometry' is only taken by mode 'verify' (got mode {mode!r})")
+        if list(ids) != sorted(set(ids)):
+            raise ValueError(f"'layer_ids' must be strictly ascending (got {list(ids)})")
+        owned = set(caches.layer_ids)
+        for layer in ids:
+            if layer not in owned:
+                raise CacheError(
+                    f"layer {layer} is not in these caches (they hold {sorted(owned)})"
+                )
+        if mode != "prefill":
+            caches.pool.check_can_advance(mode)
+        if mode == "prefill" and start_pos != 0:
+            raise ValueError(f"mode 'prefill' starts at position 0 (got start_pos={start_pos})")
+        if mode != "prefill":
+            if caches.kv.layer_ids and start_pos != caches.kv.length:
+                raise CacheError(
+                    f"'start_pos'={start_pos} does not match the KV cache length {caches.kv.length}"
+                )
+            if caches.pool.layer_ids and start_pos != caches.pool.length:
+                raise CacheError(
+                    f"'start_pos'={start_pos} does not match the recurrent length "
+                    f"{caches.pool.length}"
+                )
+        if start_pos + t > caches.kv.max_len:
+            raise CacheError(
+                f"positions up to {start_pos + t} exceed the caches' 'max_len'={caches.kv.max_len}"
+            )
+        return t
+
+
+@torch.inference_mode()
+def greedy_generate(model: TargetModel, prompt: Sequence[int], n: int) -> list[int]:
+    """Plain target-only greedy decoding: the ``n`` tokens after ``prompt`` (the oracle)."""
+    if len(prompt) == 0:
+        raise ValueError("'prompt' must hold at least one token (got an empty prompt)")
+    if n < 0:
+        raise ValueError(f"'n' must be >= 0 (got {n})")
+    vocab = model.config.vocab_size
+    for i, tok in enumerate(prompt):
+        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
+            raise ValueError(f"'prompt' entry {i} must be a token id in [0, {vocab}) (got {tok!r})")
+    if n == 0:
+        return []
+    device = model.embed_tokens.weight.device
+    caches = model.new_caches(max_len=len(prompt) + n, max_draft=1)
+    ids = torch.tensor([list(prompt)], device=device)
+    logits, _ = model(ids, caches, "prefill")
+    out = [int(logits[0, -1].argmax())]
+    while len(out) < n:
+        logits, _ = model(torch.tensor([[out[-1]]], device=device), caches, "decode")
+        out.append(int(logits[0, -1].argmax()))
+    return out

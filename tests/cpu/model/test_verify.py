@@ -1,0 +1,167 @@
+"""Verify with capture equals sequential decoding; every rollback path lands on the same state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.geometry import require_chain
+from dflash.model import CacheError, HybridConfig, ShardCaches, TargetModel
+
+PROMPT = [5, 17, 200, 3, 99, 42, 7]
+DRAFT = [11, 250, 64, 9, 123, 31]  # B = 6, d[0] is the pending token
+B = len(DRAFT)
+
+
+@pytest.fixture(scope="module")
+def model() -> TargetModel:
+    return TargetModel.tiny_default(seed=3)
+
+
+def _ids(tokens: list[int]) -> torch.Tensor:
+    return torch.tensor([tokens])
+
+
+def _prefilled(model: TargetModel) -> ShardCaches:
+    caches = model.new_caches(max_len=64, max_draft=8)
+    model(_ids(PROMPT), caches, "prefill")
+    return caches
+
+
+def _live(caches: ShardCaches) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for layer in caches.pool.layer_ids:
+        state, conv = caches.pool.live_views(layer)
+        out.append((state.clone(), conv.clone()))
+    return out
+
+
+@torch.inference_mode()
+def _sequential(
+    model: TargetModel, tokens: list[int]
+) -> tuple[torch.Tensor, list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """Logits [T, vocab] of decoding ``tokens`` one at a time after PROMPT, and the live states."""
+    caches = _prefilled(model)
+    logits, states = [], []
+    for tok in tokens:
+        out, _ = model(_ids([tok]), caches, "decode")
+        logits.append(out[0, -1])
+        states.append(_live(caches))
+    return torch.stack(logits), states
+
+
+@torch.inference_mode()
+def test_verify_equals_sequential_decode(model: TargetModel) -> None:
+    ref_logits, ref_states = _sequential(model, DRAFT)
+    caches = _prefilled(model)
+    before = _live(caches)
+    pool = caches.pool
+    pool.checkpoints.fill_(float("nan"))  # an unwritten slot cannot pass
+    pool.snapshot.fill_(float("nan"))
+    logits, _ = model(_ids(DRAFT), caches, "verify", geometry=require_chain(list(range(-1, B - 1))))
+    torch.testing.assert_close(logits[0], ref_logits, rtol=1e-5, atol=1e-5)
+    kc = model.config.linear_conv_kernel_dim
+    for i, layer in enumerate(pool.layer_ids):
+        torch.testing.assert_close(pool.snapshot[i], before[i][0], rtol=0, atol=0)
+        torch.testing.assert_close(pool.state[i], before[i][0], rtol=0, atol=0)  # live untouched
+        torch.testing.assert_close(pool.conv[i], before[i][1], rtol=0, atol=0)
+        for s in range(B):
+            state_s, conv_s = ref_states[s][i]
+            torch.testing.assert_close(pool.checkpoints[i, :, s], state_s, rtol=1e-5, atol=1e-6)
+            got_conv = pool.captured[i, :, s + 1 : s + kc]
+            torch.testing.assert_close(got_conv, conv_s, rtol=1e-4, atol=1e-5)
+        assert layer == model.config.recurrent_layer_ids[i]
+    assert caches.kv.length == len(PROMPT) + B and pool.length == len(PROMPT)
+
+
+def _verify(model: TargetModel, caches: ShardCaches, draft: list[int]) -> torch.Tensor:
+    geometry = require_chain(list(range(-1, len(draft) - 1)))
+    logits, _ = model(_ids(draft), caches, "verify", geometry=geometry)
+    return logits[0]
+
+
+def _rollback(
+    model: TargetModel, caches: ShardCaches, path: str, commit_n: int, draft: list[int]
+) -> None:
+    start = caches.pool.length
+    if path == "checkpoint":
+        caches.pool.restore_checkpoint(commit_n)
+    elif path == "remap":
+        caches.pool.remap(commit_n)
+    else:  # legacy: snapshot + replay of the accepted tokens
+        caches.pool.restore_snapshot()
+        caches.kv.truncate(start)
+        model(_ids(draft[:commit_n]), caches, "replay")
+    caches.kv.truncate(start + commit_n)
+
+
+@pytest.mark.parametrize("path", ["checkpoint", "remap", "replay"])
+@torch.inference_mode()
+def test_rollback_then_continue_matches_sequential(model: TargetModel, path: str) -> None:
+    """Two verify/rollback rounds (commit 3 then 2), then decode: same logits as sequential."""
+    second = [77, 1, 2, 3]
+    caches = _prefilled(model)
+    _verify(model, caches, DRAFT)
+    _rollback(model, caches, path, 3, DRAFT)
+    assert caches.length == len(PROMPT) + 3
+    if path == "remap":
+        assert caches.pool.live_slot == 2
+    logits2 = _verify(model, caches, second)  # after a remap this reads slot 2 (alias-safe)
+    _rollback(model, caches, path, 2, second)
+    final, _ = model(_ids([200]), caches, "decode")
+    ref_verify, _ = _sequential(model, DRAFT[:3] + second)
+    ref_final, _ = _sequential(model, DRAFT[:3] + second[:2] + [200])
+    torch.testing.assert_close(logits2, ref_verify[3:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final[0, -1], ref_final[-1], rtol=1e-5, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_full_accept_and_snapshot_after_remap(model: TargetModel) -> None:
+    caches = _prefilled(model)
+    _verify(model, caches, DRAFT)
+    caches.pool.remap(B)  # every draft slot accepted
+    caches.kv.truncate(len(PROMPT) + B)
+    live = _live(caches)
+    _verify(model, caches, [4, 5])
+    caches.pool.restore_snapshot()  # undo the second verify: back to the remapped state
+    caches.kv.truncate(len(PROMPT) + B)
+    assert caches.pool.live_slot is None and caches.length == len(PROMPT) + B
+    for got, want in zip(_live(caches), live, strict=True):
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+
+
+@torch.inference_mode()
+def test_misuse_is_rejected_before_any_change(model: TargetModel) -> None:
+    caches = _prefilled(model)
+    with pytest.raises(TypeError, match="needs a validated ChainGeometry"):
+        model(_ids(DRAFT), caches, "verify", geometry=[-1, 0, 1, 2, 3, 4])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="n_actual=3 slots but 'hidden' has T=6"):
+        model(_ids(DRAFT), caches, "verify", geometry=require_chain([-1, 0, 1]))
+    with pytest.raises(ValueError, match="'decode' takes exactly one token"):
+        model(_ids([1, 2]), caches, "decode")
+    with pytest.raises(CacheError, match="exceeds 'max_draft'=8"):
+        _verify(model, caches, list(range(9)))
+    with pytest.raises(CacheError, match="no completed verify"):
+        caches.pool.restore_checkpoint(1)
+    _verify(model, caches, DRAFT)
+    with pytest.raises(CacheError, match="needs a rollback of the last verify"):
+        model(_ids([1]), caches, "decode")
+    with pytest.raises(CacheError, match=r"must be in \[1, verified slots=6\] \(got 7\)"):
+        caches.pool.restore_checkpoint(7)
+    with pytest.raises(CacheError, match=r"\(got 0\)"):
+        caches.pool.remap(0)
+    caches.pool.restore_checkpoint(2)
+    with pytest.raises(CacheError, match="'start_pos'=13 does not match the recurrent length 9"):
+        model(_ids([1]), caches, "decode")  # KV not truncated to the recurrent length
+
+
+def test_checkpoint_bytes_formula() -> None:
+    cfg = HybridConfig.tiny_default()
+    caches = ShardCaches.for_layers(cfg, range(0, 4), max_len=32, max_draft=5, batch=2)
+    L = len([i for i in range(4) if cfg.layer_types[i] == "linear_attention"])
+    hv, k, v = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    kc, c = cfg.linear_conv_kernel_dim, cfg.conv_dim
+    expected = 4 * L * 2 * 5 * hv * k * v + 4 * L * 2 * (kc - 1 + 5) * c + 4 * L * 2 * hv * k * v
+    assert caches.checkpoint_bytes == expected
+    assert caches.pool.layer_ids == (0, 1, 3) and caches.kv.layer_ids == (2,)

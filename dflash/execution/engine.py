@@ -1,0 +1,331 @@
+"""The chain speculative decoding step (DESIGN.md §4) with a fail-closed rollback.
+
+One step, with ``committed`` tokens in the caches and ``last`` the pending token::
+
+    d = [last, *drafter.propose(...)]            # d: [B] draft block, d[0] = last
+    geometry = require_chain(parents of B slots) # validated pure chain, or no verify
+    t = argmax(verify(d))                        # t[i]: the target's token after d[0..i]
+    accept_n = 1 + #leading i with d[i+1] == t[i]
+    emit d[1..accept_n-1] and t[accept_n-1];  commit_n = accept_n
+    roll back to commit_n                         # fast (checkpoint / remap) or replay
+
+The fast rollback runs only while the rollback status is ``effective`` (the capture gate
+validated the storage and nothing is poisoned).  A failure inside it after state began
+to change poisons the target; the step then completes through the legacy path (restore
+the pre-verify state, replay the accepted tokens) and counts as ``replay_after_failure``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dflash.execution.capture_gate import CaptureGate
+from dflash.execution.errors import ExecutionError, PoisonedError, ShardPositionError
+from dflash.execution.faults import NO_FAULTS, FaultInjector, FaultPhase
+from dflash.execution.lifecycle import Lifecycle, Phase
+from dflash.execution.policy import RollbackPolicy, RollbackStatus
+from dflash.execution.shards import ShardedTarget
+from dflash.geometry import ChainGeometry, require_chain
+from dflash.model import RecurrentPool
+from dflash.model.drafters import Drafter, stack_tap_features
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step as it happened (for results, tests and the state-machine reference)."""
+
+    step: int
+    draft: tuple[int, ...]
+    accept_n: int
+    emitted: tuple[int, ...]
+    path: str  # "fast" | "replay" | "replay_after_failure"
+    status_before: RollbackStatus
+    forwards: int  # target forwards this step (1 verify + 1 per replay)
+    failure: str | None = None
+
+
+def chain_of(n: int) -> ChainGeometry:
+    """The validated pure chain of ``n`` slots; :func:`require_chain` raises on anything else."""
+    return require_chain(tuple(range(-1, n - 1)))
+
+
+def self_test_tolerance(dtype: torch.dtype) -> float:
+    """Relative error allowed between a checkpoint slot and its replay."""
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
+
+
+class SpecDecoder:
+    """Greedy chain speculative decoding on a :class:`ShardedTarget`."""
+
+    def __init__(
+        self,
+        target: ShardedTarget,
+        drafter: Drafter,
+        *,
+        block_size: int = 16,
+        policy: RollbackPolicy | None = None,
+        faults: FaultInjector | None = None,
+    ) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
+            raise ValueError(f"'block_size' must be an int >= 2 (got {block_size!r})")
+        if block_size > target.max_draft:
+            raise ValueError(
+                f"'block_size'={block_size} exceeds the checkpoint slots "
+                f"max_draft={target.max_draft} the target was built with"
+            )
+        self.target, self.drafter, self.block_size = target, drafter, block_size
+        self.policy = policy or RollbackPolicy()
+        self.faults = faults or NO_FAULTS
+        dtype = target.model.embed_tokens.weight.dtype
+        self.gate = CaptureGate(requested=self.policy.fast, tolerance=self_test_tolerance(dtype))
+        self.life = Lifecycle()
+        self.taps = tuple(drafter.tap_layers)
+        self.committed = 0  # tokens in every shard's caches
+        self.context: list[int] = []  # those tokens
+        self.last = -1  # the pending token (chosen, not yet in the caches)
+        self.features: Tensor | None = None
+        self.records: list[StepRecord] = []
+        self.counts = {"fast": 0, "replay": 0, "replay_after_failure": 0, "poison_events": 0}
+        self.target_forwards = 0
+        self.status_at_start = self.status
+        self._pending: tuple[list[int], int, list[int], RollbackStatus] | None = None
+
+    # -- status ---------------------------------------------------------------------------
+
+    @property
+    def status(self) -> RollbackStatus:
+        if self.life.poisoned:
+            return RollbackStatus.POISONED
+        if not self.policy.fast:
+            return RollbackStatus.OFF
+        return RollbackStatus.EFFECTIVE if self.gate.validated else RollbackStatus.REQUESTED
+
+    # -- prefill --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, prompt: Sequence[int]) -> int:
+        """Run the prompt; return the first generated token (now pending)."""
+        vocab = self.target.model.config.vocab_size
+        if len(prompt) == 0:
+            raise ValueError("'prompt' must hold at least one token (got an empty prompt)")
+        for i, tok in enumerate(prompt):
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
+                raise ValueError(
+                    f"'prompt' entry {i} must be a token id in [0, {vocab}) (got {tok!r})"
+                )
+        self.life.move("prefill")
+        logits, taps = self.target.forward(list(prompt), "prefill", 0, taps=self.taps)
+        self.committed, self.context = len(prompt), list(prompt)
+        self.last = int(logits[-1].argmax())
+        self._set_features(taps, len(prompt))
+        self.target.require_position(self.committed, what="after prefill")
+        return self.last
+
+    def _set_features(self, taps: dict[int, Tensor], rows: int) -> None:
+        if not self.taps:
+            return
+        first = self.target.shards[0].device
+        moved = {k: v.to(first) for k, v in taps.items()}
+        self.features = stack_tap_features(moved, self.taps)[:rows]
+
+    # -- the step -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[int]:
+        """One speculative step; returns the emitted tokens (1 … B of them)."""
+        if self.life.phase is Phase.EMPTY:
+            raise ExecutionError("step() before prefill(): there is no pending token")
+        if self.life.poisoned:  # verify refuses while poisoned
+            self.life.move("verify")
+        B, step = self.block_size, len(self.records)
+        proposal = self.drafter.propose(list(self.context), self.last, B, self.features)
+        d = [self.last, *self._check_proposal(proposal)]  # d: [B]
+        geometry = chain_of(len(d))
+        self.target.require_position(self.committed, what="before verify")
+        storages = self.target.storages()
+        gate_run = self.gate.pending
+        if gate_run:
+            self.gate.arm(storages)
+        status_before = self.status
+        self.life.move("verify")
+        logits, taps = self.target.forward(
+            d,
+            "verify",
+            self.committed,
+            geometry=geometry,
+            taps=self.taps,
+            after_shard=(lambda k: self.gate.after_shard(k, storages)) if gate_run else None,
+        )  # logits: [B, vocab]
+        self.target_forwards += 1
+        t = logits.argmax(-1).tolist()  # t[i]: target's greedy token after d[0..i]
+        accept_n = 1
+        while accept_n < B and d[accept_n] == t[accept_n - 1]:
+            accept_n += 1
+        emitted = [*d[1:accept_n], t[accept_n - 1]]
+        commit_n = accept_n
+        saved = None
+        if gate_run and self.gate.judge(storages, B, taps, self.taps, step):
+            saved = self.gate.save_slot(storages, commit_n - 1)
+        self._set_features(taps, commit_n)
+        self._pending = (d, commit_n, emitted, status_before)
+        path, failure = self._rollback(d, commit_n, step)
+        if saved is not None:
+            self.gate.self_test(self.target.storages(), commit_n - 1, saved, step)
+        return self._commit(path, failure)
+
+    def _check_proposal(self, proposal: object) -> list[int]:
+        vocab = self.target.model.config.vocab_size
+        if not isinstance(proposal, list) or len(proposal) != self.block_size - 1:
+            got = len(proposal) if isinstance(proposal, list) else type(proposal).__name__
+            raise ExecutionError(
+                f"drafter {self.drafter.label!r} must propose block_size-1="
+                f"{self.block_size - 1} tokens (got {got})"
+            )
+        for i, tok in enumerate(proposal):
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
+                raise ExecutionError(
+                    f"drafter {self.drafter.label!r} proposal[{i}] must be a token id in "
+                    f"[0, {vocab}) (got {tok!r})"
+                )
+        return proposal
+
+    def _commit(self, path: str, failure: str | None) -> list[int]:
+        assert self._pending is not None
+        d, commit_n, emitted, status_before = self._pending
+        self.target.require_position(self.committed + commit_n, what="after rollback")
+        self.life.move("commit")
+        self.context.extend(d[:commit_n])
+        self.committed += commit_n
+        self.last = emitted[-1]
+        forwards = 1 + (path != "fast")
+        self.records.append(
+            StepRecord(
+                len(self.records),
+                tuple(d),
+                commit_n,
+                tuple(emitted),
+                path,
+                status_before,
+                forwards,
+                failure,
+            )
+        )
+        self.counts[path] += 1
+        self._pending = None
+        return list(emitted)
+
+    # -- rollback paths -------------------------------------------------------------------
+
+    def _rollback(self, d: list[int], commit_n: int, step: int) -> tuple[str, str | None]:
+        if self.status is not RollbackStatus.EFFECTIVE:
+            self._replay(d, commit_n)
+            self.life.move("rollback")
+            return "replay", None
+        changed = False
+        try:
+            self.faults.fire(FaultPhase.BEFORE_RESTORE, step)
+            self.target.require_position(self.committed, kv_extra=len(d), what="before restore")
+            for shard in self.target.shards:
+                if shard.index > 0:
+                    self.faults.fire(FaultPhase.MID_RESTORE, step, shard.index)
+                changed = True
+                if self.policy.mode == "checkpoint":
+                    shard.caches.pool.restore_checkpoint(commit_n)
+                else:
+                    shard.caches.pool.remap(commit_n)
+            for shard in self.target.shards:
+                shard.truncate_kv(self.committed + commit_n)
+                if shard.index == 0:
+                    self.faults.fire(FaultPhase.KV_TRUNCATE, step)
+            self.faults.fire(FaultPhase.AFTER_RESTORE, step)
+        except ShardPositionError:
+            raise
+        except Exception as exc:  # fail closed: any failure falls back to the legacy path
+            failure = f"{type(exc).__name__}: {exc}"
+            if changed:
+                self.life.move("fail")
+                self.counts["poison_events"] += 1
+            self.recover_pending(failure)
+            return "replay_after_failure", failure
+        self.life.move("rollback")
+        return "fast", None
+
+    def recover_pending(self, failure: str = "") -> None:
+        """Restore the pre-verify state on every shard and replay the pending step's tokens.
+
+        Leaves ``POISONED`` (or a failed ``VERIFIED``) for ``ROLLED_BACK``; if this raises,
+        the target stays poisoned and verify keeps refusing.
+        """
+        if self._pending is None:
+            raise ExecutionError("nothing to recover: no step is pending")
+        d, commit_n, _, _ = self._pending
+        try:
+            self.faults.fire(FaultPhase.DURING_RECOVERY, len(self.records))
+            self._replay(d, commit_n)
+        except Exception as exc:
+            if not self.life.poisoned:
+                self.life.move("fail")
+                self.counts["poison_events"] += 1
+            raise PoisonedError(
+                f"recovery after {failure or 'a rollback failure'} failed: "
+                f"{type(exc).__name__}: {exc}; the target stays poisoned"
+            ) from exc
+        self.life.move("recover")
+
+    def resume(self) -> list[int]:
+        """Complete a step whose recovery failed earlier (the target is poisoned)."""
+        if not self.life.poisoned:
+            raise ExecutionError("resume() is only for a poisoned target")
+        self.recover_pending("an earlier failed recovery")
+        return self._commit("replay_after_failure", "recovered by resume()")
+
+    def _undo_verify(self, pool: RecurrentPool) -> None:
+        """Live state of ``pool`` ← its pre-verify state (whatever the rollback had done)."""
+        if pool.verify_start is not None:
+            pool.restore_snapshot()
+            return
+        # The pool already restored or remapped this verify: the pre-verify recurrent state
+        # is the verify's snapshot, the pre-verify conv window is captured rows 0..Kc-2.
+        kc1 = pool.conv_kernel - 1
+        pool.state.copy_(pool.snapshot)
+        pool.conv.copy_(pool.captured[:, :, :kc1])
+        pool.live_slot = None
+        pool.length = self.committed
+
+    def _replay(self, d: list[int], commit_n: int) -> None:
+        """Legacy rollback: pre-verify state on every shard, then replay ``d[0..commit_n-1]``."""
+        for shard in self.target.shards:
+            self._undo_verify(shard.caches.pool)
+            shard.truncate_kv(self.committed)
+        self.target.require_position(self.committed, what="after restoring the pre-verify state")
+        if self.policy.deterministic:
+            # The replay runs at the verify's shape (the whole block; rows past commit_n do
+            # not influence rows before it), so each accepted token's row is computed with
+            # the same kernels in the same shapes as in the verify and the oracle.
+            self.target.forward(d, "verify", self.committed, geometry=chain_of(len(d)))
+            for shard in self.target.shards:
+                shard.caches.pool.restore_checkpoint(commit_n)
+                shard.truncate_kv(self.committed + commit_n)
+        else:
+            self.target.forward(d[:commit_n], "replay", self.committed)
+        self.target_forwards += 1
+
+    # -- storage --------------------------------------------------------------------------
+
+    def rebuild_storage(self) -> None:
+        """Rebuild every shard's capture storage; the capture gate forgets its verdict."""
+        if self.life.phase not in (Phase.CLEAN, Phase.EMPTY):
+            raise ExecutionError(
+                f"rebuild_storage needs a clean target (phase {self.life.phase.value!r})"
+            )
+        self.life.move("rebuild")
+        self.target.rebuild_storage()
+        self.gate.reset()
+
+    @property
+    def capture_pending(self) -> bool:
+        return self.gate.pending

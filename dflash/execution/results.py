@@ -1,0 +1,115 @@
+"""Typed, JSON-serialisable results (DESIGN.md §5 field names; extra fields are additions)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from dflash.execution.policy import RollbackMode, RollbackStatus
+
+
+def token_sha256(tokens: Sequence[int]) -> str:
+    """SHA-256 (hex) of the token ids as int32 little-endian."""
+    return hashlib.sha256(np.asarray(list(tokens), dtype="<i4").tobytes()).hexdigest()
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ShardCaptureEvidence(_Frozen):
+    """What one shard's capture verify demonstrably wrote (evidence from the run itself)."""
+
+    shard: int
+    device: str
+    layers: tuple[int, int]  # [first, last) layer ids the shard owns
+    recurrent_layers: tuple[int, ...]  # recurrent layer ids the shard owns
+    storage_present: bool
+    checkpoint_dtype: str | None
+    shapes_ok: bool
+    slots_expected: int  # checkpoint slots per owned layer that the verify had to write
+    unwritten: tuple[str, ...]  # "layer L slot s" entries still holding the NaN poison
+    non_owner_writes: tuple[str, ...]  # canaries of other shards' storage that changed
+    taps_expected: tuple[int, ...]
+    taps_missing: tuple[int, ...]  # tap layers owned here whose features were not produced
+    problems: tuple[str, ...]  # every failed check, in words
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+class SelfTestReport(_Frozen):
+    """The one-time numerical self-test: a checkpoint slot against a replay of the same tokens."""
+
+    slot: int
+    max_abs_err: float
+    rel_err: float  # ||checkpoint - replay|| / ||replay||, recurrent state and conv rows
+    tolerance: float
+    passed: bool
+
+
+class CaptureReport(_Frozen):
+    """The capture gate's verdict. ``validated`` is sticky until storage is rebuilt."""
+
+    requested: bool = False  # a fast mode asked for the gate
+    verdict: Literal["not_run", "validated", "refused"] = "not_run"
+    reason: str | None = None  # first failed check when refused
+    validated_at_step: int | None = None
+    storage_generation: int = 0  # bumped on every checkpoint-storage rebuild
+    shards: tuple[ShardCaptureEvidence, ...] = ()
+    self_test: SelfTestReport | None = None
+
+    @property
+    def validated(self) -> bool:
+        return self.verdict == "validated"
+
+
+class RollbackReport(_Frozen):
+    """Requested mode, status reached, and how many steps rolled back through each path."""
+
+    requested: RollbackMode
+    status: RollbackStatus
+    status_at_start: RollbackStatus
+    fast: int = 0
+    replay: int = 0
+    replay_after_failure: int = 0
+    poison_events: int = 0
+
+
+class Timings(_Frozen):
+    prefill_s: float
+    decode_s: float
+    tokens_per_s: float
+
+
+class GenerationResult(_Frozen):
+    """The ``dflash generate --json`` object."""
+
+    tokens: list[int]
+    sha256: str
+    steps: int
+    acceptance_rate: float
+    avg_commit: float
+    target_forwards_per_step: float
+    rollback: RollbackReport
+    capture: CaptureReport
+    checkpoint_bytes: int
+    parity: bool | None = None
+    timings: Timings
+    # additions beyond DESIGN.md §5
+    prompt_len: int = 0
+    block_size: int = 0
+    deterministic: bool = True
+    devices: list[str] = Field(default_factory=list)
+    layer_split: list[int] = Field(default_factory=list)
+    drafter: str = ""
+    stop_reason: Literal["max_new_tokens", "eos"] = "max_new_tokens"
+    target_forwards: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    parity_sha256: str | None = None  # the oracle's SHA-256 when --check-parity ran

@@ -1,0 +1,128 @@
+"""One generation, start to finish: shards, prefill, the step loop, results, parity."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from dflash.execution.engine import SpecDecoder
+from dflash.execution.faults import FaultInjector
+from dflash.execution.oracle import reference_greedy
+from dflash.execution.policy import RollbackPolicy
+from dflash.execution.results import GenerationResult, RollbackReport, Timings, token_sha256
+from dflash.execution.shards import ShardedTarget, ShardPlan
+from dflash.model import TargetModel
+from dflash.model.drafters import Drafter
+
+
+def _sync(plan: ShardPlan) -> None:
+    for d in plan.devices:
+        if d.startswith("cuda"):
+            torch.cuda.synchronize(d)
+
+
+def generate(
+    model: TargetModel,
+    drafter: Drafter,
+    prompt: Sequence[int],
+    *,
+    plan: ShardPlan,
+    max_new_tokens: int = 64,
+    block_size: int = 16,
+    policy: RollbackPolicy | None = None,
+    check_parity: bool = False,
+    oracle_tokens: Sequence[int] | None = None,
+    eos_id: int | None = None,
+    faults: FaultInjector | None = None,
+    on_progress: Callable[[int, SpecDecoder], None] | None = None,
+) -> GenerationResult:
+    """Speculative greedy decoding of ``max_new_tokens`` tokens after ``prompt``.
+
+    ``oracle_tokens``: target-only greedy tokens already computed with the same settings
+    (reused by ``check_parity`` instead of decoding them again).
+    """
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 1
+    ):
+        raise ValueError(f"'max_new_tokens' must be an int >= 1 (got {max_new_tokens!r})")
+    policy = policy or RollbackPolicy()
+    target = ShardedTarget(
+        model, plan, max_len=len(prompt) + max_new_tokens + block_size + 1, max_draft=block_size
+    )
+    engine = SpecDecoder(target, drafter, block_size=block_size, policy=policy, faults=faults)
+    _sync(plan)
+    t0 = time.perf_counter()
+    out = [engine.prefill(prompt)]
+    _sync(plan)
+    t1 = time.perf_counter()
+    stop = "max_new_tokens"
+    while len(out) < max_new_tokens and not (eos_id is not None and eos_id in out):
+        out.extend(engine.step())
+        if on_progress is not None:
+            on_progress(min(len(out), max_new_tokens), engine)
+    _sync(plan)
+    t2 = time.perf_counter()
+    if eos_id is not None and eos_id in out[:max_new_tokens]:
+        out, stop = out[: out.index(eos_id) + 1], "eos"
+    tokens = out[:max_new_tokens]
+    parity: bool | None = None
+    parity_sha: str | None = None
+    if check_parity:
+        ref = (
+            list(oracle_tokens)
+            if oracle_tokens is not None
+            else reference_greedy(
+                model,
+                plan,
+                prompt,
+                len(tokens),
+                deterministic=policy.deterministic,
+                block_size=block_size,
+            )
+        )
+        parity = ref[: len(tokens)] == tokens
+        parity_sha = token_sha256(ref[: len(tokens)])
+    steps = len(engine.records)
+    drafted = steps * (block_size - 1)
+    accepted = sum(r.accept_n - 1 for r in engine.records)
+    decode_s = t2 - t1
+    return GenerationResult(
+        tokens=tokens,
+        sha256=token_sha256(tokens),
+        steps=steps,
+        acceptance_rate=accepted / drafted if drafted else 0.0,
+        avg_commit=(sum(r.accept_n for r in engine.records) / steps) if steps else 0.0,
+        target_forwards_per_step=engine.target_forwards / steps if steps else 0.0,
+        rollback=RollbackReport(
+            requested=policy.mode,
+            status=engine.status,
+            status_at_start=engine.status_at_start,
+            fast=engine.counts["fast"],
+            replay=engine.counts["replay"],
+            replay_after_failure=engine.counts["replay_after_failure"],
+            poison_events=engine.counts["poison_events"],
+        ),
+        capture=engine.gate.report,
+        checkpoint_bytes=target.checkpoint_bytes,
+        parity=parity,
+        timings=Timings(
+            prefill_s=t1 - t0,
+            decode_s=decode_s,
+            tokens_per_s=len(tokens) / decode_s if decode_s > 0 else 0.0,
+        ),
+        prompt_len=len(prompt),
+        block_size=block_size,
+        deterministic=policy.deterministic,
+        devices=list(plan.devices),
+        layer_split=list(plan.split),
+        drafter=drafter.label,
+        stop_reason=stop,  # type: ignore[arg-type]  # one of the two literals above
+        target_forwards=engine.target_forwards,
+        drafted_tokens=drafted,
+        accepted_tokens=accepted,
+        parity_sha256=parity_sha,
+    )

@@ -1,0 +1,242 @@
+"""Layer split: contiguous layer ranges ("shards") on their own devices.
+
+``plan_shards`` turns ``--devices`` / ``--layer-split`` into a validated :class:`ShardPlan`;
+:class:`ShardedTarget` places the model's layers accordingly (embeddings on the first
+device, final norm and LM head on the last), gives each shard its own caches, and runs a
+forward by moving the activations from shard to shard.  Each shard owns, and restores,
+only its own caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dflash.execution.capture_gate import ShardStorage
+from dflash.execution.errors import LayerSplitError, ShardPositionError
+from dflash.geometry import ChainGeometry
+from dflash.model import ShardCaches, TargetModel
+from dflash.model.target import Mode
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """``devices[k]`` runs ``split[k]`` consecutive layers; together they cover the model."""
+
+    devices: tuple[str, ...]
+    split: tuple[int, ...]
+
+    @property
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        out, lo = [], 0
+        for n in self.split:
+            out.append((lo, lo + n))
+            lo += n
+        return tuple(out)
+
+
+def _parse_list(value: str | Sequence[str] | Sequence[int], name: str) -> list[str]:
+    items = value.split(",") if isinstance(value, str) else [str(v) for v in value]
+    items = [i.strip() for i in items]
+    if not items or any(not i for i in items):
+        raise LayerSplitError(
+            f"{name} must be a comma-separated list without empty entries (got {value!r})"
+        )
+    return items
+
+
+def plan_shards(
+    num_layers: int,
+    devices: str | Sequence[str] = "cpu",
+    split: str | Sequence[int] | None = None,
+) -> ShardPlan:
+    """Validate a layer split; every refusal names the rule and the value."""
+    devs = _parse_list(devices, "--devices")
+    for d in devs:
+        try:
+            dev = torch.device(d)
+        except RuntimeError as exc:
+            raise LayerSplitError(f"--devices entry {d!r} is not a torch device ({exc})") from None
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise LayerSplitError(f"--devices entry {d!r}: CUDA is not available here")
+            if (dev.index or 0) >= torch.cuda.device_count():
+                raise LayerSplitError(
+                    f"--devices entry {d!r}: only {torch.cuda.device_count()} CUDA device(s)"
+                )
+    if split is None:
+        if num_layers < len(devs):
+            raise LayerSplitError(
+                f"{len(devs)} devices need at least {len(devs)} layers (model has {num_layers})"
+            )
+        base, extra = divmod(num_layers, len(devs))
+        counts = [base + (1 if k < extra else 0) for k in range(len(devs))]
+    else:
+        raw = _parse_list(split, "--layer-split")
+        try:
+            counts = [int(c) for c in raw]
+        except ValueError:
+            raise LayerSplitError(
+                f"--layer-split entries must be integers (got {split!r})"
+            ) from None
+    if len(counts) != len(devs):
+        raise LayerSplitError(
+            f"--layer-split has {len(counts)} counts but --devices names {len(devs)} devices "
+            f"(split {counts}, devices {devs})"
+        )
+    for k, c in enumerate(counts):
+        if c <= 0:
+            raise LayerSplitError(
+                f"--layer-split entry {k} must be >= 1: every shard needs at least one layer "
+                f"(got {c} in {counts})"
+            )
+    if sum(counts) != num_layers:
+        raise LayerSplitError(
+            f"--layer-split counts must sum to the model's {num_layers} layers "
+            f"(got {counts}, sum {sum(counts)})"
+        )
+    return ShardPlan(devices=tuple(devs), split=tuple(counts))
+
+
+@dataclass
+class Shard:
+    index: int
+    device: torch.device
+    layers: range
+    caches: ShardCaches
+
+    def truncate_kv(self, n: int) -> None:
+        """Keep the first ``n`` KV positions (a shard without attention layers has none)."""
+        if self.caches.kv.layer_ids:
+            self.caches.kv.truncate(n)
+
+    def storage(self, model: TargetModel) -> ShardStorage:
+        cfg = model.config
+        pool = self.caches.pool
+        batch = pool.state.shape[1] if pool.state.dim() == 5 else 1
+        return ShardStorage(
+            index=self.index,
+            device=str(self.device),
+            layers=(self.layers.start, self.layers.stop),
+            owned_recurrent=tuple(i for i in self.layers if i in cfg.recurrent_layer_ids),
+            pool=pool,
+            state_shape=(
+                batch,
+                cfg.linear_num_value_heads,
+                cfg.linear_key_head_dim,
+                cfg.linear_value_head_dim,
+            ),
+            conv_rows_shape=(batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim),
+        )
+
+
+class ShardedTarget:
+    """The target model run as contiguous shards; see the module docstring."""
+
+    def __init__(self, model: TargetModel, plan: ShardPlan, *, max_len: int, max_draft: int):
+        if len(plan.split) and sum(plan.split) != model.config.num_hidden_layers:
+            raise LayerSplitError(
+                f"plan covers {sum(plan.split)} layers, the model has "
+                f"{model.config.num_hidden_layers}"
+            )
+        self.model, self.plan = model, plan
+        self.max_len, self.max_draft = max_len, max_draft
+        devices = [torch.device(d) for d in plan.devices]
+        model.embed_tokens.to(devices[0])
+        model.norm.to(devices[-1])
+        model.lm_head.to(devices[-1])
+        model.tie_weights_()
+        self.shards: list[Shard] = []
+        for k, ((lo, hi), dev) in enumerate(zip(plan.ranges, devices, strict=True)):
+            for i in range(lo, hi):
+                model.layers[i].to(dev)
+            self.shards.append(Shard(k, dev, range(lo, hi), self._new_caches(range(lo, hi), dev)))
+
+    def _new_caches(self, layers: range, device: torch.device) -> ShardCaches:
+        return ShardCaches.for_layers(
+            self.model.config,
+            layers,
+            max_len=self.max_len,
+            max_draft=self.max_draft,
+            dtype=self.model.embed_tokens.weight.dtype,
+            device=device,
+        )
+
+    @property
+    def config(self):  # type: ignore[no-untyped-def]  # HybridConfig, re-exported for callers
+        return self.model.config
+
+    def storages(self) -> list[ShardStorage]:
+        return [s.storage(self.model) for s in self.shards]
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return sum(s.caches.checkpoint_bytes for s in self.shards)
+
+    def forward(
+        self,
+        ids: Sequence[int],
+        mode: Mode,
+        start: int,
+        *,
+        geometry: ChainGeometry | None = None,
+        taps: Sequence[int] = (),
+        after_shard: Callable[[int], None] | None = None,
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        """``ids`` at positions ``start…`` through every shard → (logits [T, vocab], taps)."""
+        first = self.shards[0].device
+        hidden = self.model.embed_tokens(torch.tensor([list(ids)], device=first))  # [1, T, H]
+        tapped: dict[int, Tensor] = {}
+        for shard in self.shards:
+            hidden = hidden.to(shard.device)
+            hidden, got = self.model.run_layers(
+                hidden, shard.layers, shard.caches, start, mode, geometry, taps
+            )
+            tapped.update(got)
+            if after_shard is not None:
+                after_shard(shard.index)
+        logits = self.model.lm_head(self.model.norm(hidden))  # [1, T, vocab]
+        return logits[0], tapped
+
+    # -- positions -----------------------------------------------------------------------
+
+    def positions(self) -> list[tuple[int | None, int | None]]:
+        """Per shard: (KV length or None without attention layers, recurrent length or None)."""
+        out: list[tuple[int | None, int | None]] = []
+        for s in self.shards:
+            kv, pool = s.caches.kv, s.caches.pool
+            out.append(
+                (kv.length if kv.layer_ids else None, pool.length if pool.layer_ids else None)
+            )
+        return out
+
+    def require_position(self, committed: int, *, kv_extra: int = 0, what: str) -> None:
+        """Every shard's recurrent length is ``committed``, its KV length ``committed+kv_extra``."""
+        for k, (kv_len, rec_len) in enumerate(self.positions()):
+            if rec_len is not None and rec_len != committed:
+                raise ShardPositionError(
+                    f"{what}: shard {k} recurrent length is {rec_len}, expected {committed} "
+                    f"(positions per shard {self.positions()})"
+                )
+            if kv_len is not None and kv_len != committed + kv_extra:
+                raise ShardPositionError(
+                    f"{what}: shard {k} KV length is {kv_len}, expected {committed + kv_extra} "
+                    f"(positions per shard {self.positions()})"
+                )
+
+    def rebuild_storage(self) -> None:
+        """Fresh capture storage for every shard; the live state (wherever it lies) and the
+        KV cache are carried over, so decoding continues unchanged."""
+        for s in self.shards:
+            old = s.caches
+            new = self._new_caches(s.layers, s.device)
+            new.kv = old.kv
+            for i, layer in enumerate(old.pool.layer_ids):
+                state, conv = old.pool.live_views(layer)
+                new.pool.state[i].copy_(state)
+                new.pool.conv[i].copy_(conv)
+            new.pool.length = old.pool.length
+            s.caches = new

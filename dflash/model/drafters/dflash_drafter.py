@@ -28,6 +28,8 @@ from dflash.model.drafters.dflash_config import DFlashConfig
 from dflash.model.drafters.dflash_layers import DrafterLayer, RMSNorm, rotary_cos_sin
 from dflash.model.drafters.errors import DraftArgumentError, TargetMismatchError
 
+_O_PROJ_GAIN = 4.0  # see DFlashDrafter.random
+
 
 class DFlashDrafter(nn.Module):
     """DFlash block drafter sharing the target's embedding and LM head (see module doc)."""
@@ -89,9 +91,14 @@ class DFlashDrafter(nn.Module):
         *,
         dtype: torch.dtype | None = None,
     ) -> DFlashDrafter:
-        """Seeded random weights: norms 1, linear weights N(0, 1/fan_in), drawn on the CPU
-        in float32 in parameter-name order, so the same seed gives the same drafter on any
-        device. ``dtype`` defaults to the embedding's dtype."""
+        """Seeded random weights, drawn on the CPU in float32 in parameter-name order, so the
+        same seed gives the same drafter on any device; ``dtype`` defaults to the embedding's.
+
+        Norms are 1 and linear weights N(0, 1/fan_in), except the attention output
+        projections, N(0, 16/fan_in): with unit-scale target embeddings the untrained drafter
+        would otherwise repeat whatever the mask embedding maps to, whereas this way the
+        attended context drives its output, as it does in a trained drafter.
+        """
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise DraftArgumentError(f"'seed' must be an int >= 0 (got {seed!r})")
         drafter = cls._empty(config, embed_weight, lm_head_weight, dtype)
@@ -101,10 +108,10 @@ class DFlashDrafter(nn.Module):
                 if name.endswith("norm.weight"):
                     value = torch.ones(param.shape)
                 else:
-                    fan_in = param.shape[-1]
-                    value = torch.randn(param.shape, generator=gen) * fan_in**-0.5
+                    gain = _O_PROJ_GAIN if name.endswith("o_proj.weight") else 1.0
+                    value = torch.randn(param.shape, generator=gen) * gain * param.shape[-1] ** -0.5
                 param.copy_(value)
-        return drafter.eval()
+        return drafter.eval().requires_grad_(False)
 
     @classmethod
     def from_pretrained(
@@ -123,7 +130,7 @@ class DFlashDrafter(nn.Module):
         with torch.no_grad():
             for name, param in drafter.state_dict().items():
                 param.copy_(tensors[name])
-        return drafter.eval()
+        return drafter.eval().requires_grad_(False)
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write ``config.json`` and ``model.safetensors`` (the drafter's own weights only)."""
@@ -131,28 +138,28 @@ class DFlashDrafter(nn.Module):
 
     # -- drafting -----------------------------------------------------------------------
 
-    def block_logits(self, last: int, block_size: int, features: Tensor, position: int) -> Tensor:
-        """Logits ``[block_size - 1, V]`` at the mask slots of ``[last, mask × (B-1)]``.
+    def block_hidden(self, block: Tensor, features: Tensor, position: int) -> Tensor:
+        """Final-norm hidden states ``[Tb, H]`` of the drafter over the token ids ``block``.
 
-        ``features`` ``[Tc, F]`` are the context rows at positions ``position-Tc ..
-        position-1``; the block occupies ``position .. position+B-1``.
+        ``block`` ``[Tb]`` occupies positions ``position .. position+Tb-1``; ``features``
+        ``[Tc, F]`` are the context rows at positions ``position-Tc .. position-1``.
         """
         cfg = self.config
-        ids = torch.full((block_size,), cfg.mask_token_id, dtype=torch.long, device=self.device)
-        ids[0] = last
-        x = F.embedding(ids, self._embed_weight).to(self.dtype)  # [B, H]
+        x = F.embedding(block.to(self.device), self._embed_weight).to(self.dtype)  # [Tb, H]
         if cfg.context_window is not None:
             features = features[-cfg.context_window :]
         context = self.hidden_norm(self.fc(features.to(self.device, self.dtype)))  # [Tc, H]
-        tc = context.shape[0]
-        positions = torch.arange(position - tc, position + block_size, device=self.device)
-        cos, sin = rotary_cos_sin(positions, cfg.head_dim, cfg.rope_theta)  # [Tc+B, D]
-        rope_k = (cos, sin)
-        rope_q = (cos[tc:], sin[tc:])
+        tc, tb = context.shape[0], x.shape[0]
+        positions = torch.arange(position - tc, position + tb, device=self.device)
+        cos, sin = rotary_cos_sin(positions, cfg.head_dim, cfg.rope_theta)  # [Tc+Tb, D]
         for layer in self.layers:
-            x = layer(x, context, rope_q, rope_k)
-        h = self.norm(x[1:])  # [B-1, H]: the mask slots
-        return F.linear(h.to(self._lm_head_weight.dtype), self._lm_head_weight)
+            x = layer(x, context, (cos[tc:], sin[tc:]), (cos, sin))
+        out: Tensor = self.norm(x)
+        return out
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """``[..., V]`` logits through the target's LM head."""
+        return F.linear(hidden.to(self._lm_head_weight.dtype), self._lm_head_weight)
 
     def propose(
         self, context: list[int], last: int, block_size: int, features: Tensor | None
@@ -163,8 +170,11 @@ class DFlashDrafter(nn.Module):
         n_context = len(check_context(context, check_tokens=False))
         self._check_features(features, n_context)
         assert features is not None  # checked above; narrows the type
+        block = torch.full((block_size,), self.config.mask_token_id, dtype=torch.long)
+        block[0] = last  # [last, mask × (B-1)]
         with torch.no_grad():
-            logits = self.block_logits(last, block_size, features, n_context)
+            hidden = self.block_hidden(block, features, n_context)  # one pass over the block
+            logits = self.logits(hidden[1:])  # [B-1, V]: the mask slots
         return [int(t) for t in logits.argmax(dim=-1).tolist()]
 
     def _check_features(self, features: Tensor | None, n_context: int) -> None:

@@ -41,7 +41,7 @@ def causal_conv1d_capture_kernel(  # type: ignore[no-untyped-def]  # Triton poin
     # 2. the capture: captured rows 0..Kc-2 <- previous rows, rows Kc-1.. <- x
     p_cap = cap + i_b * s_c_b + o_c[None, :]
     tl.store(p_cap + o_w[:, None] * s_c_t, b_prev.to(cap.dtype.element_ty), mask=m_w)
-    t0 = 0
+    t0 = T * 0  # an int32 scalar, like the loop bound
     while t0 < T:  # a while loop: the interpreter cannot range() over a runtime bound
         m_xt = ((t0 + o_t) < T)[:, None] & m_c[None, :]
         b_x = tl.load(x + i_b * s_x_b + (t0 + o_t)[:, None] * s_x_t + o_c[None, :], mask=m_xt)
@@ -54,7 +54,7 @@ def causal_conv1d_capture_kernel(  # type: ignore[no-untyped-def]  # Triton poin
     b_bias = tl.zeros([BC], dtype=tl.float32)
     if HAS_BIAS:
         b_bias = tl.load(bias + o_c, mask=m_c, other=0).to(tl.float32)
-    t0 = 0
+    t0 = T * 0  # an int32 scalar, like the loop bound
     while t0 < T:
         m_xt = ((t0 + o_t) < T)[:, None] & m_c[None, :]
         acc = tl.zeros([BT, BC], dtype=tl.float32) + b_bias[None, :]

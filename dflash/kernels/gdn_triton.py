@@ -69,7 +69,7 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
     b_v = tl.load(p_v, mask=m_v, other=0).to(tl.float32)
     b_g = tl.load(p_g).to(tl.float32)
     b_beta = tl.load(p_beta).to(tl.float32)
-    t = 0
+    t = T * 0  # an int32 scalar, like the loop bound
     while t < T:  # a while loop: the interpreter cannot range() over a runtime bound
         if is_tree != 0:
             parent = tl.load(parents + t)

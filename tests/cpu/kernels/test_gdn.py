@@ -26,7 +26,7 @@ def run(inputs: dict[str, torch.Tensor], ckpt: torch.Tensor, geometry: object,
 def reference64(inputs: dict[str, torch.Tensor], S: int, geometry: object,
                 **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
     i = as64(inputs)
-    B, T, HV, V = i["v"].shape
+    B, _, HV, V = i["v"].shape
     K = i["q"].shape[3]
     ckpt = nan_slots(B, S, HV, K, V, torch.float64)
     o = gdn_verify_reference(i["q"], i["k"], i["v"], i["g"], i["beta"], i["initial_state"],

@@ -1,0 +1,160 @@
+"""Kernels at the real Qwen3.5 shapes on a GPU (skipped without CUDA).
+
+Run: ``python -m pytest tests/gpu/test_kernels.py -q`` (flash-linear-attention optional).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.geometry import require_chain, require_tree
+from dflash.kernels import (
+    causal_conv1d_capture,
+    causal_conv1d_capture_reference,
+    gdn_verify,
+    gdn_verify_reference,
+    rollback_restore,
+    slot_views,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+NAN = float("nan")
+T, K, V, HK, KC, C = 16, 128, 128, 16, 4, 10240
+SHAPES = {"qwen3.5-27b": 48, "qwen3.5-9b": 32}  # HV
+
+
+def rel_rms(got: torch.Tensor, ref: torch.Tensor) -> float:
+    g, r = got.double(), ref.double()
+    if not torch.isfinite(g).all():
+        return float("inf")
+    return float((g - r).norm() / r.norm())
+
+
+def gdn_inputs(HV: int, seed: int, T: int = T) -> dict[str, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device="cuda")
+
+    return {
+        "q": rnd(1, T, HK, K).bfloat16(), "k": rnd(1, T, HK, K).bfloat16(),
+        "v": rnd(1, T, HV, V).bfloat16(),
+        "g": torch.nn.functional.logsigmoid(rnd(1, T, HV) + 2.0),
+        "beta": torch.sigmoid(rnd(1, T, HV)),
+        "initial_state": rnd(1, HV, K, V) * 0.5,
+    }
+
+
+def chain(n: int) -> object:
+    return require_chain(list(range(-1, n - 1)))
+
+
+def verify(i: dict[str, torch.Tensor], ckpt: torch.Tensor, geometry: object,
+           **kw: object) -> torch.Tensor:
+    return gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], i["initial_state"], ckpt,
+                      geometry, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gdn_verify_matches_float64_reference(shape: str) -> None:
+    HV = SHAPES[shape]
+    i = gdn_inputs(HV, seed=1)
+    ckpt = torch.full((1, T, HV, K, V), NAN, device="cuda")
+    snapshot = torch.full((1, HV, K, V), NAN, device="cuda")
+    o = verify(i, ckpt, chain(T), snapshot=snapshot, backend="triton")
+    i64 = {n: t.double() for n, t in i.items()}
+    ckpt64 = torch.full((1, T, HV, K, V), NAN, device="cuda", dtype=torch.float64)
+    o64 = gdn_verify_reference(i64["q"], i64["k"], i64["v"], i64["g"], i64["beta"],
+                               i64["initial_state"], ckpt64, chain(T))
+    assert rel_rms(o, o64) <= 1e-2  # bf16 output rounding
+    for t in range(T):
+        assert rel_rms(ckpt[:, t], ckpt64[:, t]) <= 2e-3, f"slot {t}"
+    assert torch.equal(snapshot, i["initial_state"])
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_checkpoints_equal_sequential_decode_bit_exactly(shape: str) -> None:
+    HV = SHAPES[shape]
+    i = gdn_inputs(HV, seed=2)
+    ckpt = torch.full((1, T, HV, K, V), NAN, device="cuda")
+    o = verify(i, ckpt, chain(T), snapshot=torch.empty(1, HV, K, V, device="cuda"))
+    state = i["initial_state"].clone()
+    for t in range(T):
+        step = {n: (state if n == "initial_state" else x[:, t : t + 1]) for n, x in i.items()}
+        o_t = verify(step, state.unsqueeze(1), None, final_state_only=True)
+        assert torch.equal(state, ckpt[:, t]), f"slot {t}"
+        assert torch.equal(o_t[:, 0], o[:, t])
+
+
+def test_tree_path_equals_chain_bit_exactly() -> None:
+    HV, parents = 48, [-1, 0, 0, 1, 2, 2, 3, 5]
+    i = gdn_inputs(HV, seed=3, T=len(parents))
+    ckpt = torch.full((1, len(parents), HV, K, V), NAN, device="cuda")
+    verify(i, ckpt, require_tree(parents))
+    path = [0, 2, 5, 7]
+    sub = {n: (x if n == "initial_state" else x[:, path]) for n, x in i.items()}
+    ckpt_path = torch.full((1, 4, HV, K, V), NAN, device="cuda")
+    verify(sub, ckpt_path, chain(4))
+    for s, slot in enumerate(path):
+        assert torch.equal(ckpt_path[:, s], ckpt[:, slot])
+
+
+def test_remap_in_place_equals_out_of_place() -> None:
+    HV, n = 48, 5
+    bank = torch.full((1, T, HV, K, V), NAN, device="cuda")
+    verify(gdn_inputs(HV, seed=4), bank, chain(T))
+    second = gdn_inputs(HV, seed=5)
+    bank_copy = bank.clone()
+    o_out = verify({**second, "initial_state": bank[:, n - 1].clone()}, bank_copy, chain(T))
+    o_in = verify({**second, "initial_state": bank[:, n - 1]}, bank, chain(T))
+    assert torch.equal(o_in, o_out) and torch.equal(bank, bank_copy)
+
+
+def test_conv_capture_matches_reference_and_remaps() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(1, T, C, generator=gen, device="cuda").bfloat16()
+    rows = torch.randn(1, KC - 1, C, generator=gen, device="cuda").bfloat16()
+    w = torch.randn(C, KC, generator=gen, device="cuda").bfloat16()
+    b = torch.randn(C, generator=gen, device="cuda").bfloat16()
+    cap = torch.full((1, KC - 1 + T, C), NAN, device="cuda", dtype=torch.bfloat16)
+    y = causal_conv1d_capture(x, rows, w, b, cap)
+    cap64 = torch.empty(1, KC - 1 + T, C, device="cuda", dtype=torch.float64)
+    y64 = causal_conv1d_capture_reference(x.double(), rows.double(), w.double(), b.double(), cap64)
+    assert rel_rms(y, y64) <= 1e-2
+    assert torch.equal(cap, torch.cat([rows, x], 1))
+    n, cap_copy = 7, cap.clone()
+    y_out = causal_conv1d_capture(x, cap[:, n : n + KC - 1].clone(), w, b, cap_copy)
+    y_in = causal_conv1d_capture(x, cap[:, n : n + KC - 1], w, b, cap)
+    assert torch.equal(y_in, y_out) and torch.equal(cap, cap_copy)
+
+
+@pytest.mark.parametrize("commit_n", [1, 7, 16])
+def test_rollback_48_layers_bit_exact(commit_n: int) -> None:
+    L, HV, S = 48, 48, T
+    gen = torch.Generator(device="cuda").manual_seed(commit_n)
+    ckpt = torch.randn(L, 1, S, HV, K, V, generator=gen, device="cuda")
+    cap = torch.randn(L, 1, KC - 1 + S, C, generator=gen, device="cuda").bfloat16()
+    states = torch.full((L, 1, HV, K, V), NAN, device="cuda")
+    rows = torch.full((L, 1, KC - 1, C), NAN, device="cuda", dtype=torch.bfloat16)
+    rollback_restore(states, rows, ckpt, cap, commit_n)
+    want_state, want_rows = slot_views(ckpt, cap, commit_n)
+    assert torch.equal(states, want_state) and torch.equal(rows, want_rows)
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_agrees_with_fla_fused_recurrent(shape: str) -> None:
+    fla_gdr = pytest.importorskip("fla.ops.gated_delta_rule", reason="fla not installed")
+    fused_recurrent_gated_delta_rule = fla_gdr.fused_recurrent_gated_delta_rule
+
+    HV = SHAPES[shape]
+    i = gdn_inputs(HV, seed=8)
+    ckpt = torch.full((1, T, HV, K, V), NAN, device="cuda")
+    o = verify(i, ckpt, chain(T))
+    o_fla, final_fla = fused_recurrent_gated_delta_rule(
+        i["q"], i["k"], i["v"], g=i["g"], beta=i["beta"], scale=K**-0.5,
+        initial_state=i["initial_state"], output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    assert rel_rms(o, o_fla) <= 1e-2
+    assert rel_rms(ckpt[:, T - 1], final_fla) <= 1e-4

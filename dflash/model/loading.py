@@ -231,6 +231,12 @@ def load_target(
             )
         _check_shape(name, tensor, tuple(param.shape))
         fresh[name] = tensor.to(device=device, dtype=dtype, copy=True)
+        bad = int((~torch.isfinite(fresh[name])).sum())
+        if bad:
+            raise CheckpointError(
+                f"tensor {name!r} holds {bad} non-finite value(s) of {tensor.numel()} "
+                f"(corrupt weights, or out of range for {dtype})"
+            )
     if "lm_head.weight" not in fresh:
         fresh["lm_head.weight"] = fresh["embed_tokens.weight"]
     model.load_state_dict(fresh, strict=True, assign=True)
@@ -242,3 +248,25 @@ def load_target(
         log.info("ignored %d tensor(s) matching %s (not part of the text model)", count, what)
     model.load_report = report
     return model.eval()
+
+
+def save_target(model: TargetModel, directory: Path) -> None:
+    """Write ``model`` as a Hugging Face ``qwen3_5_text`` checkpoint (config + safetensors).
+
+    Keys get the ``model.`` prefix of ``Qwen3_5ForCausalLM`` (``lm_head.weight`` is left
+    out when tied). A Qwen3-Next model is written with the split projections, which is
+    the same maths in the Qwen3.5 layout.
+    """
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(
+        json.dumps(model.config.to_hf_config(), indent=2), encoding="utf-8"
+    )
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        key = name if name.startswith("lm_head.") else "model." + name
+        tensors[key] = tensor.detach().to("cpu").contiguous()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})

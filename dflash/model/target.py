@@ -111,6 +111,12 @@ class TargetModel(nn.Module):
 
         return load_target(cls, Path(directory), dtype=dtype, device=torch.device(device))
 
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write a Hugging Face ``qwen3_5_text`` checkpoint that :meth:`from_pretrained` reads."""
+        from dflash.model.loading import save_target
+
+        save_target(self, Path(directory))
+
     def tie_weights_(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -1,0 +1,183 @@
+"""Checkpoint loading: round trips, sharded indexes, and every error path by message."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash.model import CheckpointError, HybridConfig, TargetModel, greedy_generate
+
+PROMPT = [1, 2, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def source() -> TargetModel:
+    return TargetModel.tiny_default(seed=11)
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path, source: TargetModel) -> Path:
+    source.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+def _rewrite(ckpt: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file(tensors, str(ckpt / "model.safetensors"))
+
+
+def _config(ckpt: Path) -> dict[str, object]:
+    return json.loads((ckpt / "config.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_round_trip_single_file(ckpt: Path, source: TargetModel) -> None:
+    loaded = TargetModel.from_pretrained(ckpt)
+    for (name, a), (_, b) in zip(
+        source.state_dict().items(), loaded.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    assert greedy_generate(loaded, PROMPT, 8) == greedy_generate(source, PROMPT, 8)
+
+
+def test_round_trip_sharded_index_and_bf16_cast(ckpt: Path, source: TargetModel) -> None:
+    tensors = _tensors(ckpt)
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half],
+              "model-00002-of-00002.safetensors": names[half:]}
+    weight_map = {}
+    for file, keys in shards.items():
+        save_file({k: tensors[k].to(torch.bfloat16) for k in keys}, str(ckpt / file))
+        weight_map.update(dict.fromkeys(keys, file))
+    (ckpt / "model.safetensors").unlink()
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    loaded = TargetModel.from_pretrained(ckpt)
+    assert loaded.load_report is not None and len(loaded.load_report.files) == 2
+    ref = source.embed_tokens.weight.to(torch.bfloat16).float()
+    assert torch.equal(loaded.embed_tokens.weight, ref)
+
+
+def test_missing_tensor(ckpt: Path) -> None:
+    tensors = _tensors(ckpt)
+    del tensors["model.layers.1.linear_attn.A_log"]
+    _rewrite(ckpt, tensors)
+    with pytest.raises(CheckpointError, match=r"missing tensor 'layers.1.linear_attn.A_log' "
+                       r"\(expected shape \[4\]; 1 missing in all\)"):
+        TargetModel.from_pretrained(ckpt)
+
+
+def test_unexpected_tensor(ckpt: Path) -> None:
+    tensors = _tensors(ckpt)
+    tensors["model.layers.2.self_attn.extra.weight"] = torch.zeros(3)
+    _rewrite(ckpt, tensors)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'layers.2.self_attn.extra"):
+        TargetModel.from_pretrained(ckpt)
+
+
+def test_wrong_shape(ckpt: Path) -> None:
+    tensors = _tensors(ckpt)
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(100, 64)
+    _rewrite(ckpt, tensors)
+    with pytest.raises(CheckpointError, match=r"tensor 'layers.0.mlp.up_proj.weight' has shape "
+                       r"\[100, 64\] but the config expects \[128, 64\]"):
+        TargetModel.from_pretrained(ckpt)
+
+
+def test_wrong_dtype(ckpt: Path) -> None:
+    tensors = _tensors(ckpt)
+    tensors["model.norm.weight"] = torch.zeros(64, dtype=torch.int32)
+    _rewrite(ckpt, tensors)
+    with pytest.raises(CheckpointError, match=r"tensor 'norm.weight' has dtype torch.int32 but "
+                       r"a floating dtype"):
+        TargetModel.from_pretrained(ckpt)
+
+
+def test_non_finite_values(ckpt: Path) -> None:
+    tensors = _tensors(ckpt)
+    tensors["model.layers.3.linear_attn.dt_bias"][2] = float("nan")
+    _rewrite(ckpt, tensors)
+    with pytest.raises(CheckpointError, match=r"'layers.3.linear_attn.dt_bias' holds 1 non-finite"):
+        TargetModel.from_pretrained(ckpt)
+
+
+@pytest.mark.parametrize("cut", ["half", "header", "garbage"])
+def test_truncated_or_corrupt_file(ckpt: Path, cut: str) -> None:
+    path = ckpt / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes({"half": data[: len(data) // 2], "header": data[:5],
+                      "garbage": b"\xff" * 64}[cut])
+    with pytest.raises(CheckpointError, match=r"weights file 'model.safetensors' is truncated "
+                       r"or corrupt"):
+        TargetModel.from_pretrained(ckpt)
+
+
+def test_config_with_more_layers_than_weights(ckpt: Path) -> None:
+    config = _config(ckpt)
+    config["num_hidden_layers"] = 4
+    config["layer_types"] = config["layer_types"][:4]  # type: ignore[index]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'layers.4\..*"
+                       r"config.json has num_hidden_layers=4"):
+        TargetModel.from_pretrained(ckpt)
+
+
+def test_config_with_other_layout(ckpt: Path) -> None:
+    config = _config(ckpt)
+    config["layer_types"] = ["full_attention"] * 6
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'layers.0.linear_attn.*"
+                       r"config.json says layer 0 is 'full_attention'"):
+        TargetModel.from_pretrained(ckpt)
+
+
+def test_config_with_other_width(ckpt: Path) -> None:
+    config = _config(ckpt)
+    config["intermediate_size"] = 96
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"'layers.0.mlp.gate_proj.weight' has shape "
+                       r"\[128, 64\] but the config expects \[96, 64\]"):
+        TargetModel.from_pretrained(ckpt)
+
+
+def test_bad_config_and_missing_files(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    config = _config(ckpt)
+    config["num_key_value_heads"] = 3
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"config.json in .*'num_key_value_heads' must"):
+        TargetModel.from_pretrained(ckpt)
+    empty = tmp_path_factory.mktemp("empty")
+    (empty / "config.json").write_text(json.dumps(HybridConfig.tiny_default().to_hf_config()))
+    with pytest.raises(CheckpointError, match=r"no weights in .*expected 'model.safetensors'"):
+        TargetModel.from_pretrained(empty)
+    with pytest.raises(CheckpointError, match=r"checkpoint directory .* does not exist"):
+        TargetModel.from_pretrained(empty / "nope")
+
+
+def _index(ckpt: Path, weight_map: dict[str, str]) -> None:
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def test_index_errors(ckpt: Path) -> None:
+    names = sorted(_tensors(ckpt))
+    _index(ckpt, dict.fromkeys(names, "model-00009.safetensors"))
+    with pytest.raises(CheckpointError, match=r"names shard 'model-00009.safetensors', which is "
+                       r"not a file"):
+        TargetModel.from_pretrained(ckpt)
+    _index(ckpt, {**dict.fromkeys(names, "model.safetensors"), "model.extra": "model.safetensors"})
+    with pytest.raises(CheckpointError, match=r"tensor 'model.extra' is listed in the index "
+                       r"\(shard 'model.safetensors'\) but absent"):
+        TargetModel.from_pretrained(ckpt)
+    save_file({"model.norm.weight": torch.zeros(64)}, str(ckpt / "other.safetensors"))
+    _index(ckpt, {**dict.fromkeys(names, "model.safetensors"), "x": "other.safetensors"})
+    with pytest.raises(CheckpointError, match=r"tensor 'model.norm.weight' appears in both"):
+        TargetModel.from_pretrained(ckpt)
+    (ckpt / "model.safetensors.index.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match=r"must hold a 'weight_map' object"):
+        TargetModel.from_pretrained(ckpt)

@@ -224,6 +224,13 @@ class TargetModel(nn.Module):
         """
         if ids.dim() != 2:
             raise ValueError(f"'ids' must be [B, T] (got shape {tuple(ids.shape)})")
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"'ids' must be int64 or int32 token ids (got {ids.dtype})")
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.config.vocab_size:
+            raise ValueError(
+                f"'ids' must lie in [0, {self.config.vocab_size}) "
+                f"(got min {int(ids.min())}, max {int(ids.max())})"
+            )
         start = 0 if mode == "prefill" else caches.length
         hidden = self.embed_tokens(ids)
         hidden, tapped = self.run_layers(

@@ -138,6 +138,8 @@ def test_misuse_is_rejected_before_any_change(model: TargetModel) -> None:
         model(_ids(DRAFT), caches, "verify", geometry=[-1, 0, 1, 2, 3, 4])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="n_actual=3 slots but 'hidden' has T=6"):
         model(_ids(DRAFT), caches, "verify", geometry=require_chain([-1, 0, 1]))
+    with pytest.raises(ValueError, match=r"'ids' must lie in \[0, 256\) \(got min 0, max 999\)"):
+        model(_ids([0, 999]), caches, "replay")
     with pytest.raises(ValueError, match="'decode' takes exactly one token"):
         model(_ids([1, 2]), caches, "decode")
     with pytest.raises(CacheError, match="exceeds 'max_draft'=8"):

@@ -142,7 +142,9 @@ class SyntheticDrafter:
         """``block_size - 1`` tokens; ``features`` is ignored (no model is involved)."""
         check_block_size(block_size)
         check_token("last", last, self.vocab_size)
-        seq = [*check_context(context, self.vocab_size), last]
+        # a sequence oracle reads only len(context); a callable one is handed the tokens
+        tokens = check_context(context, self.vocab_size, check_tokens=self._oracle_fn is not None)
+        seq = [*tokens, last]
         if not self._constant and block_size - 1 > len(self._probs):
             raise DraftArgumentError(
                 f"'block_size' {block_size} needs {block_size - 1} profile entries, "

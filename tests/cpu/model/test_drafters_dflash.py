@@ -349,4 +349,4 @@ def test_config_validation_names_field_and_value(changes: dict[str, object], nee
 
 def test_config_is_frozen() -> None:
     with pytest.raises(pydantic.ValidationError):
-        config().hidden_size = 4  # type: ignore[misc]  # deliberately mutating a frozen value
+        config().hidden_size = 4

@@ -98,6 +98,29 @@ def verify_fn(sets: list[dict[str, torch.Tensor]], snapshot: bool, final_only: b
     return fn
 
 
+def capture_once(s: dict[str, torch.Tensor], **cfg: int) -> torch.Tensor:
+    """The checkpoints one verify writes with launch config ``cfg``."""
+    ckpt = torch.full_like(s["ckpt"], float("nan"))
+    launch_gdn_verify(s["q"], s["k"], s["v"], s["g"], s["beta"], s["h0"], ckpt, None,
+                      scale=K**-0.5, use_qk_l2norm=True, final_state_only=False,
+                      snapshot=None, **cfg)  # type: ignore[arg-type]
+    return ckpt
+
+
+def decode_matches(s: dict[str, torch.Tensor], ckpt: torch.Tensor, **cfg: int) -> bool:
+    """Token-by-token in-place decode with config ``cfg`` reproduces every slot bit for bit."""
+    state = s["h0"].clone()
+    ok = True
+    for t in range(ckpt.shape[1]):
+        one = slice(t, t + 1)
+        launch_gdn_verify(s["q"][:, one], s["k"][:, one], s["v"][:, one], s["g"][:, one],
+                          s["beta"][:, one], state, state.unsqueeze(1), None, scale=K**-0.5,
+                          use_qk_l2norm=True, final_state_only=True, snapshot=None,
+                          **cfg)  # type: ignore[arg-type]
+        ok = ok and torch.equal(state, ckpt[:, t])
+    return ok
+
+
 def verify_bytes(T: int, capture: bool, snapshot: bool) -> int:
     state = HV * K * V * 4
     inputs = 2 * T * HK * K * 2 + 2 * T * HV * V * 2 + 2 * T * HV * 4  # q,k; v,o; g,beta
@@ -138,6 +161,8 @@ def main() -> None:
                     ms <= 1.25 * floor))
     rows.append(row("rollback 48 layers (graph)", ms_g, moved, bw, "<= 1.25x floor",
                     ms_g <= 1.25 * floor))
+    rows.append(row("  torch states.copy_(slot), for scale", bench(
+        lambda: states.copy_(ckpt[:, :, 6]), graph=False), 2 * states.numel() * 4, bw))
     torch.cuda.synchronize()
     assert torch.equal(states, ckpt[:, :, 6]) and torch.equal(conv, cap[:, :, 7:10])
 
@@ -154,11 +179,18 @@ def main() -> None:
     # verify with capture: one 27B layer, T = 16
     sets = gdn_sets(ROTATE, T)
     if args.sweep:
+        base = capture_once(sets[0])
         for BV in (8, 16, 32, 64):
             for warps in (1, 2, 4, 8):
                 ms = bench(verify_fn(sets, False, block_v=BV, num_warps=warps), graph=True)
-                sweep.append(row(f"verify T=16 BV={BV} warps={warps}", ms / ROTATE,
-                                 verify_bytes(T, True, False), bw))
+                ckpt_cfg = capture_once(sets[0], block_v=BV, num_warps=warps)
+                sweep.append(row(
+                    f"verify T=16 BV={BV} warps={warps}", ms / ROTATE,
+                    verify_bytes(T, True, False), bw,
+                    rel_rms_vs_default=float((ckpt_cfg - base).norm() / base.norm()),
+                    decode_bit_exact=decode_matches(sets[0], ckpt_cfg, block_v=BV,
+                                                    num_warps=warps),
+                ))
     ms_v = bench(verify_fn(sets, False), graph=True) / ROTATE
     ms_vs = bench(verify_fn(sets, True), graph=True) / ROTATE
     fla_ms = None
@@ -193,6 +225,16 @@ def main() -> None:
     dsets = gdn_sets(ROTATE, 1)
     rows.append(row("decode step T=1 (in place)", bench(verify_fn(dsets, False, True),
                     graph=True) / ROTATE, verify_bytes(1, False, False), bw))
+    if fused_recurrent_gated_delta_rule is not None:
+
+        def fla_decode() -> None:
+            for s in dsets:
+                fused_recurrent_gated_delta_rule(
+                    s["q"], s["k"], s["v"], g=s["g"], beta=s["beta"], scale=K**-0.5,
+                    initial_state=s["h0"], output_final_state=True,
+                    use_qk_l2norm_in_kernel=True)
+        rows.append(row("fla fused_recurrent T=1", bench(fla_decode, graph=True) / ROTATE,
+                        verify_bytes(1, False, False), bw))
     x = torch.randn(1, T, C, device=DEVICE).bfloat16()
     crow = torch.randn(1, KC - 1, C, device=DEVICE).bfloat16()
     w = torch.randn(C, KC, device=DEVICE).bfloat16()
@@ -216,7 +258,12 @@ def main() -> None:
     if sweep:
         print("\nsweep:")
         for r in sorted(sweep, key=lambda r: r["name"]):
-            print(f"  {r['name']:<34} {r['median_us']:>9.2f} us  {r['frac_copy_bw']:.2f} of copy")
+            extra = ""
+            if "decode_bit_exact" in r:
+                extra = (f"  rel {r['rel_rms_vs_default']:.1e}"
+                         f"  decode-exact {r['decode_bit_exact']}")
+            print(f"  {r['name']:<34} {r['median_us']:>9.2f} us  "
+                  f"{r['frac_copy_bw']:.2f} of copy{extra}")
     print(f"\n{report['gpu']}  torch {report['torch']}  triton {report['triton']}  "
           f"copy {report['copy_bandwidth_GBps']} GB/s")
     print(f"{'kernel':<38}{'us':>9}{'floor':>9}{'x floor':>9}{'GB/s':>8}  target")

@@ -22,24 +22,25 @@ def rollback_restore_kernel(  # type: ignore[no-untyped-def]  # Triton pointers 
 ):
     pid = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BLOCK)
+    # the two branches use distinct names: Triton merges same-named values across an if
     if pid < n_state_programs:
-        lb, chunk = pid // NS_CHUNKS, pid % NS_CHUNKS
-        i_l, i_b = lb // B, lb % B
-        o_n = chunk * BLOCK + o
-        m = o_n < N_STATE
-        src = ckpt + i_l * s_ck_l + i_b * s_ck_b + slot * s_ck_s + o_n
-        b_x = tl.load(src, mask=m)
-        tl.store(states + i_l * s_st_l + i_b * s_st_b + o_n, b_x, mask=m)
+        s_lb, s_chunk = pid // NS_CHUNKS, pid % NS_CHUNKS
+        s_l, s_b = s_lb // B, s_lb % B
+        o_s = s_chunk * BLOCK + o
+        m_s = o_s < N_STATE
+        p_src = ckpt + s_l * s_ck_l + s_b * s_ck_b + slot * s_ck_s + o_s
+        b_state = tl.load(p_src, mask=m_s)
+        tl.store(states + s_l * s_st_l + s_b * s_st_b + o_s, b_state, mask=m_s)
     else:
-        pid = pid - n_state_programs
-        lb, chunk = pid // NC_CHUNKS, pid % NC_CHUNKS
-        i_l, i_b = lb // B, lb % B
-        o_n = chunk * BLOCK + o
-        m = o_n < N_CONV
+        c_pid = pid - n_state_programs
+        c_lb, c_chunk = c_pid // NC_CHUNKS, c_pid % NC_CHUNKS
+        c_l, c_b = c_lb // B, c_lb % B
+        o_c = c_chunk * BLOCK + o
+        m_c = o_c < N_CONV
         # rows commit_n .. commit_n+Kc-2 = slot+1 .. slot+Kc-1
-        src = cap + i_l * s_cp_l + i_b * s_cp_b + (slot + 1) * s_cp_t + o_n
-        b_x = tl.load(src, mask=m)
-        tl.store(rows + i_l * s_rw_l + i_b * s_rw_b + o_n, b_x, mask=m)
+        p_rows = cap + c_l * s_cp_l + c_b * s_cp_b + (slot + 1) * s_cp_t + o_c
+        b_rows = tl.load(p_rows, mask=m_c)
+        tl.store(rows + c_l * s_rw_l + c_b * s_rw_b + o_c, b_rows, mask=m_c)
 
 
 def launch_rollback_restore(

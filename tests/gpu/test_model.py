@@ -1,0 +1,153 @@
+"""GPU: the Qwen3.5-9B-shaped target model with seeded weights, bf16 + Triton kernels.
+
+Checks, on one CUDA device:
+
+1. prefill + decode logits of the bf16 model (Triton kernels) agree with a float32
+   reference on the same device (same seeded weights, torch reference kernels);
+2. the float32 model on the Triton kernels agrees with that reference tightly;
+3. verify with capture over a chain of ``B`` tokens equals decoding them one at a time:
+   logits per slot and every captured F32 checkpoint vs the sequential live state
+   (float32 tightly, bf16 within bf16 tolerance).
+
+The numbers are printed (run with ``-s``). Memory: ~36 GB (f32) + ~18 GB (bf16).
+Run: ``python -m pytest tests/gpu/test_model.py -q -s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from torch import Tensor  # noqa: E402 - after the CUDA skip
+
+from dflash.geometry import require_chain  # noqa: E402
+from dflash.model import HybridConfig, ShardCaches, TargetModel  # noqa: E402
+
+SEED = 1234
+PROMPT_LEN = 32
+DECODE_STEPS = 4
+DRAFT = 8
+BF16_REL_TOL = 1e-1  # relative RMS of logits, bf16 weights/activations vs f32 over 32 layers
+F32_REL_TOL = 1e-4  # same maths, f32, Triton vs torch reference / batched vs sequential
+BF16_CAPTURE_TOL = 2e-2  # relative RMS of captured states, bf16 batched vs sequential
+
+
+def rel(a: Tensor, b: Tensor) -> float:
+    """Relative RMS difference ``||a - b|| / ||b||`` in float64."""
+    a64, b64 = a.double(), b.double()
+    return float((a64 - b64).norm() / b64.norm().clamp_min(1e-30))
+
+
+@pytest.fixture(scope="module")
+def models() -> Iterator[tuple[TargetModel, TargetModel]]:
+    """(float32, bf16) models with the same seeded weights on cuda:0."""
+    config = HybridConfig.nine_b_shape()
+    f32 = TargetModel.seeded(config, seed=SEED, dtype=torch.float32, device="cuda")
+    bf16 = TargetModel.seeded(config, seed=SEED, dtype=torch.bfloat16, device="cuda")
+    bf16.kernel_backend = "triton"
+    yield f32, bf16
+    del f32, bf16
+    torch.cuda.empty_cache()
+
+
+def _prompt(vocab: int) -> Tensor:
+    gen = torch.Generator(device="cpu").manual_seed(SEED)
+    return torch.randint(0, vocab, (1, PROMPT_LEN), generator=gen).cuda()
+
+
+@torch.inference_mode()
+def _prefill_decode(model: TargetModel, prompt: Tensor, tokens: list[int]) -> list[Tensor]:
+    caches = model.new_caches(max_len=PROMPT_LEN + len(tokens) + 1, max_draft=1)
+    logits, _ = model(prompt, caches, "prefill")
+    out = [logits[0, -1].float()]
+    for tok in tokens:
+        logits, _ = model(torch.tensor([[tok]], device="cuda"), caches, "decode")
+        out.append(logits[0, -1].float())
+    return out
+
+
+@torch.inference_mode()
+def test_prefill_decode_bf16_and_triton_agree_with_f32_reference(
+    models: tuple[TargetModel, TargetModel],
+) -> None:
+    f32, bf16 = models
+    prompt = _prompt(f32.config.vocab_size)
+    f32.kernel_backend = "reference"
+    ref_caches = f32.new_caches(max_len=PROMPT_LEN + DECODE_STEPS + 1, max_draft=1)
+    logits, _ = f32(prompt, ref_caches, "prefill")
+    ref, tokens = [logits[0, -1].float()], []
+    for _ in range(DECODE_STEPS):
+        tokens.append(int(ref[-1].argmax()))
+        logits, _ = f32(torch.tensor([[tokens[-1]]], device="cuda"), ref_caches, "decode")
+        ref.append(logits[0, -1].float())
+    f32.kernel_backend = "triton"
+    got_f32 = _prefill_decode(f32, prompt, tokens)
+    got_bf16 = _prefill_decode(bf16, prompt, tokens)
+    for step, (r, a, b) in enumerate(zip(ref, got_f32, got_bf16, strict=True)):
+        what = "prefill" if step == 0 else f"decode {step}"
+        print(
+            f"{what:>9}: f32-triton rel {rel(a, r):.2e} max|Δ| {float((a - r).abs().max()):.2e}"
+            f" | bf16-triton rel {rel(b, r):.2e} max|Δ| {float((b - r).abs().max()):.2e}"
+            f" | |ref| rms {float(r.pow(2).mean().sqrt()):.2f}"
+            f" | argmax ref {int(r.argmax())} bf16 {int(b.argmax())}"
+        )
+        assert rel(a, r) <= F32_REL_TOL, f"{what}: f32 Triton vs reference"
+        assert rel(b, r) <= BF16_REL_TOL, f"{what}: bf16 vs f32 reference"
+
+
+def _live_states(caches: ShardCaches) -> list[Tensor]:
+    return [caches.pool.live_views(layer)[0].clone() for layer in caches.pool.layer_ids]
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@torch.inference_mode()
+def test_verify_capture_equals_sequential_decode(
+    models: tuple[TargetModel, TargetModel], dtype_name: str
+) -> None:
+    f32, bf16 = models
+    model = f32 if dtype_name == "float32" else bf16
+    model.kernel_backend = "triton"
+    prompt = _prompt(model.config.vocab_size)
+    gen = torch.Generator(device="cpu").manual_seed(SEED + 1)
+    draft = torch.randint(0, model.config.vocab_size, (1, DRAFT), generator=gen).cuda()
+
+    seq = model.new_caches(max_len=PROMPT_LEN + DRAFT, max_draft=DRAFT)
+    model(prompt, seq, "prefill")
+    seq_logits, seq_states = [], []
+    for i in range(DRAFT):
+        logits, _ = model(draft[:, i : i + 1], seq, "decode")
+        seq_logits.append(logits[0, -1].float())
+        seq_states.append(_live_states(seq))
+
+    ver = model.new_caches(max_len=PROMPT_LEN + DRAFT, max_draft=DRAFT)
+    model(prompt, ver, "prefill")
+    before = _live_states(ver)
+    ver.pool.checkpoints.fill_(float("nan"))  # an unwritten slot cannot pass
+    logits, _ = model(draft, ver, "verify", geometry=require_chain(list(range(-1, DRAFT - 1))))
+    torch.cuda.synchronize()
+
+    tol = F32_REL_TOL if dtype_name == "float32" else BF16_CAPTURE_TOL
+    logit_errs = [rel(logits[0, i].float(), seq_logits[i]) for i in range(DRAFT)]
+    state_errs = [
+        max(rel(ver.pool.checkpoints[i, :, s], seq_states[s][i]) for i in range(len(before)))
+        for s in range(DRAFT)
+    ]
+    print(
+        f"{dtype_name}: verify vs sequential, per slot: logits rel max {max(logit_errs):.2e}, "
+        f"captured state rel max over layers {[f'{e:.1e}' for e in state_errs]}"
+    )
+    for i, state in enumerate(_live_states(ver)):
+        assert torch.equal(state, before[i]), f"verify changed the live state of pool layer {i}"
+        assert torch.equal(ver.pool.snapshot[i], before[i]), f"snapshot of pool layer {i}"
+    assert max(state_errs) <= tol
+    assert max(logit_errs) <= (tol if dtype_name == "float32" else BF16_REL_TOL)
+    # fast rollback to slot 5 lands on the sequential state after 5 tokens
+    ver.pool.restore_checkpoint(5)
+    for i, state in enumerate(_live_states(ver)):
+        assert torch.equal(state, ver.pool.checkpoints[i, :, 4])
+        assert rel(state, seq_states[4][i]) <= tol

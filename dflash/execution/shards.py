@@ -176,6 +176,7 @@ class ShardedTarget:
     def checkpoint_bytes(self) -> int:
         return sum(s.caches.checkpoint_bytes for s in self.shards)
 
+    @torch.inference_mode()
     def forward(
         self,
         ids: Sequence[int],

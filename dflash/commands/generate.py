@@ -1,0 +1,261 @@
+"""``dflash generate``: speculative decoding on a target model (the main job).
+
+With no ``--model`` it runs the built-in tiny default model and its default drafter.
+``--json`` prints exactly one JSON object (the ``GenerationResult``) on stdout; the
+progress bar and the summary table go to stderr.  Exit status: 0 done, 1 ``--check-parity``
+found a difference, 2 unusable arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, TextIO
+
+from dflash.execution.errors import ExecutionError, LayerSplitError, RollbackConfigError
+from dflash.execution.policy import ENV_VAR, ROLLBACK_MODES, RollbackPolicy
+from dflash.execution.results import GenerationResult
+
+USAGE_ERRORS: tuple[type[Exception], ...] = (LayerSplitError, RollbackConfigError)
+
+
+def add_generation_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``generate`` and ``bench``."""
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="checkpoint directory, 'tiny' (built-in default) or 'nine-b-shape' "
+        "(seeded weights in the Qwen3.5-9B shape)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of built-in model weights")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="model dtype (default: float32 for tiny or on CPU, else bfloat16)",
+    )
+    p.add_argument(
+        "--draft",
+        default="dflash",
+        help="DFlash drafter directory, 'dflash' (built-in seeded default), "
+        "'prompt-lookup' or 'synthetic' (benchmark drafter, see --acceptance)",
+    )
+    p.add_argument(
+        "--acceptance",
+        type=float,
+        default=0.4,
+        help="synthetic drafter: per-slot probability of proposing the target's token",
+    )
+    p.add_argument("--draft-seed", type=int, default=0)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None, help="prompt text")
+    src.add_argument("--prompt-ids", default=None, help="prompt token ids, e.g. 3,14,15")
+    src.add_argument(
+        "--prompt-len", type=int, default=None, help="a prompt of N seeded random token ids"
+    )
+    p.add_argument("--prompt-seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--eos-id", type=int, default=None, help="stop after this token id")
+    p.add_argument(
+        "--devices",
+        default=None,
+        help="comma-separated devices, one per shard (default: cuda:0 if available, else cpu)",
+    )
+    p.add_argument(
+        "--layer-split", default=None, help="layers per shard, e.g. 16,16 (default: even split)"
+    )
+    p.add_argument(
+        "--non-deterministic",
+        action="store_true",
+        help="let decode forwards use their natural shapes (parity then holds only "
+        "up to floating-point ties)",
+    )
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "generate", help="speculative decoding (the main job)", description=__doc__.splitlines()[0]
+    )
+    add_generation_options(p)
+    p.add_argument(
+        "--rollback",
+        choices=ROLLBACK_MODES,
+        default=None,
+        help=f"rollback mode (default: ${ENV_VAR}, else replay)",
+    )
+    p.add_argument(
+        "--check-parity",
+        action="store_true",
+        help="also run target-only greedy decoding and compare token for token",
+    )
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.set_defaults(run=run)
+
+
+def default_devices() -> str:
+    import torch
+
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+class Progress:
+    """A one-line progress bar on a stream (stderr)."""
+
+    def __init__(self, total: int, stream: TextIO, enabled: bool) -> None:
+        self.total, self.stream, self.enabled = total, stream, enabled
+
+    def __call__(self, done: int, engine: Any) -> None:
+        if not self.enabled:
+            return
+        width = 30
+        filled = width * done // max(self.total, 1)
+        bar = "#" * filled + "." * (width - filled)
+        status = engine.status.value
+        self.stream.write(f"\r[{bar}] {done}/{self.total} tokens  rollback {status}   ")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def summary_table(r: GenerationResult) -> str:
+    rows = [
+        ("tokens", f"{len(r.tokens)} (stop: {r.stop_reason})"),
+        ("sha256", r.sha256),
+        ("drafter", r.drafter),
+        ("block size", str(r.block_size)),
+        ("steps", str(r.steps)),
+        ("acceptance rate", f"{r.acceptance_rate:.3f}"),
+        ("avg commit", f"{r.avg_commit:.2f}"),
+        ("target forwards/step", f"{r.target_forwards_per_step:.2f}"),
+        (
+            "rollback",
+            f"requested {r.rollback.requested}, status {r.rollback.status.value} "
+            f"(at start {r.rollback.status_at_start.value})",
+        ),
+        (
+            "rollbacks",
+            f"fast {r.rollback.fast}, replay {r.rollback.replay}, "
+            f"replay after failure {r.rollback.replay_after_failure}",
+        ),
+        ("capture gate", r.capture.verdict + (f": {r.capture.reason}" if r.capture.reason else "")),
+        ("checkpoint bytes", f"{r.checkpoint_bytes:,}"),
+        ("devices / split", f"{','.join(r.devices)} / {','.join(map(str, r.layer_split))}"),
+        ("deterministic", str(r.deterministic)),
+        ("parity", "not checked" if r.parity is None else str(r.parity).lower()),
+        ("prefill", f"{r.timings.prefill_s:.3f} s"),
+        ("decode", f"{r.timings.decode_s:.3f} s, {r.timings.tokens_per_s:.1f} tokens/s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def execute(args: argparse.Namespace, *, progress: bool) -> GenerationResult:
+    """Build model, shards and drafter from ``args`` and run one generation."""
+    from dflash.execution.run import generate
+    from dflash.execution.session import (
+        build_drafter,
+        build_model,
+        encode_prompt,
+        parse_dtype,
+    )
+    from dflash.execution.shards import plan_shards
+
+    policy = RollbackPolicy.resolve(
+        getattr(args, "rollback", None),
+        environ=os.environ,
+        deterministic=not args.non_deterministic,
+    )
+    devices = args.devices or default_devices()
+    first = devices.split(",")[0].strip()
+    dtype = parse_dtype(args.dtype, args.model, first)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    if args.block_size < 2:
+        raise ValueError(f"--block-size must be >= 2 (got {args.block_size})")
+    if not 0.0 <= args.acceptance <= 1.0:
+        raise ValueError(f"--acceptance must be in [0, 1] (got {args.acceptance})")
+    import torch
+
+    from dflash.model import HybridConfig
+
+    # validate the split against the layer count before building a large model
+    if args.model == "tiny":
+        num_layers = HybridConfig.tiny_default().num_hidden_layers
+    elif args.model == "nine-b-shape":
+        num_layers = HybridConfig.nine_b_shape().num_hidden_layers
+    else:
+        num_layers = HybridConfig.from_hf_config(args.model).num_hidden_layers
+    plan = plan_shards(num_layers, devices, args.layer_split)
+    if first.startswith("cuda"):
+        torch.cuda.set_device(torch.device(first))
+    model = build_model(args.model, seed=args.seed, dtype=dtype, device=first)
+    prompt = encode_prompt(
+        args.model,
+        model.config.vocab_size,
+        text=args.prompt,
+        ids=args.prompt_ids,
+        length=args.prompt_len,
+        seed=args.prompt_seed,
+    )
+    drafter, oracle = build_drafter(
+        args.draft,
+        model,
+        prompt,
+        plan=plan,
+        acceptance=args.acceptance,
+        seed=args.draft_seed,
+        max_new_tokens=args.max_new_tokens,
+        block_size=args.block_size,
+        deterministic=policy.deterministic,
+    )
+    start = "off" if not policy.fast else "requested"
+    print(
+        f"dflash generate: rollback requested {policy.mode}, status {start}; "
+        f"deterministic {policy.deterministic}",
+        file=sys.stderr,
+    )
+    bar = Progress(args.max_new_tokens, sys.stderr, progress)
+    try:
+        return generate(
+            model,
+            drafter,
+            prompt,
+            plan=plan,
+            max_new_tokens=args.max_new_tokens,
+            block_size=args.block_size,
+            policy=policy,
+            check_parity=bool(getattr(args, "check_parity", False)),
+            oracle_tokens=oracle,
+            eos_id=args.eos_id,
+            on_progress=bar,
+        )
+    finally:
+        bar.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash.execution.session import SessionError
+    from dflash.geometry import GeometryError
+    from dflash.model import ConfigError
+    from dflash.model.drafters import DrafterError
+
+    try:
+        result = execute(args, progress=not args.no_progress)
+    except (*USAGE_ERRORS, SessionError, ConfigError, DrafterError, ValueError) as exc:
+        print(f"dflash generate: error: {exc}", file=sys.stderr)
+        return 2
+    except (ExecutionError, GeometryError) as exc:
+        print(f"dflash generate: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 3
+    print(summary_table(result), file=sys.stderr)
+    if args.json:
+        sys.stdout.write(result.model_dump_json() + "\n")
+    else:
+        print(" ".join(map(str, result.tokens)))
+    return 1 if result.parity is False else 0

@@ -1,0 +1,194 @@
+"""The capture gate: refusal on every kind of bad evidence, the self-test, stickiness, reset."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from dflash.execution import (
+    CaptureGate,
+    RollbackPolicy,
+    RollbackStatus,
+    ShardedTarget,
+    SpecDecoder,
+    chain_of,
+    plan_shards,
+)
+from dflash.execution.capture_gate import ShardStorage
+from dflash.model import TargetModel
+from dflash.model.drafters import SyntheticDrafter
+
+T = 3  # verify slots; the pools hold S = 4, so slot 3 must stay untouched
+
+
+def _verify_with_gate(
+    tiny: TargetModel,
+    corrupt_during: Callable[[int, list[ShardStorage]], None] | None = None,
+) -> tuple[CaptureGate, ShardedTarget, list[ShardStorage], dict[int, torch.Tensor]]:
+    target = ShardedTarget(tiny, plan_shards(6, "cpu,cpu", "3,3"), max_len=32, max_draft=4)
+    target.forward([1, 2, 3, 4, 5], "prefill", 0)
+    gate = CaptureGate(requested=True, tolerance=1e-4)
+    storages = target.storages()
+    gate.arm(storages)
+    for s in storages:
+        assert torch.isnan(s.pool.checkpoints).all()  # poisoned before the verify
+
+    def after(k: int) -> None:
+        if corrupt_during is not None:
+            corrupt_during(k, storages)
+        gate.after_shard(k, storages)
+
+    _, taps = target.forward([9, 8, 7], "verify", 5, geometry=chain_of(T), taps=(1, 4),
+                             after_shard=after)
+    return gate, target, storages, taps
+
+
+def test_clean_verify_passes_every_check(tiny: TargetModel) -> None:
+    gate, _, storages, taps = _verify_with_gate(tiny)
+    assert gate.judge(storages, T, taps, (1, 4), step=0)
+    shards = gate.report.shards
+    assert [e.recurrent_layers for e in shards] == [(0, 1), (3, 4)]
+    assert all(e.ok and e.checkpoint_dtype == "float32" and e.slots_expected == T for e in shards)
+    assert [e.taps_expected for e in shards] == [(1,), (4,)]
+    assert gate.report.verdict == "not_run"  # evidence ok; the self-test decides
+
+
+@pytest.mark.parametrize(
+    ("name", "tamper", "message"),
+    [
+        ("missing storage", lambda s: setattr(s[1].pool, "checkpoints", torch.empty(0)),
+         "capture storage missing"),
+        ("wrong dtype", lambda s: setattr(s[0].pool, "checkpoints", s[0].pool.checkpoints.double()),
+         "must be float32"),
+        ("unwritten slot", lambda s: s[1].pool.checkpoints[1, :, 2].fill_(float("nan")),
+         "unwritten, first layer 4 slot 2"),
+        ("unwritten conv row", lambda s: s[0].pool.captured[0, :, 4].fill_(float("nan")),
+         "layer 0 captured row 4"),
+        ("slot past the verify", lambda s: s[0].pool.checkpoints[0, :, T].zero_(),
+         "a slot past the verify's 3 was written"),
+        ("wrong shape", lambda s: setattr(s[0].pool, "checkpoints", s[0].pool.checkpoints[:, :, :, :2]),
+         "checkpoints shape"),
+    ],
+)
+def test_gate_refuses_bad_evidence(
+    tiny: TargetModel, name: str, tamper: Callable[[list[ShardStorage]], None], message: str
+) -> None:
+    gate, _, storages, taps = _verify_with_gate(tiny)
+    tamper(storages)
+    assert not gate.judge(storages, T, taps, (1, 4), step=0), name
+    assert gate.report.verdict == "refused"
+    assert message in (gate.report.reason or "")
+    assert not gate.pending  # sticky: no second attempt until the storage is rebuilt
+
+
+def test_gate_refuses_a_write_into_another_shards_storage(tiny: TargetModel) -> None:
+    def shard0_writes_shard1(k: int, storages: list[ShardStorage]) -> None:
+        if k == 0:
+            storages[1].pool.checkpoints[0, :, 0].zero_()
+
+    gate, _, storages, taps = _verify_with_gate(tiny, shard0_writes_shard1)
+    assert not gate.judge(storages, T, taps, (), step=0)
+    assert "non-owner write" in (gate.report.reason or "")
+    assert gate.report.shards[1].non_owner_writes
+
+
+def test_gate_refuses_a_later_shard_rewriting_an_earlier_one(tiny: TargetModel) -> None:
+    def shard1_writes_shard0(k: int, storages: list[ShardStorage]) -> None:
+        if k == 1:
+            storages[0].pool.checkpoints[1, :, 1].add_(1.0)
+
+    gate, _, storages, taps = _verify_with_gate(tiny, shard1_writes_shard0)
+    assert not gate.judge(storages, T, taps, (), step=0)
+    assert "shard 0's storage changed while shard 1 ran" in (gate.report.reason or "")
+
+
+def test_gate_refuses_ownership_map_mismatch_and_missing_taps(tiny: TargetModel) -> None:
+    gate, _, storages, taps = _verify_with_gate(tiny)
+    lying = [storages[0], ShardStorage(**{**storages[1].__dict__, "owned_recurrent": (3,)})]
+    assert not gate.judge(lying, T, taps, (), step=0)
+    assert "pool holds recurrent layers [3, 4] but the shard owns [3]" in (gate.report.reason or "")
+    gate2, _, storages2, _ = _verify_with_gate(tiny)
+    assert not gate2.judge(storages2, T, {}, (1,), step=0)
+    assert "tap-layer features not written for layers [1]" in (gate2.report.reason or "")
+
+
+# -- end to end: the engine's status follows the gate --------------------------------------
+
+
+def _engine(tiny: TargetModel, oracle: list[int], prompt: list[int], mode: str) -> SpecDecoder:
+    target = ShardedTarget(tiny, plan_shards(6, "cpu,cpu", "3,3"), max_len=64, max_draft=4)
+    drafter = SyntheticDrafter(prompt + oracle, 0.6, tiny.config.vocab_size, seed=2)
+    return SpecDecoder(target, drafter, block_size=4, policy=RollbackPolicy(mode=mode))
+
+
+def _decode(engine: SpecDecoder, prompt: list[int], n: int) -> list[int]:
+    out = [engine.prefill(prompt)]
+    while len(out) < n:
+        out.extend(engine.step())
+    return out[:n]
+
+
+def test_refused_gate_keeps_requested_status_and_replays(
+    tiny: TargetModel, greedy: Callable[[str, int], list[int]], prompts: dict[str, list[int]]
+) -> None:
+    oracle = greedy("digits", 16)
+    engine = _engine(tiny, oracle, prompts["digits"], "remap")
+    original = engine.gate.after_shard
+
+    def non_owner(k: int, storages: list[ShardStorage]) -> None:
+        if k == 0:
+            storages[1].pool.captured[0, :, 0].zero_()
+        original(k, storages)
+
+    engine.gate.after_shard = non_owner  # type: ignore[method-assign]  # test double
+    assert engine.status is RollbackStatus.REQUESTED
+    assert _decode(engine, prompts["digits"], 12) == oracle[:12]
+    assert engine.status is RollbackStatus.REQUESTED  # never "effective", never "on"
+    assert engine.gate.report.verdict == "refused"
+    assert all(r.path == "replay" for r in engine.records)
+
+
+def test_self_test_catches_an_off_by_one_slot(
+    tiny: TargetModel, greedy: Callable[[str, int], list[int]], prompts: dict[str, list[int]]
+) -> None:
+    oracle = greedy("digits", 16)
+    engine = _engine(tiny, oracle, prompts["digits"], "checkpoint")
+    original = CaptureGate.save_slot
+    engine.gate.save_slot = lambda storages, slot: original(  # type: ignore[method-assign]
+        storages, slot + 1 if slot == 0 else slot - 1
+    )
+    assert _decode(engine, prompts["digits"], 8) == oracle[:8]
+    report = engine.gate.report
+    assert report.verdict == "refused" and "numerical self-test" in (report.reason or "")
+    assert report.self_test is not None and not report.self_test.passed
+    assert engine.counts["fast"] == 0
+
+
+def test_gate_is_sticky_and_resets_on_storage_rebuild(
+    tiny: TargetModel, greedy: Callable[[str, int], list[int]], prompts: dict[str, list[int]]
+) -> None:
+    oracle = greedy("digits", 28)
+    engine = _engine(tiny, oracle, prompts["digits"], "remap")
+    out = [engine.prefill(prompts["digits"])]
+    out += engine.step()
+    report = engine.gate.report
+    assert report.verdict == "validated" and report.validated_at_step == 0
+    assert report.self_test is not None and report.self_test.passed
+    assert report.self_test.rel_err <= 1e-4
+    out += engine.step()
+    out += engine.step()
+    assert engine.gate.report is report  # sticky: no new evidence collected
+    assert engine.target.shards[0].caches.pool.live_slot is not None  # live state in a slot
+    engine.rebuild_storage()
+    assert engine.status is RollbackStatus.REQUESTED
+    assert engine.gate.report.storage_generation == 1
+    step = len(engine.records)
+    out += engine.step()
+    assert engine.records[-1].path == "replay"
+    assert engine.gate.report.validated_at_step == step
+    while len(out) < 24:
+        out += engine.step()
+    assert out[:24] == oracle[:24]
+    assert engine.status is RollbackStatus.EFFECTIVE

@@ -145,7 +145,8 @@ class DFlashDrafter(nn.Module):
         ``[Tc, F]`` are the context rows at positions ``position-Tc .. position-1``.
         """
         cfg = self.config
-        x = F.embedding(block.to(self.device), self._embed_weight).to(self.dtype)  # [Tb, H]
+        embed = self._embed_weight
+        x = F.embedding(block.to(embed.device), embed).to(self.device, self.dtype)  # [Tb, H]
         if cfg.context_window is not None:
             features = features[-cfg.context_window :]
         context = self.hidden_norm(self.fc(features.to(self.device, self.dtype)))  # [Tc, H]
@@ -158,8 +159,10 @@ class DFlashDrafter(nn.Module):
         return out
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """``[..., V]`` logits through the target's LM head."""
-        return F.linear(hidden.to(self._lm_head_weight.dtype), self._lm_head_weight)
+        """``[..., V]`` logits through the target's LM head (on the LM head's device, which
+        may differ from the embedding's when the target is split across devices)."""
+        weight = self._lm_head_weight
+        return F.linear(hidden.to(weight.device, weight.dtype), weight)
 
     def propose(
         self, context: list[int], last: int, block_size: int, features: Tensor | None
@@ -168,8 +171,7 @@ class DFlashDrafter(nn.Module):
         check_block_size(block_size)
         check_token("last", last, self.config.vocab_size)
         n_context = len(check_context(context, check_tokens=False))
-        self._check_features(features, n_context)
-        assert features is not None  # checked above; narrows the type
+        features = self._check_features(features, n_context)
         block = torch.full((block_size,), self.config.mask_token_id, dtype=torch.long)
         block[0] = last  # [last, mask × (B-1)]
         with torch.no_grad():
@@ -177,7 +179,7 @@ class DFlashDrafter(nn.Module):
             logits = self.logits(hidden[1:])  # [B-1, V]: the mask slots
         return [int(t) for t in logits.argmax(dim=-1).tolist()]
 
-    def _check_features(self, features: Tensor | None, n_context: int) -> None:
+    def _check_features(self, features: Tensor | None, n_context: int) -> Tensor:
         width = self.config.feature_size
         if features is None:
             raise DraftArgumentError(
@@ -199,6 +201,7 @@ class DFlashDrafter(nn.Module):
             )
         if not features.is_floating_point():
             raise DraftArgumentError(f"'features' must be floating point (got {features.dtype})")
+        return features
 
 
 def _check_target_weight(name: str, weight: object, config: DFlashConfig) -> None:

@@ -66,10 +66,9 @@ class PromptLookupDrafter:
         if self.max_search is not None:
             seq = seq[-self.max_search :]
         length = len(seq)
-        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            start = _most_recent_occurrence(seq, n)
-            if start is None:
-                continue
+        match = _longest_recent_match(seq, self.max_ngram)
+        if match is not None and match[0] >= self.min_ngram:
+            n, start = match
             ext = list(seq)
             for k in range(block_size - 1):
                 ext.append(ext[start + n + k])  # start+n+k < len(ext): periodic once past seq
@@ -85,12 +84,22 @@ class PromptLookupDrafter:
         return list(self.lookup(context, last, block_size).tokens)
 
 
-def _most_recent_occurrence(seq: list[int], n: int) -> int | None:
-    """Largest ``j < len(seq) - n`` with ``seq[j:j+n] == seq[-n:]``, or None."""
+def _longest_recent_match(seq: list[int], max_ngram: int) -> tuple[int, int] | None:
+    """``(n, j)``: the largest ``n <= max_ngram`` such that ``seq[j:j+n] == seq[-n:]`` for some
+    ``j < len(seq) - n``, with the largest such ``j``; None when ``seq[-1]`` never occurred
+    before. Every occurrence ends on a copy of ``seq[-1]``, so only those are examined,
+    most recent first."""
     length = len(seq)
-    pattern = seq[length - n :]
-    end_token = pattern[-1]
-    for j in range(length - n - 1, -1, -1):
-        if seq[j + n - 1] == end_token and seq[j : j + n] == pattern:
-            return j
-    return None
+    last = seq[-1]
+    ends = [i for i, token in enumerate(seq[:-1]) if token == last]
+    best: tuple[int, int] | None = None
+    for i in reversed(ends):
+        # n = common suffix length of seq[:i+1] and seq, capped by max_ngram and by i+1
+        n = 1
+        while n < max_ngram and n <= i and seq[i - n] == seq[length - 1 - n]:
+            n += 1
+        if best is None or n > best[0]:
+            best = (n, i - n + 1)
+            if n == max_ngram:
+                break
+    return best

@@ -86,14 +86,17 @@ def _reference(seq: list[int], n_max: int, n_min: int) -> tuple[int, int] | None
     last=st.integers(0, 3),
     block_size=st.integers(2, 12),
     n_max=st.integers(1, 4),
+    n_min=st.integers(1, 4),
 )
 def test_matches_brute_force_reference(
-    context: list[int], last: int, block_size: int, n_max: int
+    context: list[int], last: int, block_size: int, n_max: int, n_min: int
 ) -> None:
-    result = PromptLookupDrafter(max_ngram=n_max).lookup(context, last, block_size)
+    n_min = min(n_min, n_max)
+    drafter = PromptLookupDrafter(max_ngram=n_max, min_ngram=n_min)
+    result = drafter.lookup(context, last, block_size)
     seq = [*context, last]
     assert len(result.tokens) == block_size - 1
-    expected = _reference(seq, n_max, 1)
+    expected = _reference(seq, n_max, n_min)
     if expected is None:
         assert result.ngram == 0 and result.tokens == (last,) * (block_size - 1)
         return

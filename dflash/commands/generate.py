@@ -245,9 +245,16 @@ def run(args: argparse.Namespace) -> int:
     from dflash.model import ConfigError
     from dflash.model.drafters import DrafterError
 
+    usage: tuple[type[Exception], ...] = (
+        *USAGE_ERRORS,
+        SessionError,
+        ConfigError,
+        DrafterError,
+        ValueError,
+    )
     try:
         result = execute(args, progress=not args.no_progress)
-    except (*USAGE_ERRORS, SessionError, ConfigError, DrafterError, ValueError) as exc:
+    except usage as exc:
         print(f"dflash generate: error: {exc}", file=sys.stderr)
         return 2
     except (ExecutionError, GeometryError) as exc:

@@ -40,8 +40,9 @@ def _verify_with_gate(
             corrupt_during(k, storages)
         gate.after_shard(k, storages)
 
-    _, taps = target.forward([9, 8, 7], "verify", 5, geometry=chain_of(T), taps=(1, 4),
-                             after_shard=after)
+    _, taps = target.forward(
+        [9, 8, 7], "verify", 5, geometry=chain_of(T), taps=(1, 4), after_shard=after
+    )
     return gate, target, storages, taps
 
 
@@ -58,18 +59,36 @@ def test_clean_verify_passes_every_check(tiny: TargetModel) -> None:
 @pytest.mark.parametrize(
     ("name", "tamper", "message"),
     [
-        ("missing storage", lambda s: setattr(s[1].pool, "checkpoints", torch.empty(0)),
-         "capture storage missing"),
-        ("wrong dtype", lambda s: setattr(s[0].pool, "checkpoints", s[0].pool.checkpoints.double()),
-         "must be float32"),
-        ("unwritten slot", lambda s: s[1].pool.checkpoints[1, :, 2].fill_(float("nan")),
-         "unwritten, first layer 4 slot 2"),
-        ("unwritten conv row", lambda s: s[0].pool.captured[0, :, 4].fill_(float("nan")),
-         "layer 0 captured row 4"),
-        ("slot past the verify", lambda s: s[0].pool.checkpoints[0, :, T].zero_(),
-         "a slot past the verify's 3 was written"),
-        ("wrong shape", lambda s: setattr(s[0].pool, "checkpoints", s[0].pool.checkpoints[:, :, :, :2]),
-         "checkpoints shape"),
+        (
+            "missing storage",
+            lambda s: setattr(s[1].pool, "checkpoints", torch.empty(0)),
+            "capture storage missing",
+        ),
+        (
+            "wrong dtype",
+            lambda s: setattr(s[0].pool, "checkpoints", s[0].pool.checkpoints.double()),
+            "must be float32",
+        ),
+        (
+            "unwritten slot",
+            lambda s: s[1].pool.checkpoints[1, :, 2].fill_(float("nan")),
+            "unwritten, first layer 4 slot 2",
+        ),
+        (
+            "unwritten conv row",
+            lambda s: s[0].pool.captured[0, :, 4].fill_(float("nan")),
+            "layer 0 captured row 4",
+        ),
+        (
+            "slot past the verify",
+            lambda s: s[0].pool.checkpoints[0, :, T].zero_(),
+            "a slot past the verify's 3 was written",
+        ),
+        (
+            "wrong shape",
+            lambda s: setattr(s[0].pool, "checkpoints", s[0].pool.checkpoints[:, :, :, :2]),
+            "checkpoints shape",
+        ),
     ],
 )
 def test_gate_refuses_bad_evidence(

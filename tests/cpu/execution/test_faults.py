@@ -28,12 +28,18 @@ N = 14
 PROMPT = "digits"
 
 
-def _engine(tiny: TargetModel, oracle: list[int], prompt: list[int], mode: str,
-            faults: FaultInjector | None = None) -> SpecDecoder:
+def _engine(
+    tiny: TargetModel,
+    oracle: list[int],
+    prompt: list[int],
+    mode: str,
+    faults: FaultInjector | None = None,
+) -> SpecDecoder:
     target = ShardedTarget(tiny, plan_shards(6, "cpu,cpu", "3,3"), max_len=64, max_draft=4)
     drafter = SyntheticDrafter(prompt + oracle, 0.6, tiny.config.vocab_size, seed=5)
-    return SpecDecoder(target, drafter, block_size=4, policy=RollbackPolicy(mode=mode),
-                       faults=faults)
+    return SpecDecoder(
+        target, drafter, block_size=4, policy=RollbackPolicy(mode=mode), faults=faults
+    )
 
 
 def _decode(engine: SpecDecoder, prompt: list[int], n: int) -> list[int]:
@@ -46,8 +52,11 @@ def _decode(engine: SpecDecoder, prompt: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("mode", ["checkpoint", "remap"])
 @pytest.mark.parametrize("phase", [p for p in FaultPhase if p is not FaultPhase.DURING_RECOVERY])
 def test_fault_at_every_phase_emits_only_greedy_tokens(
-    tiny: TargetModel, greedy: Callable[[str, int], list[int]], prompts: dict[str, list[int]],
-    mode: str, phase: FaultPhase,
+    tiny: TargetModel,
+    greedy: Callable[[str, int], list[int]],
+    prompts: dict[str, list[int]],
+    mode: str,
+    phase: FaultPhase,
 ) -> None:
     oracle = greedy(PROMPT, N + 4)
     # step 0 validates the gate (replay); the fault hits the fast rollback of steps 1 and 3
@@ -78,10 +87,10 @@ def test_failed_recovery_leaves_poisoned_and_verify_refuses(
         """mid-restore on step 1, then the recovery itself fails once."""
 
         def fire(self, phase: FaultPhase, step: int, shard: int | None = None) -> None:
-            if (phase, step) in {(FaultPhase.MID_RESTORE, 1), (FaultPhase.DURING_RECOVERY, 1)}:
-                if (step, phase) not in self.fired:
-                    self.phase = phase
-                    super().fire(phase, step, shard)
+            wanted = {(FaultPhase.MID_RESTORE, 1), (FaultPhase.DURING_RECOVERY, 1)}
+            if (phase, step) in wanted and (step, phase) not in self.fired:
+                self.phase = phase
+                super().fire(phase, step, shard)
 
     engine = _engine(tiny, oracle, prompt, "checkpoint", Twice())
     out = [engine.prefill(prompt)]

@@ -30,6 +30,7 @@ PROMPTS: dict[str, list[int]] = {}
 def _prompts(prompts: dict[str, list[int]]) -> None:
     PROMPTS.update(prompts)
 
+
 N = 12
 CASES = [  # (prompt, block size, acceptance)
     ("digits", 2, 0.0),
@@ -39,21 +40,40 @@ CASES = [  # (prompt, block size, acceptance)
 ]
 
 
-def _run(tiny: TargetModel, oracle: list[int], prompt: str, block: int, p: float, mode: str,
-         *, devices: str = "cpu", split: str | None = None, deterministic: bool = True):
+def _run(
+    tiny: TargetModel,
+    oracle: list[int],
+    prompt: str,
+    block: int,
+    p: float,
+    mode: str,
+    *,
+    devices: str = "cpu",
+    split: str | None = None,
+    deterministic: bool = True,
+):
     # the drafter's oracle reaches a block past the budget, so p=1 accepts every slot
     drafter = SyntheticDrafter(PROMPTS[prompt] + oracle, p, tiny.config.vocab_size, seed=3)
     return generate(
-        tiny, drafter, PROMPTS[prompt], plan=plan_shards(6, devices, split), max_new_tokens=N,
-        block_size=block, policy=RollbackPolicy(mode=mode, deterministic=deterministic),
+        tiny,
+        drafter,
+        PROMPTS[prompt],
+        plan=plan_shards(6, devices, split),
+        max_new_tokens=N,
+        block_size=block,
+        policy=RollbackPolicy(mode=mode, deterministic=deterministic),
     )
 
 
 @pytest.mark.parametrize("mode", ROLLBACK_MODES)
 @pytest.mark.parametrize(("prompt", "block", "p"), CASES)
 def test_every_mode_matches_target_only_greedy(
-    tiny: TargetModel, greedy: Callable[[str, int], list[int]], mode: str, prompt: str,
-    block: int, p: float,
+    tiny: TargetModel,
+    greedy: Callable[[str, int], list[int]],
+    mode: str,
+    prompt: str,
+    block: int,
+    p: float,
 ) -> None:
     oracle = greedy(prompt, N + block)
     result = _run(tiny, oracle, prompt, block, p, mode)
@@ -106,7 +126,11 @@ def test_deterministic_oracle_equals_plain_greedy(
     for name in ("digits", "short"):
         plain = greedy(name, N)
         fixed_shape = reference_greedy(
-            tiny, plan_shards(6, "cpu,cpu", "3,3"), PROMPTS[name], N, deterministic=True,
+            tiny,
+            plan_shards(6, "cpu,cpu", "3,3"),
+            PROMPTS[name],
+            N,
+            deterministic=True,
             block_size=4,
         )
         assert fixed_shape == plain
@@ -118,8 +142,14 @@ def test_check_parity_reports_true_and_the_oracle_sha(
     oracle = greedy("short", 8)
     drafter = SyntheticDrafter(PROMPTS["short"] + oracle, 0.5, tiny.config.vocab_size, seed=0)
     result = generate(
-        tiny, drafter, PROMPTS["short"], plan=plan_shards(6), max_new_tokens=8, block_size=4,
-        policy=RollbackPolicy(mode="remap"), check_parity=True,
+        tiny,
+        drafter,
+        PROMPTS["short"],
+        plan=plan_shards(6),
+        max_new_tokens=8,
+        block_size=4,
+        policy=RollbackPolicy(mode="remap"),
+        check_parity=True,
     )
     assert result.parity is True
     assert result.parity_sha256 == result.sha256 == token_sha256(oracle)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dflash.geometry import require_chain
+from dflash.kernels.checks import INTERPRET
 from dflash.model import CacheError, HybridConfig, ShardCaches, TargetModel
 
 PROMPT = [5, 17, 200, 3, 99, 42, 7]
@@ -167,3 +168,24 @@ def test_checkpoint_bytes_formula() -> None:
     expected = 4 * L * 2 * 5 * hv * k * v + 4 * L * 2 * (kc - 1 + 5) * c + 4 * L * 2 * hv * k * v
     assert caches.checkpoint_bytes == expected
     assert caches.pool.layer_ids == (0, 1, 3) and caches.kv.layer_ids == (2,)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton path on CPU needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("path", ["checkpoint", "remap"])
+@torch.inference_mode()
+def test_triton_path_rollback_matches_reference(model: TargetModel, path: str) -> None:
+    """The model on the Triton kernels (interpreter): verify, rollback (incl. the aliased
+    remap slot), verify again, decode — same logits as the reference sequential decode."""
+    triton_model = TargetModel.tiny_default(seed=3)
+    triton_model.kernel_backend = "triton"
+    caches = _prefilled(triton_model)
+    first = _verify(triton_model, caches, DRAFT[:4])
+    _rollback(triton_model, caches, path, 2, DRAFT)
+    second = _verify(triton_model, caches, [77, 1, 2])
+    _rollback(triton_model, caches, path, 3, [77, 1, 2])
+    final, _ = triton_model(_ids([200]), caches, "decode")
+    ref, _ = _sequential(model, [*DRAFT[:2], 77, 1, 2, 200])
+    ref_first, _ = _sequential(model, DRAFT[:4])
+    torch.testing.assert_close(first, ref_first, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(second, ref[2:5], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final[0, -1], ref[5], rtol=1e-4, atol=1e-4)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pydantic
+from pydantic_core import ErrorDetails
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
@@ -48,12 +49,15 @@ def read_config(directory: str | Path) -> DFlashConfig:
     try:
         return DFlashConfig.model_validate(raw)
     except pydantic.ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<config>'}: {err['msg']}"
-            + (f" (got {err['input']!r})" if err["loc"] else "")
-            for err in exc.errors()
-        )
+        problems = "; ".join(_describe(err) for err in exc.errors())
         raise CheckpointConfigError(f"{path}: invalid DFlash drafter config: {problems}") from exc
+
+
+def _describe(err: ErrorDetails) -> str:
+    """``field: rule (got value)``; a missing field or a cross-field rule has no value."""
+    where = ".".join(str(p) for p in err["loc"]) or "<config>"
+    shown = err["loc"] and err["type"] != "missing"
+    return f"{where}: {err['msg']}" + (f" (got {err['input']!r})" if shown else "")
 
 
 def read_weights(

@@ -101,6 +101,19 @@ def test_features_condition_every_slot_and_the_proposals(drafter: DFlashDrafter)
     assert len(proposals) > 1, "proposals do not depend on the features"
 
 
+def test_positions_are_relative_and_separate_identical_mask_slots(
+    drafter: DFlashDrafter,
+) -> None:
+    m = drafter.config.mask_token_id
+    feats = features(4, drafter.config)
+    block = torch.tensor([4, m, m, m])
+    at_4 = drafter.block_hidden(block, feats, 4)
+    # mask slots hold the same token; only their rotary positions tell them apart
+    assert (at_4[1] - at_4[2]).abs().max() > 1e-4 and (at_4[2] - at_4[3]).abs().max() > 1e-4
+    # attention sees relative positions only: shifting context and block together is a no-op
+    torch.testing.assert_close(drafter.block_hidden(block, feats, 904), at_4, rtol=1e-4, atol=1e-4)
+
+
 def test_context_window_uses_only_the_last_rows() -> None:
     embed, lm_head = target_weights()
     windowed = DFlashDrafter.random(config(context_window=3), embed, lm_head, seed=5)
@@ -222,6 +235,11 @@ def test_load_bad_config(tmp_path: Path) -> None:
         _load(tmp_path)
     assert "hidden_size" in str(err.value) and "-4" in str(err.value)
     assert "surprise" in str(err.value)
+    raw = json.loads(config().model_dump_json())
+    del raw["vocab_size"]
+    path.write_text(json.dumps(raw))
+    with pytest.raises(CheckpointConfigError, match=r"vocab_size: Field required$"):
+        _load(tmp_path)
 
 
 def test_load_config_that_disagrees_with_target(tmp_path: Path) -> None:

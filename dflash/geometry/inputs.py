@@ -90,6 +90,8 @@ def read_entries(parents: object, n: int) -> list[object] | Rejection:
         return _null(f"'parents' could not be read ({type(err).__name__})")
     if len(raw) != n:
         return _null(f"'parents' yielded {len(raw)} entries where its length said {n}")
+    if all(type(value) is int for value in raw):  # the common case: plain ints
+        return raw
     out: list[object] = []
     for value in raw:
         as_integer = as_int(value)

@@ -1,0 +1,137 @@
+"""``dflash generate``: the DESIGN.md §5 result contract, stdout/stderr discipline, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash.cli import main
+from dflash.execution import token_sha256
+
+FAST = ["--max-new-tokens", "8", "--block-size", "4", "--no-progress", "--devices", "cpu"]
+SECTION5 = {
+    "tokens",
+    "sha256",
+    "steps",
+    "acceptance_rate",
+    "avg_commit",
+    "target_forwards_per_step",
+    "rollback",
+    "capture",
+    "checkpoint_bytes",
+    "parity",
+    "timings",
+}
+
+
+def _json_run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[dict, str]:  # type: ignore[type-arg]
+    code = main(["generate", "--json", *FAST, *args])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 1  # exactly one JSON object on stdout, nothing else
+    return json.loads(lines[0]), err
+
+
+def test_json_result_has_the_section_5_contract(capsys: pytest.CaptureFixture[str]) -> None:
+    result, err = _json_run(capsys, "--rollback", "checkpoint", "--check-parity")
+    assert set(result) >= SECTION5
+    assert len(result["tokens"]) == 8 and all(isinstance(t, int) for t in result["tokens"])
+    assert result["sha256"] == token_sha256(result["tokens"])
+    assert set(result["rollback"]) >= {
+        "requested",
+        "status",
+        "fast",
+        "replay",
+        "replay_after_failure",
+    }
+    assert result["rollback"]["requested"] == "checkpoint"
+    assert result["rollback"]["status"] == "effective"
+    assert result["capture"]["verdict"] == "validated"
+    assert set(result["timings"]) == {"prefill_s", "decode_s", "tokens_per_s"}
+    assert result["parity"] is True
+    assert result["checkpoint_bytes"] > 0
+    assert "status requested" in err  # reported at start: requested, not "on"
+    assert "capture gate" in err and "sha256" in err  # the summary table is on stderr
+
+
+def test_parity_is_null_without_check_and_replay_reports_off(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    result, _ = _json_run(capsys, "--rollback", "replay")
+    assert result["parity"] is None
+    assert result["rollback"]["status"] == "off" and result["rollback"]["fast"] == 0
+
+
+def test_two_cpu_shards_give_the_same_tokens(capsys: pytest.CaptureFixture[str]) -> None:
+    one, _ = _json_run(capsys, "--rollback", "remap")
+    code = main(
+        [
+            "generate",
+            "--json",
+            *FAST[:-2],
+            "--devices",
+            "cpu,cpu",
+            "--layer-split",
+            "2,4",
+            "--rollback",
+            "remap",
+        ]
+    )
+    out, _ = capsys.readouterr()
+    assert code == 0
+    two = json.loads(out)
+    assert two["tokens"] == one["tokens"] and two["layer_split"] == [2, 4]
+
+
+def test_environment_variable_selects_the_mode(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DFLASH_ROLLBACK", "remap")
+    result, _ = _json_run(capsys)
+    assert result["rollback"]["requested"] == "remap"
+    result, _ = _json_run(capsys, "--rollback", "replay")  # the CLI wins over the environment
+    assert result["rollback"]["requested"] == "replay"
+    monkeypatch.setenv("DFLASH_ROLLBACK", "fastest")
+    assert main(["generate", *FAST]) == 2
+    assert (
+        "environment variable DFLASH_ROLLBACK must be one of replay, checkpoint, remap "
+        "(got 'fastest')" in capsys.readouterr().err
+    )
+
+
+def test_synthetic_drafter_with_full_acceptance(capsys: pytest.CaptureFixture[str]) -> None:
+    result, _ = _json_run(
+        capsys,
+        "--draft",
+        "synthetic",
+        "--acceptance",
+        "1.0",
+        "--prompt-ids",
+        "3,14,15",
+        "--check-parity",
+    )
+    assert result["acceptance_rate"] == 1.0 and result["parity"] is True
+    assert result["drafter"] == "synthetic"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--devices", "cpu,cpu", "--layer-split", "6,0"], "--layer-split entry 1 must be >= 1"),
+        (["--devices", "cpu,cpu", "--layer-split", "2,2"], "must sum to the model's 6 layers"),
+        (["--devices", "cpu", "--layer-split", "3,3"], "has 2 counts but --devices names 1"),
+        (["--devices", "cpu,,cpu"], "without empty entries"),
+        (["--prompt-ids", "3,999"], "--prompt-ids entry 1 must be a token id in [0, 256)"),
+        (["--block-size", "1"], "--block-size must be >= 2 (got 1)"),
+        (["--model", "/no/such/dir"], "cannot read config file '/no/such/dir'"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_clear_message(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    assert main(["generate", *FAST[:-2], *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert message in err and "Traceback" not in err

@@ -40,6 +40,7 @@ CASES = [
     (2, 3, 2, 4, 32, 16, True, torch.float32),
     (1, 16, 1, 3, 48, 48, False, torch.float32),
     (1, 3, 2, 6, 16, 32, True, torch.bfloat16),
+    (1, 3, 1, 2, 16, 40, True, torch.float32),  # V=40: a partial value block
 ]
 
 

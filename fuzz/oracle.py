@@ -47,7 +47,7 @@ except ImportError:  # pragma: no cover - numpy is a dflash dependency
 
 #: One input in DEEP_EVERY (chosen by CRC, so a reproducer replays the same checks) also
 #: checks JSON round trips, require_*, the execution sentinel and the tree structure.
-DEEP_EVERY = 8
+DEEP_EVERY = 16
 CONTAINERS = ("list", "tuple", "array", "numpy32", "numpy64", "numpy_strided", "tagged",
               "numpy_float")
 #: In a "tagged" list these int32 values stand for non-integers.

@@ -96,6 +96,11 @@ class CaptureGate:
     def awaiting_self_test(self) -> bool:
         return self.pending and bool(self._evidence)
 
+    def request(self) -> None:
+        """A fast mode was requested after start: the gate will run at the next verify."""
+        self.requested = True
+        self.report = self.report.model_copy(update={"requested": True})
+
     def reset(self) -> None:
         """Checkpoint storage was rebuilt: forget the verdict (the gate runs again)."""
         self.report = CaptureReport(

@@ -27,7 +27,7 @@ from dflash.execution.capture_gate import CaptureGate
 from dflash.execution.errors import ExecutionError, PoisonedError, ShardPositionError
 from dflash.execution.faults import NO_FAULTS, FaultInjector, FaultPhase
 from dflash.execution.lifecycle import Lifecycle, Phase
-from dflash.execution.policy import RollbackPolicy, RollbackStatus
+from dflash.execution.policy import RollbackPolicy, RollbackStatus, parse_mode
 from dflash.execution.shards import ShardedTarget
 from dflash.geometry import ChainGeometry, require_chain
 from dflash.model import RecurrentPool
@@ -313,6 +313,25 @@ class SpecDecoder:
         else:
             self.target.forward(d[:commit_n], "replay", self.committed)
         self.target_forwards += 1
+
+    # -- requests between steps ----------------------------------------------------------
+
+    def request_mode(self, mode: str) -> None:
+        """Ask for another rollback mode from the next step on (between steps only).
+
+        A fast mode becomes effective only through the capture gate; a verdict already
+        reached stays (sticky for the engine's lifetime, until storage is rebuilt).
+        """
+        if self.life.phase not in (Phase.CLEAN, Phase.EMPTY):
+            raise ExecutionError(
+                f"request_mode needs a clean target (phase {self.life.phase.value!r})"
+            )
+        new = RollbackPolicy(
+            mode=parse_mode(mode, source="'mode'"), deterministic=self.policy.deterministic
+        )
+        self.policy = new
+        if new.fast and not self.gate.requested:
+            self.gate.request()
 
     # -- storage --------------------------------------------------------------------------
 

@@ -30,10 +30,12 @@ def as_int(value: object) -> int | None:
     if isinstance(value, int):
         return value
     dtype = getattr(value, "dtype", None)
-    if dtype is None or "bool" in str(dtype) or getattr(value, "ndim", 0) != 0:
+    if dtype is None or getattr(value, "ndim", 0) != 0:
         return None
-    kind = getattr(dtype, "kind", None)  # numpy scalars / 0-d arrays
+    kind = getattr(dtype, "kind", None)  # numpy scalars / 0-d arrays ("b" is bool)
     if kind is not None and kind not in _INTEGER_KINDS:
+        return None
+    if kind is None and "bool" in str(dtype):  # torch.bool
         return None
     if getattr(value, "is_floating_point", None) is not None:  # torch tensors
         try:

@@ -59,6 +59,13 @@ class HybridConfig(BaseModel):
     attention_bias: bool = False
     tie_word_embeddings: bool = False
     max_position_embeddings: int = Field(default=32768, gt=0)
+    # Qwen3-Next mixture-of-experts MLPs (in the layers ``sparse_layer_ids``; dense elsewhere)
+    sparse_layer_ids: tuple[int, ...] = ()
+    num_experts: int = Field(default=0, ge=0)
+    num_experts_per_tok: int = Field(default=0, ge=0)
+    moe_intermediate_size: int = Field(default=0, ge=0)
+    shared_expert_intermediate_size: int = Field(default=0, ge=0)
+    norm_topk_prob: bool = True
 
     @model_validator(mode="after")
     def _check_consistency(self) -> HybridConfig:
@@ -72,6 +79,22 @@ class HybridConfig(BaseModel):
                 f"'linear_num_key_heads' must divide linear_num_value_heads="
                 f"{self.linear_num_value_heads} (got {self.linear_num_key_heads})"
             )
+        if self.sparse_layer_ids:
+            bad = [i for i in self.sparse_layer_ids if not 0 <= i < len(self.layer_types)]
+            if bad:
+                raise ValueError(
+                    f"'sparse_layer_ids' must lie in [0, {len(self.layer_types)}) (got {bad})"
+                )
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"'num_experts_per_tok' must be in [1, num_experts={self.num_experts}] "
+                    f"(got {self.num_experts_per_tok})"
+                )
+            for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+                if getattr(self, name) <= 0:
+                    raise ValueError(
+                        f"{name!r} must be > 0 with sparse layers (got {getattr(self, name)})"
+                    )
         rotary = self.head_dim * self.partial_rotary_factor
         if rotary != int(rotary) or int(rotary) % 2 or int(rotary) < 2:
             raise ValueError(
@@ -112,6 +135,11 @@ class HybridConfig(BaseModel):
 
     def to_hf_config(self) -> dict[str, Any]:
         """This shape as a Hugging Face ``qwen3_5_text`` ``config.json`` dict."""
+        if self.sparse_layer_ids:
+            raise ConfigError(
+                f"'sparse_layer_ids' = {list(self.sparse_layer_ids)}: a model with "
+                "mixture-of-experts layers cannot be written as a qwen3_5_text config"
+            )
         return {
             "architectures": ["Qwen3_5ForCausalLM"],
             "model_type": "qwen3_5_text",
@@ -213,9 +241,10 @@ class HybridConfig(BaseModel):
             if "tie_word_embeddings" in raw and "tie_word_embeddings" not in text:
                 text["tie_word_embeddings"] = raw["tie_word_embeddings"]
             return cls.from_hf_config(text)
+        fields = _fields_from_hf(raw, model_type)
         if model_type == "qwen3_next":
-            _reject_mixture_of_experts(raw)
-        return _build(cls, _fields_from_hf(raw, model_type))
+            fields.update(_moe_fields(raw, len(fields["layer_types"])))
+        return _build(cls, fields)
 
 
 def _interval_layout(num_layers: int, interval: int) -> tuple[LayerType, ...]:
@@ -325,22 +354,28 @@ def _fields_from_hf(raw: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     }
 
 
-def _reject_mixture_of_experts(raw: Mapping[str, Any]) -> None:
-    """Qwen3-Next checkpoints are accepted only with dense MLPs in every layer."""
+def _moe_fields(raw: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """Qwen3-Next: a layer is sparse unless listed in ``mlp_only_layers`` or off-step."""
     num_experts = raw.get("num_experts", 512)
     if not num_experts:
-        return
-    num_layers = raw.get("num_hidden_layers", 0)
-    step = raw.get("decoder_sparse_step", 1) or 1
-    dense = set(raw.get("mlp_only_layers") or [])
-    sparse = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
-    if sparse:
+        return {}
+    step = raw.get("decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
         raise ConfigError(
-            f"config field 'num_experts' = {num_experts}: mixture-of-experts MLP layers "
-            f"(layers {sparse[:4]}{'...' if len(sparse) > 4 else ''}) are not supported; "
-            "dflash runs Qwen3-Next with dense MLPs only (num_experts=0 or every layer in "
-            "mlp_only_layers)"
+            f"config field 'decoder_sparse_step' must be a positive integer (got {step!r})"
         )
+    dense = set(raw.get("mlp_only_layers") or [])
+    sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    if not sparse:
+        return {}
+    return {
+        "sparse_layer_ids": sparse,
+        "num_experts": num_experts,
+        "num_experts_per_tok": raw.get("num_experts_per_tok", 10),
+        "moe_intermediate_size": raw.get("moe_intermediate_size", 512),
+        "shared_expert_intermediate_size": raw.get("shared_expert_intermediate_size", 512),
+        "norm_topk_prob": raw.get("norm_topk_prob", True),
+    }
 
 
 def _build(cls: type[HybridConfig], fields: dict[str, Any]) -> HybridConfig:

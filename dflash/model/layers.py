@@ -230,26 +230,35 @@ class GatedDeltaNet(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: ``x + mixer(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm residual block: ``x + mixer(norm(x))`` then ``x + mlp(norm(x))``.
 
-    def __init__(self, config: HybridConfig) -> None:
+    The MLP is dense, or a sparse mixture of experts in ``config.sparse_layer_ids``.
+    """
+
+    def __init__(self, config: HybridConfig, layer_id: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.mlp: nn.Module
+        if layer_id in config.sparse_layer_ids:
+            from dflash.model.moe import SparseMoE
+
+            self.mlp = SparseMoE(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
 
 class DeltaNetLayer(DecoderLayer):
     """A recurrent (``linear_attention``) layer: Gated DeltaNet mixer + MLP."""
 
-    def __init__(self, config: HybridConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: HybridConfig, layer_id: int) -> None:
+        super().__init__(config, layer_id)
         self.linear_attn = GatedDeltaNet(config)
 
 
 class AttentionLayer(DecoderLayer):
     """A ``full_attention`` layer: gated attention mixer + MLP."""
 
-    def __init__(self, config: HybridConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: HybridConfig, layer_id: int) -> None:
+        super().__init__(config, layer_id)
         self.self_attn = GatedAttention(config)

@@ -18,7 +18,9 @@ checkpoint key                    meaning
 ================================  ===========================================
 
 Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` are split into the per-role
-projections ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
+projections ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; its
+mixture-of-experts layers read the per-expert keys (``mlp.experts.{e}.gate_proj.weight``
+…, ``mlp.gate.weight``, ``mlp.shared_expert.*``, ``mlp.shared_expert_gate.weight``).
 """
 
 from __future__ import annotations

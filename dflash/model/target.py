@@ -60,8 +60,8 @@ class TargetModel(nn.Module):
         self.load_report: LoadReport | None = None  # set by from_pretrained
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DeltaNetLayer(config) if kind == "linear_attention" else AttentionLayer(config)
-            for kind in config.layer_types
+            DeltaNetLayer(config, i) if kind == "linear_attention" else AttentionLayer(config, i)
+            for i, kind in enumerate(config.layer_types)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -64,13 +64,24 @@ def test_qwen3_5_wrapper_reads_text_config(tmp_path: Path) -> None:
     assert cfg.hidden_size == 32
 
 
-def test_qwen3_next_dense_accepted_moe_rejected() -> None:
+def test_qwen3_next_dense_and_sparse_layers() -> None:
     dense = HybridConfig.from_hf_config(_text(model_type="qwen3_next", num_experts=0))
-    assert dense.model_type == "qwen3_next"
-    with pytest.raises(ConfigError, match=r"'num_experts' = 8: mixture-of-experts"):
-        HybridConfig.from_hf_config(_text(model_type="qwen3_next", num_experts=8))
+    assert dense.model_type == "qwen3_next" and dense.sparse_layer_ids == ()
+    moe = HybridConfig.from_hf_config(_text(
+        model_type="qwen3_next", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, decoder_sparse_step=2, mlp_only_layers=[3],
+    ))
+    assert moe.sparse_layer_ids == (1,) and moe.num_experts == 8
     only_dense = _text(model_type="qwen3_next", num_experts=8, mlp_only_layers=[0, 1, 2, 3])
-    assert HybridConfig.from_hf_config(only_dense).num_hidden_layers == 4
+    assert HybridConfig.from_hf_config(only_dense).sparse_layer_ids == ()
+    with pytest.raises(ConfigError, match=r"'num_experts_per_tok' must be in \[1, num_experts=8\] "
+                       r"\(got 9\)"):
+        HybridConfig.from_hf_config(_text(model_type="qwen3_next", num_experts=8,
+                                          num_experts_per_tok=9))
+    with pytest.raises(ConfigError, match=r"'decoder_sparse_step' must be a positive integer"):
+        HybridConfig.from_hf_config(_text(model_type="qwen3_next", decoder_sparse_step=0))
+    with pytest.raises(ConfigError, match=r"mixture-of-experts layers cannot be written"):
+        moe.to_hf_config()
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,15 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
         "linear_num_key_heads": 1, "linear_num_value_heads": 3,
         "linear_key_head_dim": 8, "linear_value_head_dim": 8, "num_experts": 0,
     }),
+    # Qwen3-Next with mixture-of-experts MLPs in layers 0 and 2 (dense in 1 and 3)
+    "qwen3_next_moe": ("Qwen3NextForCausalLM", {
+        **_COMMON, "num_hidden_layers": 4, "full_attention_interval": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 8, "num_experts": 6,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 24, "mlp_only_layers": [1, 3],
+    }),
 }
 
 

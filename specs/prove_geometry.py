@@ -106,7 +106,7 @@ class SymInt(int):
         elif isinstance(other, int) and not isinstance(other, bool):
             rhs = z3.IntVal(other)
         else:
-            return NotImplemented
+            return NotImplemented  # type: ignore[no-any-return]  # the comparison protocol
         decided: bool = self.explorer.decide(op(self.term, rhs))
         return decided
 

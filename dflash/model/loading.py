@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.")
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_FLOAT_CODES = ("F32", "BF16", "F16", "F64")
 
 
 class CheckpointError(ValueError):
@@ -92,44 +93,56 @@ def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
     )
 
 
-def _read_all(files: list[Path], weight_map: dict[str, str] | None) -> dict[str, Tensor]:
-    raw: dict[str, Tensor] = {}
-    seen_in: dict[str, str] = {}
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor as the file header describes it (nothing read yet)."""
+
+    key: str
+    path: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype code: F32, BF16, I32, …
+
+
+def _scan_headers(files: list[Path], weight_map: dict[str, str] | None) -> dict[str, _Entry]:
+    """Phase 1: every tensor's name, shape and dtype from the headers (a truncated file
+    fails here: safetensors checks that the header's offsets cover the file)."""
+    entries: dict[str, _Entry] = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key in f.keys():  # noqa: SIM118 - safe_open handles have keys(), no __iter__
-                    if key in seen_in:
+                    if key in entries:
                         raise CheckpointError(
-                            f"tensor {key!r} appears in both {seen_in[key]!r} and {path.name!r}"
+                            f"tensor {key!r} appears in both {entries[key].path.name!r} and "
+                            f"{path.name!r}"
                         )
                     if weight_map is not None and weight_map.get(key) != path.name:
                         raise CheckpointError(
                             f"tensor {key!r} found in shard {path.name!r} but the index says "
                             f"{weight_map.get(key)!r}"
                         )
-                    raw[key] = f.get_tensor(key)
-                    seen_in[key] = path.name
+                    part = f.get_slice(key)
+                    entries[key] = _Entry(key, path, tuple(part.get_shape()), part.get_dtype())
         except (SafetensorError, OSError, RuntimeError) as exc:
-            if isinstance(exc, CheckpointError):
-                raise
             raise CheckpointError(
                 f"weights file {path.name!r} is truncated or corrupt ({exc})"
             ) from exc
     if weight_map is not None:
-        missing = sorted(set(weight_map) - set(raw))
+        missing = sorted(set(weight_map) - set(entries))
         if missing:
             raise CheckpointError(
                 f"tensor {missing[0]!r} is listed in the index (shard {weight_map[missing[0]]!r})"
                 f" but absent from that file ({len(missing)} such tensors)"
             )
-    return raw
+    return entries
 
 
-def _strip(raw: dict[str, Tensor], tied: bool) -> tuple[dict[str, Tensor], dict[str, int]]:
-    out: dict[str, Tensor] = {}
+def _strip(
+    entries: dict[str, _Entry], tied: bool
+) -> tuple[dict[str, _Entry], dict[str, int]]:
+    out: dict[str, _Entry] = {}
     ignored: dict[str, int] = {}
-    for key, tensor in raw.items():
+    for key, entry in entries.items():
         prefix = next((p for p in _IGNORED_PREFIXES if key.startswith(p)), None)
         if prefix is not None:
             ignored[prefix + "*"] = ignored.get(prefix + "*", 0) + 1
@@ -144,43 +157,63 @@ def _strip(raw: dict[str, Tensor], tied: bool) -> tuple[dict[str, Tensor], dict[
                 break
         if name in out:
             raise CheckpointError(f"tensor {key!r} maps to {name!r}, which is already present")
-        out[name] = tensor
+        out[name] = entry
     return out, ignored
 
 
-def _split_fused(config: HybridConfig, tensors: dict[str, Tensor]) -> None:
-    """Qwen3-Next: split ``in_proj_qkvz`` / ``in_proj_ba`` (grouped per key head)."""
+# A parameter comes from one checkpoint tensor, or (Qwen3-Next) from a slice of a fused one:
+# (entry, role) with role None for "the whole tensor".
+_Source = tuple[_Entry, str | None]
+
+
+def _sources(config: HybridConfig, entries: dict[str, _Entry]) -> dict[str, _Source]:
+    sources: dict[str, _Source] = {name: (entry, None) for name, entry in entries.items()}
+    if config.model_type != "qwen3_next":
+        return sources
     hk, dk = config.linear_num_key_heads, config.linear_key_head_dim
     r = config.linear_num_value_heads // hk
     rdv = r * config.linear_value_head_dim
-    h = config.hidden_size
     for layer in config.recurrent_layer_ids:
         base = f"layers.{layer}.linear_attn."
-        for fused, rows in (("in_proj_qkvz", hk * (2 * dk + 2 * rdv)), ("in_proj_ba", hk * 2 * r)):
+        for fused, rows, roles in (
+            ("in_proj_qkvz", hk * (2 * dk + 2 * rdv), ("in_proj_qkv", "in_proj_z")),
+            ("in_proj_ba", hk * 2 * r, ("in_proj_b", "in_proj_a")),
+        ):
             key = base + fused + ".weight"
-            if key not in tensors:
-                raise CheckpointError(f"tensor {key!r} is missing (qwen3_next fused projection)")
-            _check_shape(key, tensors[key], (rows, h))
-        qkvz = tensors.pop(base + "in_proj_qkvz.weight").reshape(hk, 2 * dk + 2 * rdv, h)
-        q, k, v, z = torch.split(qkvz, [dk, dk, rdv, rdv], dim=1)
-        tensors[base + "in_proj_qkv.weight"] = torch.cat(
-            [q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)], dim=0
-        )
-        tensors[base + "in_proj_z.weight"] = z.reshape(-1, h)
-        ba = tensors.pop(base + "in_proj_ba.weight").reshape(hk, 2 * r, h)
-        tensors[base + "in_proj_b.weight"] = ba[:, :r].reshape(-1, h)
-        tensors[base + "in_proj_a.weight"] = ba[:, r:].reshape(-1, h)
+            if key not in sources:
+                raise CheckpointError(f"missing tensor {key!r} (qwen3_next fused projection)")
+            entry, _ = sources.pop(key)
+            _check_shape(key, entry.shape, (rows, config.hidden_size))
+            for role in roles:
+                sources[base + role + ".weight"] = (entry, role)
+    return sources
 
 
-def _check_shape(name: str, tensor: Tensor, expected: tuple[int, ...]) -> None:
-    if tuple(tensor.shape) != expected:
+def _split_fused(config: HybridConfig, fused: Tensor, role: str) -> Tensor:
+    """Qwen3-Next rows are grouped per key head: [q | k | v | z] and [b | a]."""
+    hk, dk, h = config.linear_num_key_heads, config.linear_key_head_dim, config.hidden_size
+    r = config.linear_num_value_heads // hk
+    rdv = r * config.linear_value_head_dim
+    if role in ("in_proj_qkv", "in_proj_z"):
+        q, k, v, z = torch.split(fused.reshape(hk, 2 * dk + 2 * rdv, h), [dk, dk, rdv, rdv], 1)
+        if role == "in_proj_z":
+            return z.reshape(-1, h)
+        return torch.cat([q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)], dim=0)
+    ba = fused.reshape(hk, 2 * r, h)
+    return (ba[:, :r] if role == "in_proj_b" else ba[:, r:]).reshape(-1, h)
+
+
+def _check_shape(name: str, found: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if found != expected:
         raise CheckpointError(
-            f"tensor {name!r} has shape {list(tensor.shape)} but the config expects "
+            f"tensor {name!r} has shape {list(found)} but the config expects "
             f"{list(expected)} (config.json does not match these weights?)"
         )
 
 
-def _check_names(expected: dict[str, Any], found: dict[str, Tensor], config: HybridConfig) -> None:
+def _check_names(
+    expected: Mapping[str, Tensor], found: dict[str, _Source], config: HybridConfig
+) -> None:
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
     if unexpected:
@@ -204,10 +237,25 @@ def _check_names(expected: dict[str, Any], found: dict[str, Tensor], config: Hyb
         )
 
 
+def _read(entry: _Entry) -> Tensor:
+    try:
+        with safe_open(str(entry.path), framework="pt", device="cpu") as f:
+            return f.get_tensor(entry.key)  # type: ignore[no-any-return]  # untyped library
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"tensor {entry.key!r} in {entry.path.name!r} cannot be read ({exc})"
+        ) from exc
+
+
 def load_target(
     cls: type[TargetModel], directory: Path, *, dtype: torch.dtype, device: torch.device
 ) -> TargetModel:
-    """Build ``cls`` from ``directory``; raise :class:`CheckpointError` on any defect."""
+    """Build ``cls`` from ``directory``; raise :class:`CheckpointError` on any defect.
+
+    Phase 1 checks names, shapes and dtypes from the file headers alone; phase 2 reads
+    one tensor at a time into a fresh tensor on ``device`` (checking it is finite); the
+    model is assembled only when every tensor has been read.
+    """
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory {str(directory)!r} does not exist")
     try:
@@ -215,23 +263,31 @@ def load_target(
     except ConfigError as exc:
         raise CheckpointError(f"config.json in {str(directory)!r}: {exc}") from exc
     files, weight_map = _weight_files(directory)
-    raw = _read_all(files, weight_map)
-    tensors, ignored = _strip(raw, config.tie_word_embeddings)
-    if config.model_type == "qwen3_next":
-        _split_fused(config, tensors)
+    entries, ignored = _strip(_scan_headers(files, weight_map), config.tie_word_embeddings)
+    sources = _sources(config, entries)
     with torch.device("meta"):
         model = cls(config)
-    expected = dict(model.named_parameters())  # tied lm_head is listed once, as embed_tokens
-    _check_names(expected, tensors, config)
-    fresh: dict[str, Tensor] = {}
+    expected = dict(model.named_parameters())  # a tied lm_head is listed once, as embed_tokens
+    _check_names(expected, sources, config)
     for name, param in expected.items():
-        tensor = tensors[name]
-        if tensor.dtype not in _FLOAT_DTYPES:
+        entry, role = sources[name]
+        if entry.dtype not in _FLOAT_CODES:
             raise CheckpointError(
-                f"tensor {name!r} has dtype {tensor.dtype} but a floating dtype "
-                f"(float32, bfloat16, float16) is expected"
+                f"tensor {name!r} has dtype {entry.dtype} but a floating dtype "
+                f"({', '.join(_FLOAT_CODES)}) is expected"
             )
-        _check_shape(name, tensor, tuple(param.shape))
+        if role is None:
+            _check_shape(name, entry.shape, tuple(param.shape))
+    fresh: dict[str, Tensor] = {}
+    fused_cache: dict[str, Tensor] = {}
+    for name in expected:
+        entry, role = sources[name]
+        if role is None:
+            tensor = _read(entry)
+        else:
+            if entry.key not in fused_cache:
+                fused_cache = {entry.key: _read(entry)}  # both roles of a layer read it once
+            tensor = _split_fused(config, fused_cache[entry.key], role)
         fresh[name] = tensor.to(device=device, dtype=dtype, copy=True)
         bad = int((~torch.isfinite(fresh[name])).sum())
         if bad:

@@ -94,8 +94,8 @@ def test_wrong_dtype(ckpt: Path) -> None:
     tensors = _tensors(ckpt)
     tensors["model.norm.weight"] = torch.zeros(64, dtype=torch.int32)
     _rewrite(ckpt, tensors)
-    with pytest.raises(CheckpointError, match=r"tensor 'norm.weight' has dtype torch.int32 but "
-                       r"a floating dtype"):
+    with pytest.raises(CheckpointError, match=r"tensor 'norm.weight' has dtype I32 but "
+                       r"a floating dtype \(F32, BF16, F16, F64\) is expected"):
         TargetModel.from_pretrained(ckpt)
 
 
@@ -143,6 +143,15 @@ def test_config_with_other_width(ckpt: Path) -> None:
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"'layers.0.mlp.gate_proj.weight' has shape "
                        r"\[128, 64\] but the config expects \[96, 64\]"):
+        TargetModel.from_pretrained(ckpt)
+
+
+def test_config_of_other_family(ckpt: Path) -> None:
+    config = _config(ckpt)
+    config.update(model_type="qwen3_next", num_experts=0)
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'layers.0.linear_attn.in_proj_qkvz"
+                       r".weight' \(qwen3_next fused projection\)"):
         TargetModel.from_pretrained(ckpt)
 
 

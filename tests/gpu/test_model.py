@@ -151,3 +151,34 @@ def test_verify_capture_equals_sequential_decode(
     for i, state in enumerate(_live_states(ver)):
         assert torch.equal(state, ver.pool.checkpoints[i, :, 4])
         assert rel(state, seq_states[4][i]) <= tol
+
+
+@torch.inference_mode()
+def test_remap_then_verify_reads_the_remapped_slot(
+    models: tuple[TargetModel, TargetModel],
+) -> None:
+    """Verify, remap to slot 2 (zero copy), verify again from that aliased slot, remap,
+    decode: the same logits as decoding every committed token one at a time (float32)."""
+    model = models[0]
+    model.kernel_backend = "triton"
+    prompt = _prompt(model.config.vocab_size)
+    gen = torch.Generator(device="cpu").manual_seed(SEED + 2)
+    draft, second = torch.randint(0, model.config.vocab_size, (2, DRAFT), generator=gen).cuda()
+    chain = require_chain(list(range(-1, DRAFT - 1)))
+    caches = model.new_caches(max_len=PROMPT_LEN + 3 * DRAFT, max_draft=DRAFT)
+    model(prompt, caches, "prefill")
+    model(draft[None], caches, "verify", geometry=chain)
+    caches.pool.remap(3)
+    caches.kv.truncate(PROMPT_LEN + 3)
+    logits2, _ = model(second[None], caches, "verify", geometry=chain)
+    caches.pool.remap(DRAFT)
+    caches.kv.truncate(PROMPT_LEN + 3 + DRAFT)
+    final, _ = model(second[None, :1], caches, "decode")
+
+    tokens = [*draft[:3].tolist(), *second.tolist(), int(second[0])]
+    ref = _prefill_decode(model, prompt, tokens)  # ref[i]: logits after prompt + tokens[:i]
+    errs = [rel(logits2[0, i].float(), ref[4 + i]) for i in range(DRAFT)]
+    final_err = rel(final[0, -1].float(), ref[-1])
+    print(f"remap + verify from the remapped slot: logits rel max {max(errs):.2e}, "
+          f"after second remap {final_err:.2e}")
+    assert max(errs) <= F32_REL_TOL and final_err <= F32_REL_TOL

@@ -109,7 +109,9 @@ def check_one(data: bytes) -> tuple[str, str]:
     policies: tuple[tuple[Policy, Any], ...] = (("chain", validate_chain), ("tree", validate_tree))
     for policy, validate in policies:
         verdict = validate(parents, n_actual)
-        expected = _specified(tuple(plain), n_actual, policy)
+        # typed key: 1 == 1.0 == True in Python, but not to the spec
+        typed = (tuple(plain), tuple(map(type, plain)), n_actual, type(n_actual))
+        expected = _specified(typed, policy)
         got = _key(verdict)
         _expect(got == expected, f"{policy} {container} {plain[:16]} n={n_actual}: "
                                  f"validator {got} != spec {expected}")
@@ -120,10 +122,12 @@ def check_one(data: bytes) -> tuple[str, str]:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _specified(plain: tuple[object, ...], n_actual: object, policy: Policy) -> tuple[Any, ...]:
+def _specified(typed: tuple[Any, ...], policy: Policy) -> tuple[Any, ...]:
     """The spec is a pure function, and mutated inputs repeat (the same parents under each
-    container kind), so its verdicts are cached; the validators always run."""
-    return spec_verdict(plain, n_actual, policy)
+    container kind), so its verdicts are cached, keyed by values *and* types; the
+    validators always run."""
+    plain, _, n_actual, _ = typed
+    return spec_verdict(list(plain), n_actual, policy)
 
 
 def _key(verdict: Any) -> tuple[Any, ...]:

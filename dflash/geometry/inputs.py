@@ -5,8 +5,8 @@ torch tensors (duck-typed through ``dtype`` / ``tolist`` / ``detach`` / ``cpu``,
 device, any strides), plus little-endian int32 byte buffers through the explicit
 :func:`decode_int32_le`. Nothing here imports torch or numpy.
 
-Every entry that is an integer becomes a Python ``int``; every other entry is kept as it
-was, so the validator can name it in its message. ``bool`` is not an integer here.
+Every entry that is an integer becomes a Python ``int``; every other entry becomes a
+:class:`NonInteger` holding a description for the message. ``bool`` is not an integer.
 """
 
 from __future__ import annotations
@@ -23,8 +23,30 @@ _INTEGER_KINDS = frozenset("iu")  # numpy dtype kinds that hold integers
 _INT32_LE = struct.Struct("<i")
 
 
+class NonInteger:
+    """Stands in for an entry that is not an integer, so the scan never touches a foreign
+    object (whose ``__class__`` or ``__eq__`` could raise); keeps a description of it."""
+
+    __slots__ = ("description",)
+
+    def __init__(self, value: object) -> None:
+        self.description = show(value)
+
+    def __repr__(self) -> str:
+        return self.description
+
+
 def as_int(value: object) -> int | None:
-    """``value`` as a Python int, or None when it is not an integer (bools are not)."""
+    """``value`` as a Python int, or None when it is not an integer (bools are not).
+
+    Never raises: an object whose attributes or type checks raise is not an integer."""
+    try:
+        return _as_int(value)
+    except Exception:
+        return None
+
+
+def _as_int(value: object) -> int | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -51,6 +73,15 @@ def as_int(value: object) -> int | None:
 
 def show(value: object, limit: int = 40) -> str:
     """A short, never-raising description of ``value`` for messages."""
+    try:
+        return _show(value, limit)
+    except Exception:  # type() never consults the object, unlike isinstance / repr
+        return f"<unprintable {type(value).__name__}>"
+
+
+def _show(value: object, limit: int) -> str:
+    if isinstance(value, NonInteger):
+        return value.description
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
         return f"an int of {value.bit_length()} bits"
     if isinstance(value, int) and not isinstance(value, bool):
@@ -69,6 +100,13 @@ def show(value: object, limit: int = 40) -> str:
 
 def read_length(parents: object) -> int | Rejection:
     """How many entries ``parents`` holds, or a NULL rejection when it is not a parent array."""
+    try:
+        return _read_length(parents)
+    except Exception as err:  # a hostile object (e.g. a raising __class__): never propagate
+        return _null(f"'parents' could not be inspected ({type(err).__name__})")
+
+
+def _read_length(parents: object) -> int | Rejection:
     if parents is None:
         return _null("'parents' is None")
     if isinstance(parents, (str, bytes, bytearray, memoryview)):
@@ -97,7 +135,7 @@ def read_entries(parents: object, n: int) -> list[object] | Rejection:
     out: list[object] = []
     for value in raw:
         as_integer = as_int(value)
-        out.append(value if as_integer is None else as_integer)
+        out.append(NonInteger(value) if as_integer is None else as_integer)
     return out
 
 

@@ -48,6 +48,22 @@ class BadRepr:
         raise RuntimeError("no repr")
 
 
+class Evil:
+    """Every type check and attribute lookup raises."""
+
+    @property  # type: ignore[misc]  # a raising __class__ is the point
+    def __class__(self) -> type:
+        raise RuntimeError("evil __class__")
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"evil {name}")
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("evil __eq__")
+
+    __hash__ = None  # type: ignore[assignment]  # unhashable, too
+
+
 class ThreeSlots(Sequence):  # type: ignore[type-arg]  # a user Sequence without slicing
     def __len__(self) -> int:
         return 3
@@ -114,6 +130,9 @@ CASES: list[tuple[str, Any, Any, str, int | None]] = [
     ("array_d", array.array("d", [-1.0]), None, "not_integer", 0),
     ("array_u", array.array("u", "ab"), None, "not_integer", 0),
     ("tail_ignored", [-1, 0, "junk", None], 2, "chain", None),
+    ("evil_parents", Evil(), None, "null", None),
+    ("evil_n_actual", [-1], Evil(), "null", None),
+    ("evil_entry", [-1, Evil()], None, "not_integer", 1),
 ]
 
 NUMPY_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -134,6 +153,16 @@ def test_hostile_input_gets_its_verdict(parents: Any, n_actual: Any, expected: s
         assert (verdict.reason.value, verdict.slot) == (expected, slot)
         assert 0 < len(verdict.message) < 400
         verdict.to_json()  # always serialisable
+
+
+def test_sibling_look_ahead_never_touches_a_foreign_entry() -> None:
+    chain = validate_chain([-1, 0, 0, Evil()])  # the look-ahead passes over slot 3
+    tree = validate_tree([-1, 0, 0, Evil()])
+    assert isinstance(chain, Rejection) and (chain.reason, chain.slot) == (
+        RejectReason.SKIPPED_PARENT, 2)
+    assert isinstance(tree, Rejection) and (tree.reason, tree.slot) == (
+        RejectReason.NOT_INTEGER, 3)
+    assert "Evil" in tree.message
 
 
 def test_messages_name_field_rule_and_value() -> None:

@@ -265,7 +265,14 @@ class SpecDecoder:
         d, commit_n, _, _ = self._pending
         try:
             self.faults.fire(FaultPhase.DURING_RECOVERY, len(self.records))
-            self._replay(d, commit_n)
+            try:
+                self._replay(d, commit_n)
+            except Exception:
+                if not self.policy.deterministic:
+                    raise
+                # the fixed-shape replay uses the capture path; the model's own replay
+                # mode does not, so decoding can continue even if that path is broken
+                self._replay(d, commit_n, natural=True)
         except Exception as exc:
             if not self.life.poisoned:
                 self.life.move("fail")
@@ -296,13 +303,13 @@ class SpecDecoder:
         pool.live_slot = None
         pool.length = self.committed
 
-    def _replay(self, d: list[int], commit_n: int) -> None:
+    def _replay(self, d: list[int], commit_n: int, *, natural: bool = False) -> None:
         """Legacy rollback: pre-verify state on every shard, then replay ``d[0..commit_n-1]``."""
         for shard in self.target.shards:
             self._undo_verify(shard.caches.pool)
             shard.truncate_kv(self.committed)
         self.target.require_position(self.committed, what="after restoring the pre-verify state")
-        if self.policy.deterministic:
+        if self.policy.deterministic and not natural:
             # The replay runs at the verify's shape (the whole block; rows past commit_n do
             # not influence rows before it), so each accepted token's row is computed with
             # the same kernels in the same shapes as in the verify and the oracle.

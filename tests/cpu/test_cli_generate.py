@@ -135,3 +135,12 @@ def test_bad_arguments_exit_2_with_a_clear_message(
     out, err = capsys.readouterr()
     assert out == ""
     assert message in err and "Traceback" not in err
+
+
+def test_eos_stops_generation(capsys: pytest.CaptureFixture[str]) -> None:
+    full, _ = _json_run(capsys, "--rollback", "checkpoint")
+    eos = full["tokens"][3]
+    first = full["tokens"].index(eos)
+    cut, _ = _json_run(capsys, "--rollback", "checkpoint", "--eos-id", str(eos))
+    assert cut["tokens"] == full["tokens"][: first + 1]
+    assert cut["stop_reason"] == "eos"

@@ -120,3 +120,27 @@ def test_shards_must_agree_on_position_before_restore(
     engine.target.shards[1].caches.pool.length += 1  # shard 2 drifts by one position
     with pytest.raises(ShardPositionError, match="shard 1 recurrent length"):
         engine.step()
+
+
+def test_broken_restore_kernel_still_decodes_through_the_models_replay(
+    tiny: TargetModel, greedy: Callable[[str, int], list[int]], prompts: dict[str, list[int]]
+) -> None:
+    oracle = greedy(PROMPT, N + 4)
+    prompt = prompts[PROMPT]
+    engine = _engine(tiny, oracle, prompt, "checkpoint")
+    out = [engine.prefill(prompt)]
+    out += engine.step()  # the gate validates on this step
+    assert engine.status is RollbackStatus.EFFECTIVE
+
+    def broken(commit_n: int) -> None:
+        raise RuntimeError(f"restore kernel failed for commit_n={commit_n}")
+
+    for shard in engine.target.shards:
+        shard.caches.pool.restore_checkpoint = broken  # type: ignore[method-assign]
+    while len(out) < N:
+        out += engine.step()
+    assert out[:N] == oracle[:N]
+    later = engine.records[1:]
+    assert later and all(r.path == "replay_after_failure" for r in later)
+    assert all("restore kernel failed" in (r.failure or "") for r in later)
+    assert engine.counts["poison_events"] == len(later)

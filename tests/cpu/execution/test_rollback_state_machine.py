@@ -46,8 +46,9 @@ class ScriptedDrafter:
     def __init__(self) -> None:
         self.correct = 0
 
-    def propose(self, context: list[int], last: int, block_size: int,
-                features: Tensor | None) -> list[int]:
+    def propose(
+        self, context: list[int], last: int, block_size: int, features: Tensor | None
+    ) -> list[int]:
         n = len(context)
         assert last == FULL[n]
         out = []
@@ -99,8 +100,9 @@ class RollbackMachine(RuleBasedStateMachine):
         target = ShardedTarget(MODEL, plan_shards(6, "cpu,cpu", "3,3"), max_len=96, max_draft=B)
         self.drafter = ScriptedDrafter()
         self.faults = ScriptedFaults()
-        self.engine = SpecDecoder(target, self.drafter, block_size=B,
-                                  policy=RollbackPolicy(mode=mode), faults=self.faults)
+        self.engine = SpecDecoder(
+            target, self.drafter, block_size=B, policy=RollbackPolicy(mode=mode), faults=self.faults
+        )
         self.ref = Reference(mode=mode)
         self.out = [self.engine.prefill(PROMPT)]
 
@@ -108,8 +110,11 @@ class RollbackMachine(RuleBasedStateMachine):
         return self.ref.emitted + B <= len(ORACLE)
 
     @precondition(lambda self: self.room())
-    @rule(correct=st.integers(0, B - 1), fault=st.sampled_from([None, *FAST_PATH_PHASES]),
-          recovery_fails=st.booleans())
+    @rule(
+        correct=st.integers(0, B - 1),
+        fault=st.sampled_from([None, *FAST_PATH_PHASES]),
+        recovery_fails=st.booleans(),
+    )
     def step(self, correct: int, fault: FaultPhase | None, recovery_fails: bool) -> None:
         ref = self.ref
         self.drafter.correct = correct
@@ -194,7 +199,9 @@ class RollbackMachine(RuleBasedStateMachine):
 
 
 RollbackMachine.TestCase.settings = settings(
-    max_examples=20, stateful_step_count=8, deadline=None,
+    max_examples=20,
+    stateful_step_count=8,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestRollbackStateMachine = RollbackMachine.TestCase

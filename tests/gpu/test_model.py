@@ -3,7 +3,9 @@
 Checks, on one CUDA device:
 
 1. prefill + decode logits of the bf16 model (Triton kernels) agree with a float32
-   reference on the same device (same seeded weights, torch reference kernels);
+   reference on the same device (the same bf16-valued weights computed in float32 with
+   the torch reference kernels; random weights over 32 layers give ~4-5 % relative RMS
+   in bf16 — measured on a CPU model of the same depth — so the bound is 10 %);
 2. the float32 model on the Triton kernels agrees with that reference tightly;
 3. verify with capture over a chain of ``B`` tokens equals decoding them one at a time:
    logits per slot and every captured F32 checkpoint vs the sequential live state
@@ -33,7 +35,9 @@ PROMPT_LEN = 32
 DECODE_STEPS = 4
 DRAFT = 8
 BF16_REL_TOL = 1e-1  # relative RMS of logits, bf16 weights/activations vs f32 over 32 layers
-F32_REL_TOL = 1e-4  # same maths, f32, Triton vs torch reference / batched vs sequential
+# f32, Triton vs torch reference / batched vs sequential: only summation order differs
+# (~1e-6 per layer on CPU); a wrong slot or a broken alias gives O(1) errors.
+F32_REL_TOL = 1e-3
 BF16_CAPTURE_TOL = 2e-2  # relative RMS of captured states, bf16 batched vs sequential
 
 
@@ -45,9 +49,16 @@ def rel(a: Tensor, b: Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def models() -> Iterator[tuple[TargetModel, TargetModel]]:
-    """(float32, bf16) models with the same seeded weights on cuda:0."""
+    """(float32, bf16) models with the same seeded weights on cuda:0.
+
+    The float32 model holds the bf16 weights exactly (rounded, then widened), so the
+    comparison measures the bf16 *computation* (activations, kernels), not weight rounding.
+    """
     config = HybridConfig.nine_b_shape()
     f32 = TargetModel.seeded(config, seed=SEED, dtype=torch.float32, device="cuda")
+    with torch.no_grad():
+        for p in f32.parameters():
+            p.copy_(p.to(torch.bfloat16))
     bf16 = TargetModel.seeded(config, seed=SEED, dtype=torch.bfloat16, device="cuda")
     bf16.kernel_backend = "triton"
     yield f32, bf16

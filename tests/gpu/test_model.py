@@ -38,7 +38,7 @@ BF16_REL_TOL = 1e-1  # relative RMS of logits, bf16 weights/activations vs f32 o
 # f32, Triton vs torch reference / batched vs sequential: only summation order differs
 # (~1e-6 per layer on CPU); a wrong slot or a broken alias gives O(1) errors.
 F32_REL_TOL = 1e-3
-BF16_CAPTURE_TOL = 2e-2  # relative RMS of captured states, bf16 batched vs sequential
+BF16_CAPTURE_TOL = 5e-2  # captured states, bf16 batched vs sequential (GEMM order differs)
 
 
 def rel(a: Tensor, b: Tensor) -> float:

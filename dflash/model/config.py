@@ -38,7 +38,7 @@ class HybridConfig(BaseModel):
     ``conv_dim = 2·HK·K + HV·V`` mixed q/k/v channels.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
     model_type: ModelFamily = "qwen3_5_text"
     vocab_size: int = Field(gt=0)

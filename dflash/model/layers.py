@@ -134,14 +134,13 @@ class GatedAttention(nn.Module):
         v_cache[:, :, start:end] = v.transpose(1, 2)
         keys = k_cache[:, :, :end]  # [B, HKV, start+T, D]
         values = v_cache[:, :, :end]
+        # Grouped heads without copying the cache: query head h = kv * G + g reads KV head
+        # kv, so the G query heads of one KV head become G*T query rows of that head.
         groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            keys = keys.repeat_interleave(groups, dim=1)
-            values = values.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=visible, scale=d**-0.5
-        )  # [B, H, T, D]
-        out = out.transpose(1, 2).reshape(b, t, self.num_heads * d)
+        q_rows = q.transpose(1, 2).reshape(b, self.num_kv_heads, groups * t, d)
+        mask = None if visible is None else visible.repeat(groups, 1)  # [G*T, start+T]
+        out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask, scale=d**-0.5)
+        out = out.reshape(b, self.num_heads, t, d).transpose(1, 2).reshape(b, t, self.num_heads * d)
         out = out * torch.sigmoid(gate.reshape(b, t, self.num_heads * d))
         return self.o_proj(out)  # type: ignore[no-any-return]
 

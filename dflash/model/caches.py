@@ -177,6 +177,13 @@ class RecurrentPool:
     def _check_commit(self, commit_n: int) -> int:
         if self.verify_start is None or not self.awaiting_rollback:
             raise CacheError("no completed verify to roll back to (run a verify first)")
+        written = zip(self.layer_ids, self._snapshot_written, strict=True)
+        unwritten = [layer for layer, ok in written if not ok]
+        if unwritten:
+            raise CacheError(
+                f"the last verify did not run recurrent layers {unwritten} of this pool; "
+                "their checkpoint slots hold no draft states (use restore_snapshot)"
+            )
         if isinstance(commit_n, bool) or not isinstance(commit_n, int):
             raise CacheError(f"'commit_n' must be an int (got {commit_n!r})")
         if not 1 <= commit_n <= self.verified_n:

@@ -159,6 +159,21 @@ def test_misuse_is_rejected_before_any_change(model: TargetModel) -> None:
         model(_ids([1]), caches, "decode")  # KV not truncated to the recurrent length
 
 
+@torch.inference_mode()
+def test_partial_verify_cannot_be_restored_from_checkpoints(model: TargetModel) -> None:
+    caches = _prefilled(model)
+    hidden = model.embed_tokens(_ids(DRAFT))
+    chain = require_chain(list(range(-1, B - 1)))
+    model.run_layers(hidden, [0, 1, 2], caches, len(PROMPT), "verify", chain)  # not 3..5
+    with pytest.raises(CacheError, match=r"did not run recurrent layers \[3, 4\]"):
+        caches.pool.restore_checkpoint(2)
+    caches.pool.restore_snapshot()
+    caches.kv.truncate(len(PROMPT))
+    logits, _ = model(_ids([9]), caches, "decode")
+    ref, _ = _sequential(model, [9])
+    torch.testing.assert_close(logits[0, -1], ref[0], rtol=1e-5, atol=1e-5)
+
+
 def test_checkpoint_bytes_formula() -> None:
     cfg = HybridConfig.tiny_default()
     caches = ShardCaches.for_layers(cfg, range(0, 4), max_len=32, max_draft=5, batch=2)

@@ -120,6 +120,12 @@ class RecurrentPool:
         parts = (self.checkpoints, self.captured, self.snapshot)
         return sum(t.numel() * t.element_size() for t in parts)
 
+    @property
+    def verified_layers(self) -> tuple[int, ...]:
+        """Layers whose checkpoints the current (last) verify has written (run evidence)."""
+        written = zip(self.layer_ids, self._snapshot_written, strict=True)
+        return tuple(layer for layer, ok in written if ok) if self.verify_start is not None else ()
+
     def live_views(self, layer: int) -> tuple[Tensor, Tensor]:
         """The live ``(state [B,HV,K,V], conv window [B,Kc-1,C])`` of one layer (views)."""
         i = self._index[layer]

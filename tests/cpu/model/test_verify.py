@@ -165,6 +165,7 @@ def test_partial_verify_cannot_be_restored_from_checkpoints(model: TargetModel) 
     hidden = model.embed_tokens(_ids(DRAFT))
     chain = require_chain(list(range(-1, B - 1)))
     model.run_layers(hidden, [0, 1, 2], caches, len(PROMPT), "verify", chain)  # not 3..5
+    assert caches.pool.verified_layers == (0, 1)
     with pytest.raises(CacheError, match=r"did not run recurrent layers \[3, 4\]"):
         caches.pool.restore_checkpoint(2)
     caches.pool.restore_snapshot()

@@ -205,3 +205,24 @@ def test_triton_path_remap_matches_reference(model: TargetModel) -> None:
     torch.testing.assert_close(first, ref_first, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(second, ref[2:5], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(final[0, -1], ref[5], rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_taps_are_layer_outputs_and_match_across_modes(model: TargetModel) -> None:
+    """A tap is the output of its layer: split runs reproduce it; verify taps equal the
+    taps of sequential decoding slot by slot."""
+    full = model.new_caches(max_len=16, max_draft=8)
+    _, taps = model(_ids(PROMPT), full, "prefill", taps=(1, 4))
+    assert sorted(taps) == [1, 4]
+    first = model.new_caches(max_len=16, max_draft=8, layer_ids=range(0, 2))
+    hidden, got = model.run_layers(model.embed_tokens(_ids(PROMPT)), [0, 1], first, 0,
+                                   "prefill", taps=(1, 4))
+    assert list(got) == [1] and torch.equal(got[1], hidden)
+    torch.testing.assert_close(hidden, taps[1], rtol=0, atol=0)
+
+    caches, seq = _prefilled(model), _prefilled(model)
+    chain = require_chain(list(range(-1, B - 1)))
+    _, vtaps = model(_ids(DRAFT), caches, "verify", geometry=chain, taps=(4,))
+    for i, tok in enumerate(DRAFT):
+        _, stap = model(_ids([tok]), seq, "decode", taps=(4,))
+        torch.testing.assert_close(vtaps[4][:, i], stap[4][:, 0], rtol=1e-5, atol=1e-5)

@@ -321,8 +321,11 @@ def _fields_from_hf(raw: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(rope, Mapping):
         raise ConfigError(f"config field 'rope_parameters' must be an object (got {rope!r})")
+    # Multimodal rotary sections (mrope_section / mrope_interleaved) split the rotary
+    # channels between the temporal/height/width position streams; for text all three
+    # streams carry the same position, so the result is plain rotary and they are ignored.
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
+    if rope_type not in ("default", "mrope"):
         raise ConfigError(
             f"config field 'rope_parameters.rope_type' must be 'default' (got {rope_type!r})"
         )

@@ -64,6 +64,23 @@ def test_round_trip_sharded_index_and_bf16_cast(ckpt: Path, source: TargetModel)
     assert torch.equal(loaded.embed_tokens.weight, ref)
 
 
+def test_multimodal_prefix_and_ignored_heads(ckpt: Path) -> None:
+    tensors = {
+        (k if k.startswith("lm_head") else k.replace("model.", "model.language_model.", 1)): v
+        for k, v in _tensors(ckpt).items()
+    }
+    tensors["mtp.fc.weight"] = torch.zeros(4, 4)
+    tensors["mtp.layers.0.mlp.up_proj.weight"] = torch.zeros(4, 4)
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)
+    _rewrite(ckpt, tensors)
+    loaded = TargetModel.from_pretrained(ckpt)
+    assert loaded.load_report is not None
+    assert loaded.load_report.ignored == {"mtp.*": 2, "model.visual.*": 1}
+    assert greedy_generate(loaded, PROMPT, 4) == greedy_generate(
+        TargetModel.tiny_default(seed=11), PROMPT, 4
+    )
+
+
 def test_missing_tensor(ckpt: Path) -> None:
     tensors = _tensors(ckpt)
     del tensors["model.layers.1.linear_attn.A_log"]

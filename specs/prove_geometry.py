@@ -1,5 +1,5 @@
 """Symbolic proof: the validators equal the specification for every integer parent array
-of length n, for each n up to a bound (default 16), with entries unbounded integers.
+of length n, for each n up to a bound (default 20), with entries unbounded integers.
 
 Run ``python -m specs.prove_geometry [--max-n N]``; it prints the bound and the result.
 
@@ -189,7 +189,7 @@ def prove(n: int, policy: Policy, trailing: bool) -> tuple[int, str | None]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specs.prove_geometry",
                                      description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--max-n", type=int, default=16, help="largest length proved (default 16)")
+    parser.add_argument("--max-n", type=int, default=20, help="largest length proved (default 20)")
     args = parser.parse_args(argv)
     print(f"bound: every integer parent array of length 1..{args.max_n} (entries unbounded "
           "integers), n_actual = length, and n_actual = length with one extra ignored entry")

@@ -61,7 +61,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # type: ignore[no-any-return]
+        out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 def rotary_cos_sin(
@@ -142,7 +143,8 @@ class GatedAttention(nn.Module):
         out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask, scale=d**-0.5)
         out = out.reshape(b, self.num_heads, t, d).transpose(1, 2).reshape(b, t, self.num_heads * d)
         out = out * torch.sigmoid(gate.reshape(b, t, self.num_heads * d))
-        return self.o_proj(out)  # type: ignore[no-any-return]
+        result: Tensor = self.o_proj(out)
+        return result
 
 
 class GatedDeltaNet(nn.Module):
@@ -196,26 +198,24 @@ class GatedDeltaNet(nn.Module):
         ``state``/``conv_rows`` are only read (``geometry`` is the validated chain).
         """
         b, t, _ = x.shape
+        kc1 = self.conv_kernel - 1
         mixed = self.in_proj_qkv(x)  # [B, T, C]
         z = self.in_proj_z(x).view(b, t, self.num_v_heads, self.head_v_dim)
         beta = torch.sigmoid(self.in_proj_b(x))  # [B, T, HV]
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         weight = self.conv1d.weight.squeeze(1)  # [C, Kc]
-        if capture is None:
-            captured = torch.empty(
-                b, self.conv_kernel - 1 + t, mixed.shape[-1], dtype=mixed.dtype, device=x.device
-            )
-            mixed = causal_conv1d_capture(mixed, conv_rows, weight, None, captured, backend=backend)
-            conv_rows.copy_(captured[:, t:])
+        if capture is None:  # in place: conv inputs go to scratch, the new window is its tail
+            captured = mixed.new_empty(b, kc1 + t, mixed.shape[-1])
         else:
             checkpoints, captured, snapshot = capture
-            mixed = causal_conv1d_capture(mixed, conv_rows, weight, None, captured, backend=backend)
+        mixed = causal_conv1d_capture(mixed, conv_rows, weight, None, captured, backend=backend)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(b, t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(b, t, self.num_k_heads, self.head_k_dim)
         v = v.reshape(b, t, self.num_v_heads, self.head_v_dim)
         if capture is None:
-            o = gdn_verify(
+            conv_rows.copy_(captured[:, t : t + kc1])
+            o = gdn_verify(  # state <- state after the last token, in place
                 q, k, v, g, beta, state, state.unsqueeze(1), None,
                 final_state_only=True, backend=backend,
             )
@@ -225,7 +225,8 @@ class GatedDeltaNet(nn.Module):
                 snapshot=snapshot, backend=backend,
             )
         o = self.norm(o, z)  # [B, T, HV, V]
-        return self.out_proj(o.reshape(b, t, self.value_dim))  # type: ignore[no-any-return]
+        out: Tensor = self.out_proj(o.reshape(b, t, self.value_dim))
+        return out
 
 
 class DecoderLayer(nn.Module):

@@ -102,7 +102,6 @@ class TargetModel(nn.Module):
     def from_pretrained(
         cls,
         directory: str | Path,
-        *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> TargetModel:

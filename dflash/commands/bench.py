@@ -29,6 +29,7 @@ class RunStats(BaseModel):
     decode_s: float
     prefill_s: float
     target_forwards_per_step: float
+    effective_forwards_per_step: float | None
     acceptance_rate: float
     avg_commit: float
     steps: int
@@ -96,6 +97,7 @@ def _phase(name: str, mode: str, results: list[Any], oracle_sha: str) -> Phase:
             decode_s=r.timings.decode_s,
             prefill_s=r.timings.prefill_s,
             target_forwards_per_step=r.target_forwards_per_step,
+            effective_forwards_per_step=r.effective_forwards_per_step,
             acceptance_rate=r.acceptance_rate,
             avg_commit=r.avg_commit,
             steps=r.steps,
@@ -124,14 +126,17 @@ def _phase(name: str, mode: str, results: list[Any], oracle_sha: str) -> Phase:
 def table(report: BenchReport) -> str:
     head = (
         f"{'phase':<6} {'mode':<11} {'tok/s (median)':>15} {'fwd/step':>9} {'accept':>7} "
-        f"{'fast/replay/fail':>17} {'ckpt MiB':>9} correct"
+        f"{'fwd/eff':>8} {'fast/replay/fail':>17} {'ckpt MiB':>9} correct"
     )
     lines = [head, "-" * len(head)]
     for ph in report.phases:
         last = ph.runs[-1]
+        eff_value = last.effective_forwards_per_step
+        eff = "-" if eff_value is None else f"{eff_value:.2f}"
         lines.append(
             f"{ph.name:<6} {ph.mode:<11} {ph.median_tokens_per_s:>15.2f} "
             f"{ph.target_forwards_per_step:>9.2f} {ph.acceptance_rate:>7.3f} "
+            f"{eff:>8} "
             f"{f'{last.fast}/{last.replay}/{last.replay_after_failure}':>17} "
             f"{ph.checkpoint_bytes / 2**20:>9.1f} {all(r.correct for r in ph.runs)}"
         )

@@ -132,7 +132,15 @@ def summary_table(r: GenerationResult) -> str:
         ("steps", str(r.steps)),
         ("acceptance rate", f"{r.acceptance_rate:.3f}"),
         ("avg commit", f"{r.avg_commit:.2f}"),
-        ("target forwards/step", f"{r.target_forwards_per_step:.2f}"),
+        (
+            "target forwards/step",
+            f"{r.target_forwards_per_step:.2f}"
+            + (
+                ""
+                if r.effective_forwards_per_step is None
+                else f" ({r.effective_forwards_per_step:.2f} while effective)"
+            ),
+        ),
         (
             "rollback",
             f"requested {r.rollback.requested}, status {r.rollback.status.value} "

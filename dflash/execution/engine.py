@@ -44,7 +44,7 @@ class StepRecord:
     emitted: tuple[int, ...]
     path: str  # "fast" | "replay" | "replay_after_failure"
     status_before: RollbackStatus
-    forwards: int  # target forwards this step (1 verify + 1 per replay)
+    forwards: int  # target forwards this step (verify + replays; the gate step has one more)
     failure: str | None = None
 
 
@@ -55,7 +55,7 @@ def chain_of(n: int) -> ChainGeometry:
 
 def self_test_tolerance(dtype: torch.dtype) -> float:
     """Relative error allowed between a checkpoint slot and its replay."""
-    return 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2
 
 
 class SpecDecoder:
@@ -93,6 +93,7 @@ class SpecDecoder:
         self.target_forwards = 0
         self.status_at_start = self.status
         self._pending: tuple[list[int], int, list[int], RollbackStatus] | None = None
+        self._forwards_before = 0
 
     # -- status ---------------------------------------------------------------------------
 
@@ -142,6 +143,7 @@ class SpecDecoder:
         if self.life.poisoned:  # verify refuses while poisoned
             self.life.move("verify")
         B, step = self.block_size, len(self.records)
+        self._forwards_before = self.target_forwards
         proposal = self.drafter.propose(list(self.context), self.last, B, self.features)
         d = [self.last, *self._check_proposal(proposal)]  # d: [B]
         geometry = chain_of(len(d))
@@ -172,10 +174,27 @@ class SpecDecoder:
             saved = self.gate.save_slot(storages, commit_n - 1)
         self._set_features(taps, commit_n)
         self._pending = (d, commit_n, emitted, status_before)
-        path, failure = self._rollback(d, commit_n, step)
         if saved is not None:
-            self.gate.self_test(self.target.storages(), commit_n - 1, saved, step)
+            path, failure = self._self_test_rollback(d, commit_n, saved, step), None
+        else:
+            path, failure = self._rollback(d, commit_n, step)
         return self._commit(path, failure)
+
+    def _self_test_rollback(
+        self, d: list[int], commit_n: int, saved: list[tuple[Tensor, Tensor]], step: int
+    ) -> str:
+        """The gate step rolls back through replay and runs the one-time numerical self-test.
+
+        The reference is the model's own ``replay`` mode over the accepted tokens, which does
+        not touch the capture path; in deterministic mode the fixed-shape replay then
+        rebuilds the same state the way every other step does.
+        """
+        self._replay(d, commit_n, natural=True)
+        self.gate.self_test(self.target.storages(), commit_n - 1, saved, step)
+        if self.policy.deterministic:
+            self._replay(d, commit_n)
+        self.life.move("rollback")
+        return "replay"
 
     def _check_proposal(self, proposal: object) -> list[int]:
         vocab = self.target.model.config.vocab_size
@@ -201,7 +220,7 @@ class SpecDecoder:
         self.context.extend(d[:commit_n])
         self.committed += commit_n
         self.last = emitted[-1]
-        forwards = 1 + (path != "fast")
+        forwards = self.target_forwards - self._forwards_before
         self.records.append(
             StepRecord(
                 len(self.records),
@@ -233,10 +252,11 @@ class SpecDecoder:
                 if shard.index > 0:
                     self.faults.fire(FaultPhase.MID_RESTORE, step, shard.index)
                 changed = True
-                if self.policy.mode == "checkpoint":
-                    shard.caches.pool.restore_checkpoint(commit_n)
-                else:
-                    shard.caches.pool.remap(commit_n)
+                with shard.on_device():
+                    if self.policy.mode == "checkpoint":
+                        shard.caches.pool.restore_checkpoint(commit_n)
+                    else:
+                        shard.caches.pool.remap(commit_n)
             for shard in self.target.shards:
                 shard.truncate_kv(self.committed + commit_n)
                 if shard.index == 0:
@@ -306,7 +326,8 @@ class SpecDecoder:
     def _replay(self, d: list[int], commit_n: int, *, natural: bool = False) -> None:
         """Legacy rollback: pre-verify state on every shard, then replay ``d[0..commit_n-1]``."""
         for shard in self.target.shards:
-            self._undo_verify(shard.caches.pool)
+            with shard.on_device():
+                self._undo_verify(shard.caches.pool)
             shard.truncate_kv(self.committed)
         self.target.require_position(self.committed, what="after restoring the pre-verify state")
         if self.policy.deterministic and not natural:
@@ -315,7 +336,8 @@ class SpecDecoder:
             # the same kernels in the same shapes as in the verify and the oracle.
             self.target.forward(d, "verify", self.committed, geometry=chain_of(len(d)))
             for shard in self.target.shards:
-                shard.caches.pool.restore_checkpoint(commit_n)
+                with shard.on_device():
+                    shard.caches.pool.restore_checkpoint(commit_n)
                 shard.truncate_kv(self.committed + commit_n)
         else:
             self.target.forward(d[:commit_n], "replay", self.committed)

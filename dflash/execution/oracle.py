@@ -45,7 +45,8 @@ def reference_greedy(
                 [last] * block_size, "verify", committed, geometry=chain_of(block_size)
             )
             for shard in target.shards:
-                shard.caches.pool.restore_checkpoint(1)
+                with shard.on_device():
+                    shard.caches.pool.restore_checkpoint(1)
                 shard.truncate_kv(committed + 1)
         else:
             logits, _ = target.forward([last], "decode", committed)

@@ -110,6 +110,7 @@ class GenerationResult(_Frozen):
     drafter: str = ""
     stop_reason: Literal["max_new_tokens", "eos"] = "max_new_tokens"
     target_forwards: int = 0
+    effective_forwards_per_step: float | None = None  # over steps begun with status effective
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     parity_sha256: str | None = None  # the oracle's SHA-256 when --check-parity ran

@@ -10,7 +10,7 @@ import torch
 from dflash.execution.engine import SpecDecoder
 from dflash.execution.faults import FaultInjector
 from dflash.execution.oracle import reference_greedy
-from dflash.execution.policy import RollbackPolicy
+from dflash.execution.policy import RollbackPolicy, RollbackStatus
 from dflash.execution.results import GenerationResult, RollbackReport, Timings, token_sha256
 from dflash.execution.shards import ShardedTarget, ShardPlan
 from dflash.model import TargetModel
@@ -90,6 +90,7 @@ def generate(
     drafted = steps * (block_size - 1)
     accepted = sum(r.accept_n - 1 for r in engine.records)
     decode_s = t2 - t1
+    effective = [r for r in engine.records if r.status_before is RollbackStatus.EFFECTIVE]
     return GenerationResult(
         tokens=tokens,
         sha256=token_sha256(tokens),
@@ -122,6 +123,9 @@ def generate(
         drafter=drafter.label,
         stop_reason=stop,  # type: ignore[arg-type]  # one of the two literals above
         target_forwards=engine.target_forwards,
+        effective_forwards_per_step=(
+            sum(r.forwards for r in effective) / len(effective) if effective else None
+        ),
         drafted_tokens=drafted,
         accepted_tokens=accepted,
         parity_sha256=parity_sha,

@@ -10,6 +10,7 @@ only its own caches.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,12 @@ class Shard:
     layers: range
     caches: ShardCaches
 
+    def on_device(self) -> AbstractContextManager[object]:
+        """Make this shard's GPU the current device (Triton launches on the current one)."""
+        if self.device.type == "cuda":
+            return torch.cuda.device(self.device)
+        return nullcontext()
+
     def truncate_kv(self, n: int) -> None:
         """Keep the first ``n`` KV positions (a shard without attention layers has none)."""
         if self.caches.kv.layer_ids:
@@ -193,13 +200,15 @@ class ShardedTarget:
         tapped: dict[int, Tensor] = {}
         for shard in self.shards:
             hidden = hidden.to(shard.device)
-            hidden, got = self.model.run_layers(
-                hidden, shard.layers, shard.caches, start, mode, geometry, taps
-            )
+            with shard.on_device():
+                hidden, got = self.model.run_layers(
+                    hidden, shard.layers, shard.caches, start, mode, geometry, taps
+                )
             tapped.update(got)
             if after_shard is not None:
                 after_shard(shard.index)
-        logits = self.model.lm_head(self.model.norm(hidden))  # [1, T, vocab]
+        with self.shards[-1].on_device():
+            logits = self.model.lm_head(self.model.norm(hidden))  # [1, T, vocab]
         return logits[0], tapped
 
     # -- positions -----------------------------------------------------------------------

@@ -144,3 +144,23 @@ def test_eos_stops_generation(capsys: pytest.CaptureFixture[str]) -> None:
     cut, _ = _json_run(capsys, "--rollback", "checkpoint", "--eos-id", str(eos))
     assert cut["tokens"] == full["tokens"][: first + 1]
     assert cut["stop_reason"] == "eos"
+
+
+def test_a_bad_split_is_refused_before_building_a_large_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # nine-b-shape has 32 layers; the refusal comes from the config, no weights are drawn
+    code = main(
+        [
+            "generate",
+            "--model",
+            "nine-b-shape",
+            "--devices",
+            "cpu,cpu",
+            "--layer-split",
+            "16,15",
+            "--no-progress",
+        ]
+    )
+    assert code == 2
+    assert "must sum to the model's 32 layers (got [16, 15], sum 31)" in capsys.readouterr().err

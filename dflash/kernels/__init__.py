@@ -5,6 +5,7 @@
 - :func:`causal_conv1d_capture`: depthwise causal conv1d + SiLU that captures its inputs.
 - :func:`rollback_restore`: live state and conv window <- slot ``commit_n - 1`` for all
   recurrent layers of a shard in one launch; :func:`slot_views` is the zero-copy remap.
+- :func:`rms_norm`: zero-centred or gated RMSNorm in one launch (batch-invariant rows).
 
 Entry points validate every argument first, then run Triton on CUDA tensors (and on CPU
 tensors under ``TRITON_INTERPRET=1``) and the ``*_reference`` twin otherwise; pass
@@ -15,6 +16,8 @@ from dflash.kernels.conv import causal_conv1d_capture
 from dflash.kernels.conv_reference import causal_conv1d_capture_reference
 from dflash.kernels.gdn import gdn_verify
 from dflash.kernels.gdn_reference import gdn_verify_reference
+from dflash.kernels.rmsnorm import rms_norm
+from dflash.kernels.rmsnorm_reference import rms_norm_reference
 from dflash.kernels.rollback import RollbackBoundsError, rollback_restore, slot_views
 from dflash.kernels.rollback_reference import rollback_restore_reference
 
@@ -24,6 +27,8 @@ __all__ = [
     "causal_conv1d_capture_reference",
     "gdn_verify",
     "gdn_verify_reference",
+    "rms_norm",
+    "rms_norm_reference",
     "rollback_restore",
     "rollback_restore_reference",
     "slot_views",

@@ -15,10 +15,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash.geometry import ChainGeometry
-from dflash.kernels import causal_conv1d_capture, gdn_verify
+from dflash.kernels import causal_conv1d_capture, gdn_verify, rms_norm
 from dflash.model.config import HybridConfig
 
 KernelBackend = Literal["auto", "triton", "reference"]
+
+
+def _norm_backend(x: Tensor) -> KernelBackend:
+    """Norms run the Triton kernel on CUDA and the torch reference elsewhere."""
+    return "auto" if x.is_cuda else "reference"
 
 
 class RMSNorm(nn.Module):
@@ -30,9 +35,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
+        # one fused launch on CUDA (the torch formulation is eight); reference on CPU
+        return rms_norm(x, self.weight, self.eps, zero_centred=True, backend=_norm_backend(x))
 
 
 class GatedRMSNorm(nn.Module):
@@ -44,11 +48,9 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor, z: Tensor) -> Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(dtype)
-        return (out * F.silu(z.float())).to(dtype)
+        return rms_norm(
+            x, self.weight, self.eps, zero_centred=False, gate=z, backend=_norm_backend(x)
+        )
 
 
 class MLP(nn.Module):

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One device session: GPU tests and/or the end-to-end benchmark, logs under $OUT.
+#   bash benchmarks/gpu_session.sh tests   # tests/gpu (kernels, model, execution incl. 2-GPU split)
+#   bash benchmarks/gpu_session.sh bench   # dflash bench, 9B-shaped model, A/B/A
+# Expects the wheels the device lacks (pydantic and its deps, fla-core) under .whl/.
+set -uo pipefail
+OUT="${OUT:-out}"; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1
+python3 - <<'PY' | tee "$OUT/env.txt"
+import torch, triton, platform
+print("python", platform.python_version(), "torch", torch.__version__, "triton", triton.__version__)
+for i in range(torch.cuda.device_count()):
+    print(f"cuda:{i}", torch.cuda.get_device_name(i))
+PY
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee -a "$OUT/env.txt"
+dflash() { python3 -m dflash.cli "$@"; }
+for phase in "$@"; do
+  case "$phase" in
+    tests)
+      python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+      ;;
+    bench)
+      dflash bench --model nine-b-shape --draft synthetic --acceptance 0.874 --block-size 16 \
+        --prompt-len 1024 --max-new-tokens 256 --a replay --b checkpoint,remap \
+        --warmup 1 --runs 3 --out "$OUT/bench_9b.json" --plot "$OUT/bench_9b.png" \
+        2>&1 | tee "$OUT/bench_9b.log"
+      ;;
+    split)
+      dflash generate --model nine-b-shape --draft synthetic --acceptance 0.874 \
+        --prompt-len 1024 --max-new-tokens 256 --rollback checkpoint \
+        --devices cuda:0,cuda:1 --layer-split 16,16 --check-parity --json --no-progress \
+        > "$OUT/generate_split.json" 2> "$OUT/generate_split.log"
+      tail -5 "$OUT/generate_split.log"
+      ;;
+    *) echo "unknown phase $phase"; exit 2 ;;
+  esac
+done

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from dflash.commands.generate import add_generation_options, default_devices
+from dflash.commands.generate import add_generation_options, default_devices, synthetic_acceptance
 from dflash.execution.policy import RollbackMode, parse_mode
 
 
@@ -205,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
             else HybridConfig.from_hf_config(args.model)
         )
         plan = plan_shards(cfg.num_hidden_layers, devices, args.layer_split)
+        acceptance = synthetic_acceptance(args)
     except ValueError as exc:
         print(f"dflash bench: error: {exc}", file=sys.stderr)
         return 2
@@ -223,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
         model,
         prompt,
         plan=plan,
-        acceptance=args.acceptance,
+        acceptance=acceptance,
         seed=args.draft_seed,
         max_new_tokens=args.max_new_tokens,
         block_size=args.block_size,
@@ -286,7 +287,8 @@ def run(args: argparse.Namespace) -> int:
             "devices": devices,
             "layer_split": list(plan.split),
             "draft": args.draft,
-            "acceptance": args.acceptance if args.draft == "synthetic" else None,
+            "acceptance_per_slot": acceptance if args.draft == "synthetic" else None,
+            "drafted_acceptance_requested": args.drafted_acceptance,
             "prompt_len": len(prompt),
             "max_new_tokens": args.max_new_tokens,
             "block_size": args.block_size,

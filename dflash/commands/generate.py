@@ -41,11 +41,20 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         help="DFlash drafter directory, 'dflash' (built-in seeded default), "
         "'prompt-lookup' or 'synthetic' (benchmark drafter, see --acceptance)",
     )
-    p.add_argument(
+    acc = p.add_mutually_exclusive_group()
+    acc.add_argument(
         "--acceptance",
         type=float,
-        default=0.4,
-        help="synthetic drafter: per-slot probability of proposing the target's token",
+        default=None,
+        help="synthetic drafter: per-slot probability of proposing the target's token "
+        "(given the earlier slots were right; default 0.8)",
+    )
+    acc.add_argument(
+        "--drafted-acceptance",
+        type=float,
+        default=None,
+        help="synthetic drafter: choose the per-slot probability so that this share of "
+        "the drafted tokens is accepted on average (e.g. 0.4 with block 16)",
     )
     p.add_argument("--draft-seed", type=int, default=0)
     src = p.add_mutually_exclusive_group()
@@ -163,6 +172,20 @@ def summary_table(r: GenerationResult) -> str:
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
 
 
+def synthetic_acceptance(args: argparse.Namespace) -> float:
+    """The synthetic drafter's per-slot probability from --acceptance / --drafted-acceptance."""
+    from dflash.execution.session import per_slot_probability
+
+    if args.drafted_acceptance is not None:
+        if args.block_size < 2:
+            raise ValueError(f"--block-size must be >= 2 (got {args.block_size})")
+        return per_slot_probability(args.drafted_acceptance, args.block_size)
+    p = 0.8 if args.acceptance is None else args.acceptance
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"--acceptance must be in [0, 1] (got {p})")
+    return float(p)
+
+
 def execute(args: argparse.Namespace, *, progress: bool) -> GenerationResult:
     """Build model, shards and drafter from ``args`` and run one generation."""
     from dflash.execution.run import generate
@@ -186,8 +209,7 @@ def execute(args: argparse.Namespace, *, progress: bool) -> GenerationResult:
         raise ValueError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     if args.block_size < 2:
         raise ValueError(f"--block-size must be >= 2 (got {args.block_size})")
-    if not 0.0 <= args.acceptance <= 1.0:
-        raise ValueError(f"--acceptance must be in [0, 1] (got {args.acceptance})")
+    acceptance = synthetic_acceptance(args)
     import torch
 
     from dflash.model import HybridConfig
@@ -216,7 +238,7 @@ def execute(args: argparse.Namespace, *, progress: bool) -> GenerationResult:
         model,
         prompt,
         plan=plan,
-        acceptance=args.acceptance,
+        acceptance=acceptance,
         seed=args.draft_seed,
         max_new_tokens=args.max_new_tokens,
         block_size=args.block_size,

@@ -126,6 +126,27 @@ def encode_prompt(
     return list(text.encode("utf-8"))
 
 
+def per_slot_probability(drafted_rate: float, block_size: int) -> float:
+    """The synthetic drafter's per-slot probability ``p`` giving ``drafted_rate`` on average.
+
+    With slot ``i`` right with probability ``p`` given the earlier ones were, the expected
+    accepted share of the ``B-1`` drafted tokens is ``(p + p² + … + p^(B-1)) / (B-1)``,
+    increasing in ``p``; solved by bisection.
+    """
+    if not 0.0 <= drafted_rate <= 1.0:
+        raise SessionError(f"--drafted-acceptance must be in [0, 1] (got {drafted_rate})")
+    n = block_size - 1
+
+    def rate(p: float) -> float:
+        return sum(p**i for i in range(1, n + 1)) / n
+
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if rate(mid) < drafted_rate else (lo, mid)
+    return (lo + hi) / 2
+
+
 def build_drafter(
     spec: str,
     model: TargetModel,

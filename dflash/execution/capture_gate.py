@@ -6,8 +6,9 @@ between shards, that the shards still to run have untouched (all-NaN) storage an
 shards already run keep their fingerprint — a shard that wrote storage it does not own is
 caught as a changed canary.  After the verify it checks, per shard: storage present,
 checkpoints float32 and correctly shaped, the pool's layers equal the layers the plan gave
-the shard, every slot ``0..T-1`` of every owned layer written (finite), no slot past ``T``
-written, and every owned tap layer's features produced.  Then, once, a numerical
+the shard (and so does the pool's own record of the layers the verify wrote), every slot
+``0..T-1`` of every owned layer written (finite), no slot past ``T`` written, and every
+owned tap layer's features produced.  Then, once, a numerical
 self-test: the checkpoint of one slot against the live state a replay of the same tokens
 produces.  The verdict (validated or refused) is sticky until the storage is rebuilt.
 """
@@ -191,6 +192,12 @@ class CaptureGate:
         if tuple(pool.layer_ids) != tuple(s.owned_recurrent):
             problems.append(
                 f"pool holds recurrent layers {list(pool.layer_ids)} but the shard owns "
+                f"{list(s.owned_recurrent)}"
+            )
+        reported = getattr(pool, "verified_layers", None)  # the model's own run record
+        if isinstance(reported, tuple) and reported != tuple(s.owned_recurrent):
+            problems.append(
+                f"the pool reports the verify wrote layers {list(reported)}, the shard owns "
                 f"{list(s.owned_recurrent)}"
             )
         n_layers = len(s.owned_recurrent)

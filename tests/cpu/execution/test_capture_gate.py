@@ -123,6 +123,18 @@ def test_gate_refuses_a_later_shard_rewriting_an_earlier_one(tiny: TargetModel) 
     assert "shard 0's storage changed while shard 1 ran" in (gate.report.reason or "")
 
 
+def test_gate_refuses_when_the_pool_did_not_record_every_owned_layer(
+    tiny: TargetModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gate, _, storages, taps = _verify_with_gate(tiny)
+    pool_type = type(storages[0].pool)
+    monkeypatch.setattr(pool_type, "verified_layers", property(lambda self: self.layer_ids[:1]))
+    assert not gate.judge(storages, T, taps, (), step=0)
+    assert "the pool reports the verify wrote layers [0], the shard owns [0, 1]" in (
+        gate.report.reason or ""
+    )
+
+
 def test_gate_refuses_ownership_map_mismatch_and_missing_taps(tiny: TargetModel) -> None:
     gate, _, storages, taps = _verify_with_gate(tiny)
     lying = [storages[0], ShardStorage(**{**storages[1].__dict__, "owned_recurrent": (3,)})]

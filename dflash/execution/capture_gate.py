@@ -53,7 +53,7 @@ def _fingerprint(s: ShardStorage) -> tuple[int, float]:
     for t in _storage(s.pool):
         if t is not None:
             nans += int(torch.isnan(t).sum())
-            total += float(torch.nan_to_num(t.double(), nan=0.0).sum())
+            total += float(torch.nansum(t, dtype=torch.float64))
     return nans, total
 
 
@@ -227,14 +227,16 @@ class CaptureGate:
                 problems.append(f"captured shape {got_c} does not cover {want_c}")
         unwritten: list[str] = []
         if present and shapes_ok and ckpt is not None and captured is not None:
+            # one reduction per tensor, one transfer: [L, slots] / [L, rows] NaN maps
+            slot_nan = torch.isnan(ckpt[:, :, :n_slots]).flatten(3).any(-1).any(1).tolist()
+            row_nan = torch.isnan(captured[:, :, : kc1 + n_slots]).any(-1).any(1).tolist()
+            past = torch.isnan(ckpt[:, :, n_slots:]).flatten(1).all(-1).tolist()
             for i, layer in enumerate(s.owned_recurrent):
-                slot_nan = torch.isnan(ckpt[i, :, :n_slots]).flatten(2).any(-1).any(0)
-                unwritten += [f"layer {layer} slot {j}" for j in range(n_slots) if slot_nan[j]]
-                row_nan = torch.isnan(captured[i, :, : kc1 + n_slots]).any(-1).any(0)
+                unwritten += [f"layer {layer} slot {j}" for j, bad in enumerate(slot_nan[i]) if bad]
                 unwritten += [
-                    f"layer {layer} captured row {r}" for r in range(kc1 + n_slots) if row_nan[r]
+                    f"layer {layer} captured row {r}" for r, bad in enumerate(row_nan[i]) if bad
                 ]
-                if not torch.isnan(ckpt[i, :, n_slots:]).all():
+                if not past[i]:
                     problems.append(
                         f"layer {layer}: a slot past the verify's {n_slots} was written"
                     )

@@ -148,8 +148,8 @@ class SpecDecoder:
         d = [self.last, *self._check_proposal(proposal)]  # d: [B]
         geometry = chain_of(len(d))
         self.target.require_position(self.committed, what="before verify")
-        storages = self.target.storages()
         gate_run = self.policy.fast and self.gate.pending  # the gate runs for a fast mode only
+        storages = self.target.storages() if gate_run else []
         if gate_run:
             self.gate.arm(storages)
         status_before = self.status

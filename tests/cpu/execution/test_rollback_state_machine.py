@@ -211,8 +211,8 @@ class RollbackMachine(RuleBasedStateMachine):
 
 
 RollbackMachine.TestCase.settings = settings(
-    max_examples=40,
-    stateful_step_count=10,
+    max_examples=60,
+    stateful_step_count=12,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -15,7 +15,10 @@ from collections.abc import Sequence
 # sub-command -> (module under dflash.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("generate", "speculative decoding on a target model (the main job)"),
-    "validate": ("validate", "validate a draft parent array; exit 0 accepted, 1 rejected, 2 unusable"),
+    "validate": (
+        "validate",
+        "validate a draft parent array; exit 0 accepted, 1 rejected, 2 unusable",
+    ),
     "bench": ("bench", "A/B/A comparison of two generation configurations"),
     "fuzz": ("fuzz", "fuzz campaign against the geometry validators"),
 }

@@ -73,6 +73,7 @@ def _all_modes(
             time.perf_counter() - t0,
         )
     )
+    TOKENS[label] = oracle[:NEW_TOKENS]
     drafter = SyntheticDrafter(prompt + oracle, ACCEPTANCE, model.config.vocab_size, seed=7)
     shas = set()
     for mode in ROLLBACK_MODES:

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from dflash.commands.generate import add_generation_options, default_devices, synthetic_acceptance
+from dflash.commands.generate import add_generation_options, prepare, usage_errors
 from dflash.execution.policy import RollbackMode, parse_mode
 
 
@@ -183,10 +183,8 @@ def run(args: argparse.Namespace) -> int:
     from dflash.execution.policy import RollbackPolicy
     from dflash.execution.results import token_sha256
     from dflash.execution.run import generate
-    from dflash.execution.session import build_drafter, build_model, encode_prompt, parse_dtype
-    from dflash.execution.shards import plan_shards
-    from dflash.model import HybridConfig
 
+    deterministic = not args.non_deterministic
     try:
         mode_a = parse_mode(args.a, source="--a")
         modes_b = [parse_mode(m, source="--b") for m in args.b.split(",")]
@@ -194,42 +192,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--runs must be >= 1 and --warmup >= 0 (got {args.runs}, {args.warmup})"
             )
-        devices = args.devices or default_devices()
-        first = devices.split(",")[0].strip()
-        dtype = parse_dtype(args.dtype, args.model, first)
-        cfg = (
-            HybridConfig.tiny_default()
-            if args.model == "tiny"
-            else HybridConfig.nine_b_shape()
-            if args.model == "nine-b-shape"
-            else HybridConfig.from_hf_config(args.model)
-        )
-        plan = plan_shards(cfg.num_hidden_layers, devices, args.layer_split)
-        acceptance = synthetic_acceptance(args)
-    except ValueError as exc:
+        ready = prepare(args, deterministic=deterministic)
+    except usage_errors() as exc:
         print(f"dflash bench: error: {exc}", file=sys.stderr)
         return 2
-    deterministic = not args.non_deterministic
-    model = build_model(args.model, seed=args.seed, dtype=dtype, device=first)
-    prompt = encode_prompt(
-        args.model,
-        model.config.vocab_size,
-        text=args.prompt,
-        ids=args.prompt_ids,
-        length=args.prompt_len,
-        seed=args.prompt_seed,
-    )
-    drafter, oracle = build_drafter(
-        args.draft,
-        model,
-        prompt,
-        plan=plan,
-        acceptance=acceptance,
-        seed=args.draft_seed,
-        max_new_tokens=args.max_new_tokens,
-        block_size=args.block_size,
-        deterministic=deterministic,
-    )
+    model, plan, prompt, drafter = ready.model, ready.plan, ready.prompt, ready.drafter
+    dtype, devices, acceptance = ready.dtype, ready.devices, ready.acceptance
+    oracle = ready.oracle
     if oracle is None:
         oracle = reference_greedy(
             model,

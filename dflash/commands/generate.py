@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 from dflash.execution.errors import ExecutionError, LayerSplitError, RollbackConfigError
@@ -186,22 +187,37 @@ def synthetic_acceptance(args: argparse.Namespace) -> float:
     return float(p)
 
 
-def execute(args: argparse.Namespace, *, progress: bool) -> GenerationResult:
-    """Build model, shards and drafter from ``args`` and run one generation."""
-    from dflash.execution.run import generate
+@dataclass(frozen=True)
+class Prepared:
+    """What one generation (or one bench) needs, built from the shared options."""
+
+    model: Any  # TargetModel (imported lazily: torch loads only when a command runs)
+    plan: Any  # ShardPlan
+    prompt: list[int]
+    drafter: Any  # Drafter
+    oracle: list[int] | None  # target-only greedy tokens, when the drafter needed them
+    dtype: Any  # torch.dtype
+    devices: str
+    acceptance: float
+
+
+def prepare(args: argparse.Namespace, *, deterministic: bool) -> Prepared:
+    """Check the shared options, then build model, shards, prompt and drafter.
+
+    The layer split is checked against the layer count before any weights are built, so
+    a bad ``--layer-split`` fails in milliseconds even for a large model.
+    """
+    import torch
+
     from dflash.execution.session import (
         build_drafter,
         build_model,
         encode_prompt,
+        model_config,
         parse_dtype,
     )
     from dflash.execution.shards import plan_shards
 
-    policy = RollbackPolicy.resolve(
-        getattr(args, "rollback", None),
-        environ=os.environ,
-        deterministic=not args.non_deterministic,
-    )
     devices = args.devices or default_devices()
     first = devices.split(",")[0].strip()
     dtype = parse_dtype(args.dtype, args.model, first)
@@ -210,18 +226,7 @@ def execute(args: argparse.Namespace, *, progress: bool) -> GenerationResult:
     if args.block_size < 2:
         raise ValueError(f"--block-size must be >= 2 (got {args.block_size})")
     acceptance = synthetic_acceptance(args)
-    import torch
-
-    from dflash.model import HybridConfig
-
-    # validate the split against the layer count before building a large model
-    if args.model == "tiny":
-        num_layers = HybridConfig.tiny_default().num_hidden_layers
-    elif args.model == "nine-b-shape":
-        num_layers = HybridConfig.nine_b_shape().num_hidden_layers
-    else:
-        num_layers = HybridConfig.from_hf_config(args.model).num_hidden_layers
-    plan = plan_shards(num_layers, devices, args.layer_split)
+    plan = plan_shards(model_config(args.model).num_hidden_layers, devices, args.layer_split)
     if first.startswith("cuda"):
         torch.cuda.set_device(torch.device(first))
     model = build_model(args.model, seed=args.seed, dtype=dtype, device=first)
@@ -242,7 +247,32 @@ def execute(args: argparse.Namespace, *, progress: bool) -> GenerationResult:
         seed=args.draft_seed,
         max_new_tokens=args.max_new_tokens,
         block_size=args.block_size,
-        deterministic=policy.deterministic,
+        deterministic=deterministic,
+    )
+    return Prepared(model, plan, prompt, drafter, oracle, dtype, devices, acceptance)
+
+
+def usage_errors() -> tuple[type[Exception], ...]:
+    """Exceptions that mean "unusable arguments" (exit 2) for generate and bench."""
+    from dflash.execution.session import SessionError
+    from dflash.model import ConfigError
+    from dflash.model.drafters import DrafterError
+
+    return (*USAGE_ERRORS, SessionError, ConfigError, DrafterError, ValueError)
+
+
+def execute(args: argparse.Namespace, *, progress: bool) -> GenerationResult:
+    """Build model, shards and drafter from ``args`` and run one generation."""
+    from dflash.execution.run import generate
+
+    policy = RollbackPolicy.resolve(
+        getattr(args, "rollback", None),
+        environ=os.environ,
+        deterministic=not args.non_deterministic,
+    )
+    ready = prepare(args, deterministic=policy.deterministic)
+    model, plan, prompt, drafter, oracle = (
+        ready.model, ready.plan, ready.prompt, ready.drafter, ready.oracle
     )
     start = "off" if not policy.fast else "requested"
     print(
@@ -270,18 +300,9 @@ def execute(args: argparse.Namespace, *, progress: bool) -> GenerationResult:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash.execution.session import SessionError
     from dflash.geometry import GeometryError
-    from dflash.model import ConfigError
-    from dflash.model.drafters import DrafterError
 
-    usage: tuple[type[Exception], ...] = (
-        *USAGE_ERRORS,
-        SessionError,
-        ConfigError,
-        DrafterError,
-        ValueError,
-    )
+    usage = usage_errors()
     try:
         result = execute(args, progress=not args.no_progress)
     except usage as exc:

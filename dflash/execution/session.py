@@ -43,26 +43,30 @@ def parse_dtype(name: str | None, model: str, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_model(spec: str, *, seed: int, dtype: torch.dtype, device: str) -> TargetModel:
-    """The target model named by ``spec`` on ``device`` (moved per shard later)."""
+def model_config(spec: str) -> HybridConfig:
+    """The configuration of the model named by ``spec``, without building any weights."""
     if spec == "tiny":
-        if device == "cpu":
-            # the tiny model's matrices are far too small to share between threads: one
-            # thread is several times faster, and immune to other load on the machine
-            torch.set_num_threads(1)
-        return TargetModel.seeded(
-            HybridConfig.tiny_default(), seed=seed, dtype=dtype, device=device
-        )
+        return HybridConfig.tiny_default()
     if spec == "nine-b-shape":
-        return TargetModel.seeded(
-            HybridConfig.nine_b_shape(), seed=seed, dtype=dtype, device=device
-        )
+        return HybridConfig.nine_b_shape()
     if Path(spec).is_dir():
-        return TargetModel.from_pretrained(spec, dtype=dtype, device=device)
+        return HybridConfig.from_hf_config(spec)
     raise SessionError(
         f"--model must be one of {', '.join(BUILTIN_MODELS)} or a checkpoint directory "
         f"(got {spec!r}: no such directory)"
     )
+
+
+def build_model(spec: str, *, seed: int, dtype: torch.dtype, device: str) -> TargetModel:
+    """The target model named by ``spec`` on ``device`` (moved per shard later)."""
+    config = model_config(spec)
+    if spec not in BUILTIN_MODELS:
+        return TargetModel.from_pretrained(spec, dtype=dtype, device=device)
+    if spec == "tiny" and device == "cpu":
+        # the tiny model's matrices are far too small to share between threads: one
+        # thread is several times faster, and immune to other load on the machine
+        torch.set_num_threads(1)
+    return TargetModel.seeded(config, seed=seed, dtype=dtype, device=device)
 
 
 def parse_ids(text: str, vocab: int, what: str = "--prompt-ids") -> list[int]:

@@ -125,7 +125,10 @@ def test_synthetic_drafter_with_full_acceptance(capsys: pytest.CaptureFixture[st
         (["--devices", "cpu,,cpu"], "without empty entries"),
         (["--prompt-ids", "3,999"], "--prompt-ids entry 1 must be a token id in [0, 256)"),
         (["--block-size", "1"], "--block-size must be >= 2 (got 1)"),
-        (["--model", "/no/such/dir"], "cannot read config file '/no/such/dir'"),
+        (
+            ["--model", "/no/such/dir"],
+            "or a checkpoint directory (got '/no/such/dir': no such directory)",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_with_a_clear_message(

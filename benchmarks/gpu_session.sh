@@ -2,6 +2,8 @@
 # One device session: GPU tests and/or the end-to-end benchmark, logs under $OUT.
 #   bash benchmarks/gpu_session.sh tests   # tests/gpu (kernels, model, execution incl. 2-GPU split)
 #   bash benchmarks/gpu_session.sh bench   # dflash bench, 9B-shaped model, A/B/A
+#   bash benchmarks/gpu_session.sh kernels # benchmarks/kernels.py with its launch-config sweep
+#   bash benchmarks/gpu_session.sh cli     # dflash generate on two GPUs, every drafter
 # Expects the wheels the device lacks (pydantic and its deps, fla-core) under .whl/.
 set -uo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"
@@ -32,12 +34,25 @@ for phase in "$@"; do
         --warmup 1 --runs 3 --out "$OUT/bench_9b.json" --plot "$OUT/bench_9b.png" \
         2>&1 | tee "$OUT/bench_9b.log"
       ;;
-    split)
-      dflash generate --model nine-b-shape --draft synthetic --acceptance 0.874 \
-        --prompt-len 1024 --max-new-tokens 256 --rollback checkpoint \
-        --devices cuda:0,cuda:1 --layer-split 16,16 --check-parity --json --no-progress \
-        > "$OUT/generate_split.json" 2> "$OUT/generate_split.log"
-      tail -5 "$OUT/generate_split.log"
+    kernels)
+      python3 benchmarks/kernels.py --sweep --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
+      ;;
+    cli)
+      # the main command on two GPUs: 9B shape split 16+16, each drafter, parity checked
+      mkdir -p /tmp/dflash_cli
+      for run in dflash:remap prompt-lookup:checkpoint synthetic:checkpoint; do
+        draft=${run%%:*}; mode=${run##*:}; json=/tmp/dflash_cli/${draft}_${mode}.json
+        dflash generate --model nine-b-shape --draft "$draft" --acceptance 0.874 \
+          --prompt-len 1024 --max-new-tokens 128 --rollback "$mode" \
+          --devices cuda:0,cuda:1 --layer-split 16,16 --check-parity --json --no-progress \
+          > "$json" 2>> "$OUT/cli_stderr.log"
+        echo "rc=$? draft=$draft mode=$mode" | tee -a "$OUT/cli.log"
+        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); r=d['rollback']; \
+print(' parity', d['parity'], 'sha', d['sha256'], 'status', r['status'], \
+'fast/replay/fail', r['fast'], r['replay'], r['replay_after_failure'], \
+'accept %.3f' % d['acceptance_rate'], 'tok/s %.1f' % d['timings']['tokens_per_s'])" \
+          "$json" | tee -a "$OUT/cli.log"
+      done
       ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac

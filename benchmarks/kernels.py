@@ -12,6 +12,7 @@ the same run. Verify runs rotate over several buffer sets so the 50 MB of checkp
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -180,17 +181,17 @@ def main() -> None:
     sets = gdn_sets(ROTATE, T)
     if args.sweep:
         base = capture_once(sets[0])
-        for BV in (8, 16, 32, 64):
-            for warps in (1, 2, 4, 8):
-                ms = bench(verify_fn(sets, False, block_v=BV, num_warps=warps), graph=True)
-                ckpt_cfg = capture_once(sets[0], block_v=BV, num_warps=warps)
-                sweep.append(row(
-                    f"verify T=16 BV={BV} warps={warps}", ms / ROTATE,
-                    verify_bytes(T, True, False), bw,
-                    rel_rms_vs_default=float((ckpt_cfg - base).norm() / base.norm()),
-                    decode_bit_exact=decode_matches(sets[0], ckpt_cfg, block_v=BV,
-                                                    num_warps=warps),
-                ))
+        # store_hint: checkpoint stores plain (0), streaming .cs (1) or evict_first (2)
+        for BV, warps, hint in itertools.product((8, 16, 32), (1, 2, 4), (0, 1, 2)):
+            cfg = {"block_v": BV, "num_warps": warps, "store_hint": hint}
+            ms = bench(verify_fn(sets, False, **cfg), graph=True)
+            ckpt_cfg = capture_once(sets[0], **cfg)
+            sweep.append(row(
+                f"verify T=16 BV={BV} warps={warps} store_hint={hint}", ms / ROTATE,
+                verify_bytes(T, True, False), bw,
+                rel_rms_vs_default=float((ckpt_cfg - base).norm() / base.norm()),
+                decode_bit_exact=decode_matches(sets[0], ckpt_cfg, **cfg),
+            ))
     ms_v = bench(verify_fn(sets, False), graph=True) / ROTATE
     ms_vs = bench(verify_fn(sets, True), graph=True) / ROTATE
     fla_ms = None

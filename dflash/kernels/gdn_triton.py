@@ -33,6 +33,7 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
     s_sn_b, s_sn_h, s_sn_k, s_sn_v,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
+    STORE_HINT: tl.constexpr = 0,      # slot stores: 0 plain, 1 streaming (.cs), 2 evict_first
 ):
     i_v = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -90,7 +91,13 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
 
         # slot_step 1: slot t after every token; slot_step 0: slot 0 after the last token
         if (slot_step != 0) | (t == T - 1):
-            tl.store(ckpt + (t * slot_step).to(tl.int64) * s_ck_s + o_ck, b_h, mask=m_h)
+            p_slot = ckpt + (t * slot_step).to(tl.int64) * s_ck_s + o_ck
+            if STORE_HINT == 1:
+                tl.store(p_slot, b_h, mask=m_h, cache_modifier=".cs")
+            elif STORE_HINT == 2:
+                tl.store(p_slot, b_h, mask=m_h, eviction_policy="evict_first")
+            else:
+                tl.store(p_slot, b_h, mask=m_h)
 
         p_q += HK * K
         p_k += HK * K
@@ -122,6 +129,7 @@ def launch_gdn_verify(
     initial_state: torch.Tensor, checkpoints: torch.Tensor, parents: tuple[int, ...] | None,
     *, scale: float, use_qk_l2norm: bool, final_state_only: bool,
     snapshot: torch.Tensor | None, block_v: int | None = None, num_warps: int | None = None,
+    store_hint: int = 0,
 ) -> torch.Tensor:
     """Launch :func:`gdn_verify_kernel` on validated inputs; returns ``o`` in v's dtype."""
     B, T, HK, K = q.shape
@@ -149,6 +157,6 @@ def launch_gdn_verify(
         0 if parents is None else 1,
         *initial_state.stride(), *checkpoints.stride(), *snap.stride(),
         HK=HK, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
-        USE_QK_L2NORM=use_qk_l2norm, num_warps=warps,
+        USE_QK_L2NORM=use_qk_l2norm, STORE_HINT=store_hint, num_warps=warps,
     )
     return o

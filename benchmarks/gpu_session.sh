@@ -2,7 +2,7 @@
 # One device session: GPU tests and/or the end-to-end benchmark, logs under $OUT.
 #   bash benchmarks/gpu_session.sh tests   # tests/gpu (kernels, model, execution incl. 2-GPU split)
 #   bash benchmarks/gpu_session.sh bench   # dflash bench, 9B-shaped model, A/B/A
-#   bash benchmarks/gpu_session.sh kernels # benchmarks/kernels.py with its launch-config sweep
+#   bash benchmarks/gpu_session.sh kernels # benchmarks/kernels.py (kernels-sweep: with its config sweep)
 #   bash benchmarks/gpu_session.sh cli     # dflash generate on two GPUs, every drafter
 # Expects the wheels the device lacks (pydantic and its deps, fla-core) under .whl/.
 set -uo pipefail
@@ -35,6 +35,9 @@ for phase in "$@"; do
         2>&1 | tee "$OUT/bench_9b.log"
       ;;
     kernels)
+      python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
+      ;;
+    kernels-sweep)
       python3 benchmarks/kernels.py --sweep --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
       ;;
     cli)

@@ -79,7 +79,7 @@ def slot_views(
             ``commit_n`` outside ``1 .. S``.
     """
     ck, cap, n, Kc1 = _check_storage(checkpoints, captured, commit_n)
-    return ck[:, :, n - 1], cap[:, :, n : n + Kc1]
+    return ck.select(2, n - 1), cap.narrow(2, n, Kc1)  # select/narrow: cheaper than [] on the host
 
 
 def rollback_restore(

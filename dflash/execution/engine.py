@@ -313,15 +313,9 @@ class SpecDecoder:
     def _undo_verify(self, pool: RecurrentPool) -> None:
         """Live state of ``pool`` ← its pre-verify state (whatever the rollback had done)."""
         if pool.verify_start is not None:
-            pool.restore_snapshot()
-            return
-        # The pool already restored or remapped this verify: the pre-verify recurrent state
-        # is the verify's snapshot, the pre-verify conv window is captured rows 0..Kc-2.
-        kc1 = pool.conv_kernel - 1
-        pool.state.copy_(pool.snapshot)
-        pool.conv.copy_(pool.captured[:, :, :kc1])
-        pool.live_slot = None
-        pool.length = self.committed
+            pool.restore_snapshot()  # the verify has not been rolled back yet
+        else:
+            pool.undo_rollback(self.committed)  # it was restored or remapped already
 
     def _replay(self, d: list[int], commit_n: int, *, natural: bool = False) -> None:
         """Legacy rollback: pre-verify state on every shard, then replay ``d[0..commit_n-1]``."""

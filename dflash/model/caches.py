@@ -213,6 +213,26 @@ class RecurrentPool:
         self.length = new_length
         self._clear_verify()
 
+    def undo_rollback(self, start: int) -> None:
+        """Live state <- the state before the last verify, after that verify was rolled back.
+
+        Valid between a :meth:`restore_checkpoint` / :meth:`remap` of a verify and the next
+        forward (the caller's lifecycle guarantees that window): the pre-verify recurrent
+        state is still in ``snapshot`` and the pre-verify conv window in captured rows
+        ``0..Kc-2``, because only a verify writes them. ``start`` is the position before
+        that verify (the rollback already cleared the pool's record of it).
+        """
+        if self.verify_start is not None:
+            raise CacheError("undo_rollback needs a rolled-back verify (use restore_snapshot)")
+        if self.live_slot is not None and self.length - start > self.live_slot + 1:
+            raise CacheError(
+                f"undo_rollback: position {self.length} is not a rollback of a verify at {start}"
+            )
+        self.state.copy_(self.snapshot)
+        self.conv.copy_(self.captured[:, :, : self.conv_kernel - 1])
+        self.live_slot = None
+        self.length = start
+
     def restore_snapshot(self) -> None:
         """Live state ← the pre-verify state, ``live_slot`` ← None (the fail-closed path).
 

@@ -9,7 +9,8 @@ Checks, on one CUDA device:
 2. the float32 model on the Triton kernels agrees with that reference tightly;
 3. verify with capture over a chain of ``B`` tokens equals decoding them one at a time:
    logits per slot and every captured F32 checkpoint vs the sequential live state
-   (float32 tightly, bf16 within bf16 tolerance).
+   (float32 tightly, bf16 within bf16 tolerance);
+4. both GPU models agree with the float32 model run on the CPU with the reference kernels.
 
 The numbers are printed (run with ``-s``). Memory: ~36 GB (f32) + ~18 GB (bf16).
 Run: ``python -m pytest tests/gpu/test_model.py -q -s``.
@@ -193,3 +194,41 @@ def test_remap_then_verify_reads_the_remapped_slot(
     print(f"remap + verify from the remapped slot: logits rel max {max(errs):.2e}, "
           f"after second remap {final_err:.2e}")
     assert max(errs) <= F32_REL_TOL and final_err <= F32_REL_TOL
+
+
+@torch.inference_mode()
+def test_gpu_paths_agree_with_the_cpu_reference(
+    models: tuple[TargetModel, TargetModel],
+) -> None:
+    """Prefill + decode of the GPU models against the float32 CPU reference.
+
+    The float32 model (bf16-valued weights) is moved to the CPU and run with the torch
+    reference kernels; its greedy tokens drive the decode steps of both GPU models. Runs
+    last in this module and moves the model back afterwards.
+    """
+    f32, bf16 = models
+    prompt = _prompt(f32.config.vocab_size)
+    cpu = f32.to("cpu")
+    cpu.kernel_backend = "reference"
+    caches = cpu.new_caches(max_len=PROMPT_LEN + DECODE_STEPS + 1, max_draft=1)
+    logits, _ = cpu(prompt.cpu(), caches, "prefill")
+    ref, tokens = [logits[0, -1].float()], []
+    for _ in range(DECODE_STEPS):
+        tokens.append(int(ref[-1].argmax()))
+        logits, _ = cpu(torch.tensor([[tokens[-1]]]), caches, "decode")
+        ref.append(logits[0, -1].float())
+    del caches
+    gpu_f32 = cpu.to("cuda")
+    gpu_f32.kernel_backend = "triton"
+    got_f32 = _prefill_decode(gpu_f32, prompt, tokens)
+    got_bf16 = _prefill_decode(bf16, prompt, tokens)
+    for step, (r, a, b) in enumerate(zip(ref, got_f32, got_bf16, strict=True)):
+        what = "prefill" if step == 0 else f"decode {step}"
+        a, b = a.cpu(), b.cpu()
+        print(
+            f"{what:>9} vs CPU f32 reference: f32-triton rel {rel(a, r):.2e}"
+            f" | bf16-triton rel {rel(b, r):.2e} | argmax cpu {int(r.argmax())}"
+            f" f32-gpu {int(a.argmax())} bf16-gpu {int(b.argmax())}"
+        )
+        assert rel(a, r) <= F32_REL_TOL, f"{what}: f32 Triton on GPU vs CPU reference"
+        assert rel(b, r) <= BF16_REL_TOL, f"{what}: bf16 on GPU vs CPU reference"

@@ -1,8 +1,7 @@
-"""The built-in default model: seeded, file-free, fast on a CPU; greedy_generate's contract."""
+"""The built-in default model: seeded, file-free; greedy_generate's contract."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -37,16 +36,11 @@ def test_seeded_weights_are_deterministic() -> None:
             assert not torch.equal(pa, pc), name
 
 
-def test_greedy_64_tokens_fast_and_not_degenerate(one_thread: None) -> None:
-    model = TargetModel.tiny_default(0)
-    greedy_generate(model, PROMPT, 2)  # warm-up
-    start = time.perf_counter()
-    tokens = greedy_generate(model, PROMPT, 64)
-    elapsed = time.perf_counter() - start
-    print(f"tiny default: 64 greedy tokens in {elapsed:.3f} s")
+def test_greedy_64_tokens_are_reproducible_and_not_degenerate(one_thread: None) -> None:
+    # (how fast the default runs is reported by `dflash generate`, not asserted here)
+    tokens = greedy_generate(TargetModel.tiny_default(0), PROMPT, 64)
     assert len(tokens) == 64 and all(0 <= t < 256 for t in tokens)
     assert len(set(tokens)) >= 8, f"degenerate output {tokens}"
-    assert elapsed < 2.0
     assert tokens == greedy_generate(TargetModel.tiny_default(0), PROMPT, 64)
 
 

@@ -93,10 +93,6 @@ class CaptureGate:
         """The next verify must collect evidence (requested, no verdict yet)."""
         return self.requested and self.report.verdict == "not_run"
 
-    @property
-    def awaiting_self_test(self) -> bool:
-        return self.pending and bool(self._evidence)
-
     def request(self) -> None:
         """A fast mode was requested after start: the gate will run at the next verify."""
         self.requested = True
@@ -155,7 +151,6 @@ class CaptureGate:
         n_slots: int,
         taps: Mapping[int, Tensor],
         taps_expected: Sequence[int],
-        step: int,
     ) -> bool:
         """Check the evidence of the capture verify of ``n_slots`` slots; False = refused."""
         if not self._armed:
@@ -168,7 +163,6 @@ class CaptureGate:
             return False
         self._evidence = evidence
         self.report = self.report.model_copy(update={"shards": evidence})
-        del step
         return True
 
     def _shard_evidence(
@@ -301,6 +295,8 @@ class CaptureGate:
             for a, b in ((ckpt, pool.state), (conv, pool.conv)):
                 if b.numel():
                     m, r = rel_err(a, b)
+                    if not (math.isfinite(m) and math.isfinite(r)):
+                        m = r = math.inf  # NaN/inf anywhere fails (max() would drop a NaN)
                     worst_abs, worst_rel = max(worst_abs, m), max(worst_rel, r)
         passed = worst_rel <= self.tolerance and math.isfinite(worst_rel)
         report = SelfTestReport(

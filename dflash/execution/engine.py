@@ -170,7 +170,7 @@ class SpecDecoder:
         emitted = [*d[1:accept_n], t[accept_n - 1]]
         commit_n = accept_n
         saved = None
-        if gate_run and self.gate.judge(storages, B, taps, self.taps, step):
+        if gate_run and self.gate.judge(storages, B, taps, self.taps):
             saved = self.gate.save_slot(storages, commit_n - 1)
         self._set_features(taps, commit_n)
         self._pending = (d, commit_n, emitted, status_before)
@@ -367,7 +367,3 @@ class SpecDecoder:
         self.life.move("rebuild")
         self.target.rebuild_storage()
         self.gate.reset()
-
-    @property
-    def capture_pending(self) -> bool:
-        return self.gate.pending

@@ -48,7 +48,7 @@ def _verify_with_gate(
 
 def test_clean_verify_passes_every_check(tiny: TargetModel) -> None:
     gate, _, storages, taps = _verify_with_gate(tiny)
-    assert gate.judge(storages, T, taps, (1, 4), step=0)
+    assert gate.judge(storages, T, taps, (1, 4))
     shards = gate.report.shards
     assert [e.recurrent_layers for e in shards] == [(0, 1), (3, 4)]
     assert all(e.ok and e.checkpoint_dtype == "float32" and e.slots_expected == T for e in shards)
@@ -96,7 +96,7 @@ def test_gate_refuses_bad_evidence(
 ) -> None:
     gate, _, storages, taps = _verify_with_gate(tiny)
     tamper(storages)
-    assert not gate.judge(storages, T, taps, (1, 4), step=0), name
+    assert not gate.judge(storages, T, taps, (1, 4)), name
     assert gate.report.verdict == "refused"
     assert message in (gate.report.reason or "")
     assert not gate.pending  # sticky: no second attempt until the storage is rebuilt
@@ -108,7 +108,7 @@ def test_gate_refuses_a_write_into_another_shards_storage(tiny: TargetModel) -> 
             storages[1].pool.checkpoints[0, :, 0].zero_()
 
     gate, _, storages, taps = _verify_with_gate(tiny, shard0_writes_shard1)
-    assert not gate.judge(storages, T, taps, (), step=0)
+    assert not gate.judge(storages, T, taps, ())
     assert "non-owner write" in (gate.report.reason or "")
     assert gate.report.shards[1].non_owner_writes
 
@@ -119,7 +119,7 @@ def test_gate_refuses_a_later_shard_rewriting_an_earlier_one(tiny: TargetModel) 
             storages[0].pool.checkpoints[1, :, 1].add_(1.0)
 
     gate, _, storages, taps = _verify_with_gate(tiny, shard1_writes_shard0)
-    assert not gate.judge(storages, T, taps, (), step=0)
+    assert not gate.judge(storages, T, taps, ())
     assert "shard 0's storage changed while shard 1 ran" in (gate.report.reason or "")
 
 
@@ -129,7 +129,7 @@ def test_gate_refuses_when_the_pool_did_not_record_every_owned_layer(
     gate, _, storages, taps = _verify_with_gate(tiny)
     pool_type = type(storages[0].pool)
     monkeypatch.setattr(pool_type, "verified_layers", property(lambda self: self.layer_ids[:1]))
-    assert not gate.judge(storages, T, taps, (), step=0)
+    assert not gate.judge(storages, T, taps, ())
     assert "the pool reports the verify wrote layers [0], the shard owns [0, 1]" in (
         gate.report.reason or ""
     )
@@ -138,10 +138,10 @@ def test_gate_refuses_when_the_pool_did_not_record_every_owned_layer(
 def test_gate_refuses_ownership_map_mismatch_and_missing_taps(tiny: TargetModel) -> None:
     gate, _, storages, taps = _verify_with_gate(tiny)
     lying = [storages[0], ShardStorage(**{**storages[1].__dict__, "owned_recurrent": (3,)})]
-    assert not gate.judge(lying, T, taps, (), step=0)
+    assert not gate.judge(lying, T, taps, ())
     assert "pool holds recurrent layers [3, 4] but the shard owns [3]" in (gate.report.reason or "")
     gate2, _, storages2, _ = _verify_with_gate(tiny)
-    assert not gate2.judge(storages2, T, {}, (1,), step=0)
+    assert not gate2.judge(storages2, T, {}, (1,))
     assert "tap-layer features not written for layers [1]" in (gate2.report.reason or "")
 
 
@@ -195,6 +195,21 @@ def test_self_test_catches_an_off_by_one_slot(
     assert report.verdict == "refused" and "numerical self-test" in (report.reason or "")
     assert report.self_test is not None and not report.self_test.passed
     assert engine.counts["fast"] == 0
+
+
+def test_self_test_fails_on_a_non_finite_replay(tiny: TargetModel) -> None:
+    """A replayed state holding NaN must fail the self-test, not pass with error 0."""
+    gate, _, storages, taps = _verify_with_gate(tiny)
+    assert gate.judge(storages, T, taps, (1, 4))
+    saved = CaptureGate.save_slot(storages, 0)
+    for s in storages:  # the "replay": the live state restored from slot 0 ...
+        s.pool.state.copy_(s.pool.checkpoints[:, :, 0])
+        s.pool.conv.copy_(s.pool.captured[:, :, 1 : s.pool.conv_kernel])
+    storages[1].pool.state[0].fill_(float("nan"))  # ... with one layer broken
+    gate.self_test(storages, 0, saved, step=0)
+    report = gate.report
+    assert report.verdict == "refused" and report.self_test is not None
+    assert not report.self_test.passed and report.self_test.rel_err == float("inf")
 
 
 def test_gate_is_sticky_and_resets_on_storage_rebuild(

@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from dflash.commands.generate import add_generation_options, prepare, usage_errors
+from dflash.commands.generate import Prepared, add_generation_options, prepare, usage_errors
 from dflash.execution.policy import RollbackMode, parse_mode
 
 
@@ -179,11 +179,6 @@ def plot(report: BenchReport, path: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash.execution.oracle import reference_greedy
-    from dflash.execution.policy import RollbackPolicy
-    from dflash.execution.results import token_sha256
-    from dflash.execution.run import generate
-
     deterministic = not args.non_deterministic
     try:
         mode_a = parse_mode(args.a, source="--a")
@@ -196,6 +191,26 @@ def run(args: argparse.Namespace) -> int:
     except usage_errors() as exc:
         print(f"dflash bench: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        return _bench(args, ready, mode_a, modes_b, deterministic)
+    except Exception as exc:  # a failure while measuring: exit 3 with its type, no traceback
+        print(f"dflash bench: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 3
+
+
+def _bench(
+    args: argparse.Namespace,
+    ready: Prepared,
+    mode_a: RollbackMode,
+    modes_b: list[RollbackMode],
+    deterministic: bool,
+) -> int:
+    """The A/B/A phases, the report, its table, JSON and plot; returns the exit status."""
+    from dflash.execution.oracle import reference_greedy
+    from dflash.execution.policy import RollbackPolicy
+    from dflash.execution.results import token_sha256
+    from dflash.execution.run import generate
+
     model, plan, prompt, drafter = ready.model, ready.plan, ready.prompt, ready.drafter
     dtype, devices, acceptance = ready.dtype, ready.devices, ready.acceptance
     oracle = ready.oracle

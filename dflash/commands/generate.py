@@ -3,7 +3,7 @@
 With no ``--model`` it runs the built-in tiny default model and its default drafter.
 ``--json`` prints exactly one JSON object (the ``GenerationResult``) on stdout; the
 progress bar and the summary table go to stderr.  Exit status: 0 done, 1 ``--check-parity``
-found a difference, 2 unusable arguments.
+found a difference, 2 unusable arguments, 3 a failure while decoding.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from dflash.execution.errors import ExecutionError, LayerSplitError, RollbackConfigError
+from dflash.execution.errors import LayerSplitError, RollbackConfigError
 from dflash.execution.policy import ENV_VAR, ROLLBACK_MODES, RollbackPolicy
 from dflash.execution.results import GenerationResult
 
@@ -217,16 +217,24 @@ def prepare(args: argparse.Namespace, *, deterministic: bool) -> Prepared:
         parse_dtype,
     )
     from dflash.execution.shards import plan_shards
+    from dflash.geometry import MAX_SLOTS
 
+    if args.devices is not None and not args.devices.strip():
+        raise ValueError("--devices must name at least one device (got '')")
     devices = args.devices or default_devices()
     first = devices.split(",")[0].strip()
     dtype = parse_dtype(args.dtype, args.model, first)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
-    if args.block_size < 2:
-        raise ValueError(f"--block-size must be >= 2 (got {args.block_size})")
+    if not 2 <= args.block_size <= MAX_SLOTS:
+        raise ValueError(f"--block-size must be in [2, {MAX_SLOTS}] (got {args.block_size})")
     acceptance = synthetic_acceptance(args)
-    plan = plan_shards(model_config(args.model).num_hidden_layers, devices, args.layer_split)
+    config = model_config(args.model)
+    if args.eos_id is not None and not 0 <= args.eos_id < config.vocab_size:
+        raise ValueError(
+            f"--eos-id must be a token id in [0, {config.vocab_size}) (got {args.eos_id})"
+        )
+    plan = plan_shards(config.num_hidden_layers, devices, args.layer_split)
     if first.startswith("cuda"):
         torch.cuda.set_device(torch.device(first))
     model = build_model(args.model, seed=args.seed, dtype=dtype, device=first)
@@ -261,19 +269,12 @@ def usage_errors() -> tuple[type[Exception], ...]:
     return (*USAGE_ERRORS, SessionError, ConfigError, DrafterError, ValueError)
 
 
-def execute(args: argparse.Namespace, *, progress: bool) -> GenerationResult:
-    """Build model, shards and drafter from ``args`` and run one generation."""
+def execute(
+    args: argparse.Namespace, policy: RollbackPolicy, ready: Prepared, *, progress: bool
+) -> GenerationResult:
+    """Run one generation on what :func:`prepare` built."""
     from dflash.execution.run import generate
 
-    policy = RollbackPolicy.resolve(
-        getattr(args, "rollback", None),
-        environ=os.environ,
-        deterministic=not args.non_deterministic,
-    )
-    ready = prepare(args, deterministic=policy.deterministic)
-    model, plan, prompt, drafter, oracle = (
-        ready.model, ready.plan, ready.prompt, ready.drafter, ready.oracle
-    )
     start = "off" if not policy.fast else "requested"
     print(
         f"dflash generate: rollback requested {policy.mode}, status {start}; "
@@ -283,15 +284,15 @@ def execute(args: argparse.Namespace, *, progress: bool) -> GenerationResult:
     bar = Progress(args.max_new_tokens, sys.stderr, progress)
     try:
         return generate(
-            model,
-            drafter,
-            prompt,
-            plan=plan,
+            ready.model,
+            ready.drafter,
+            ready.prompt,
+            plan=ready.plan,
             max_new_tokens=args.max_new_tokens,
             block_size=args.block_size,
             policy=policy,
             check_parity=bool(getattr(args, "check_parity", False)),
-            oracle_tokens=oracle,
+            oracle_tokens=ready.oracle,
             eos_id=args.eos_id,
             on_progress=bar,
         )
@@ -300,15 +301,19 @@ def execute(args: argparse.Namespace, *, progress: bool) -> GenerationResult:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash.geometry import GeometryError
-
-    usage = usage_errors()
-    try:
-        result = execute(args, progress=not args.no_progress)
-    except usage as exc:
+    try:  # everything that depends only on the arguments: exit 2 when unusable
+        policy = RollbackPolicy.resolve(
+            getattr(args, "rollback", None),
+            environ=os.environ,
+            deterministic=not args.non_deterministic,
+        )
+        ready = prepare(args, deterministic=policy.deterministic)
+    except usage_errors() as exc:
         print(f"dflash generate: error: {exc}", file=sys.stderr)
         return 2
-    except (ExecutionError, GeometryError) as exc:
+    try:
+        result = execute(args, policy, ready, progress=not args.no_progress)
+    except Exception as exc:  # a failure while decoding: exit 3 with its type, no traceback
         print(f"dflash generate: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 3
     print(summary_table(result), file=sys.stderr)

@@ -60,8 +60,11 @@ def generate(
     _sync(plan)
     t1 = time.perf_counter()
     stop = "max_new_tokens"
-    while len(out) < max_new_tokens and not (eos_id is not None and eos_id in out):
-        out.extend(engine.step())
+    saw_eos = eos_id is not None and out[0] == eos_id
+    while len(out) < max_new_tokens and not saw_eos:
+        emitted = engine.step()
+        out.extend(emitted)
+        saw_eos = eos_id is not None and eos_id in emitted
         if on_progress is not None:
             on_progress(min(len(out), max_new_tokens), engine)
     _sync(plan)

@@ -124,7 +124,10 @@ def test_synthetic_drafter_with_full_acceptance(capsys: pytest.CaptureFixture[st
         (["--devices", "cpu", "--layer-split", "3,3"], "has 2 counts but --devices names 1"),
         (["--devices", "cpu,,cpu"], "without empty entries"),
         (["--prompt-ids", "3,999"], "--prompt-ids entry 1 must be a token id in [0, 256)"),
-        (["--block-size", "1"], "--block-size must be >= 2 (got 1)"),
+        (["--block-size", "1"], "--block-size must be in [2, 1024] (got 1)"),
+        (["--block-size", "100000"], "--block-size must be in [2, 1024] (got 100000)"),
+        (["--eos-id", "-3"], "--eos-id must be a token id in [0, 256) (got -3)"),
+        (["--devices", ""], "--devices must name at least one device (got '')"),
         (
             ["--model", "/no/such/dir"],
             "or a checkpoint directory (got '/no/such/dir': no such directory)",
@@ -167,3 +170,18 @@ def test_a_bad_split_is_refused_before_building_a_large_model(
     )
     assert code == 2
     assert "must sum to the model's 32 layers (got [16, 15], sum 31)" in capsys.readouterr().err
+
+
+def test_a_failure_while_decoding_exits_3_without_a_traceback(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dflash.execution.run as run_module
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(run_module, "generate", broken)
+    assert main(["generate", *FAST]) == 3
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "failed: RuntimeError: device lost" in err and "Traceback" not in err

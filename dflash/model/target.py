@@ -91,6 +91,7 @@ class TargetModel(nn.Module):
         """
         from dflash.model.init import seeded_parameters
 
+        dtype, device = _checked_placement(dtype, device)
         with torch.device("meta"):
             model = cls(config)
         params = seeded_parameters(model, seed=seed, dtype=dtype, device=torch.device(device))
@@ -108,7 +109,8 @@ class TargetModel(nn.Module):
         """Load ``config.json`` + safetensors weights (memory-mapped, never pickle)."""
         from dflash.model.loading import load_target
 
-        return load_target(cls, Path(directory), dtype=dtype, device=torch.device(device))
+        dtype, device = _checked_placement(dtype, device)
+        return load_target(cls, Path(directory), dtype=dtype, device=device)
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Write a Hugging Face ``qwen3_5_text`` checkpoint that :meth:`from_pretrained` reads."""
@@ -324,3 +326,27 @@ def greedy_generate(model: TargetModel, prompt: Sequence[int], n: int) -> list[i
         logits, _ = model(torch.tensor([[out[-1]]], device=device), caches, "decode")
         out.append(int(logits[0, -1].argmax()))
     return out
+
+
+_MODEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _checked_placement(
+    dtype: object, device: object
+) -> tuple[torch.dtype, torch.device]:
+    """``(dtype, device)`` for a model, or a ValueError naming the unusable one."""
+    if dtype not in _MODEL_DTYPES:
+        names = ", ".join(str(d) for d in _MODEL_DTYPES)
+        raise ValueError(f"'dtype' must be one of {names} (got {dtype!r})")
+    try:
+        dev = torch.device(device)  # type: ignore[call-overload]  # checked right here
+    except (TypeError, RuntimeError) as exc:
+        raise ValueError(f"'device' is not a torch device (got {device!r}): {exc}") from exc
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= count:
+            raise ValueError(f"'device' {dev} is not available ({count} CUDA devices)")
+    elif dev.type != "cpu":
+        raise ValueError(f"'device' must be a CPU or CUDA device (got {dev})")
+    assert isinstance(dtype, torch.dtype)  # narrowed: a member of _MODEL_DTYPES
+    return dtype, dev

@@ -114,8 +114,14 @@ def rollback_restore(
     ck, cap, n, Kc1 = _check_storage(checkpoints, captured, commit_n)
     st = _present("states", states, 5)
     rows = _present("conv_rows", conv_rows, 4)
-    L, B, _, HV, K, V = ck.shape
+    L, B, S, HV, K, V = ck.shape
     C = cap.shape[3]
+    if cap.shape[2] != rows.shape[2] + S:
+        raise RollbackBoundsError(
+            f"'conv_rows' and 'captured' disagree on Kc-1: 'conv_rows' has {rows.shape[2]} "
+            f"rows, 'captured' has {cap.shape[2]} = Kc-1+S rows with S={S} from "
+            f"'checkpoints' (Kc-1={cap.shape[2] - S})"
+        )
     if st.dtype != torch.float32:
         raise RollbackBoundsError(f"'states' must be torch.float32 (got {st.dtype})")
     if tuple(st.shape) != (L, B, HV, K, V):

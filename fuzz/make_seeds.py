@@ -13,7 +13,8 @@ from fuzz.oracle import CONTAINERS
 
 SEEDS_DIR = Path(__file__).resolve().parent / "seeds"
 
-# name -> (parents, n_actual byte: 0xFF None, 0xFE too large, 0xFD negative)
+# name -> (parents, n_actual byte: 0xFF None, 0xFE / 0xFC too large (0xFC pads the entries
+# to that length), 0xFD negative)
 CASES: dict[str, tuple[list[int], int]] = {
     "single_root": ([-1], 1),
     "pure_chain": ([-1, 0, 1, 2, 3, 4], 6),
@@ -25,7 +26,8 @@ CASES: dict[str, tuple[list[int], int]] = {
     "truncated": ([-1, 0], 3),
     "null_n0": ([-1, 0], 0),
     "null_negative": ([-1, 0], 0xFD),
-    "too_large": ([-1, 0], 0xFE),
+    "too_large": ([-1, 0], 0xFC),
+    "too_large_short": ([-1, 0], 0xFE),  # TRUNCATED comes first
     "tree": ([-1, 0, 0, 1, 1, 2, 5], 0xFF),
     "second_root": ([-1, 0, -1], 0xFF),
     "ignored_tail": ([-1, 0, 1, 99, -7], 3),

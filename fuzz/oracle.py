@@ -6,7 +6,9 @@ Input layout (every byte string is a valid input)::
              int64 / numpy int32 non-contiguous / "tagged" list (the int32 extremes
              stand for None, True, 1.0, "0") / numpy float64;
              bit 3 set: compact entries (one signed byte each, widened to int32 first)
-    byte 1   n_actual: 0xFF → None, 0xFE → MAX_SLOTS + 1, 0xFD → -1, else the byte value
+    byte 1   n_actual: 0xFF → None, 0xFE → MAX_SLOTS + 1, 0xFD → -1, 0xFC → MAX_SLOTS + 1
+             with the entries padded by zeros to MAX_SLOTS + 1 (so TOO_LARGE is reachable
+             past TRUNCATED), else the byte value
     rest     the parent array as little-endian int32 words (or int8 when compact),
              always decoded through ``decode_int32_le``
 
@@ -68,7 +70,12 @@ def decode_input(data: bytes) -> tuple[str, object, tuple[int, ...] | Rejection]
     body = data[2:]
     if head[0] & 8:  # compact: widen signed bytes to int32 words, then decode as usual
         body = struct.pack(f"<{len(body)}i", *struct.unpack(f"<{len(body)}b", body))
-    return container, n_actual, decode_int32_le(body)
+    entries = decode_int32_le(body)
+    if nbyte == 0xFC:
+        n_actual = MAX_SLOTS + 1
+        if not isinstance(entries, Rejection):
+            entries = entries + (0,) * max(0, MAX_SLOTS + 1 - len(entries))
+    return container, n_actual, entries
 
 
 def build_container(container: str, entries: tuple[int, ...]) -> tuple[object, list[object]]:

@@ -115,10 +115,10 @@ def spec_verdict(parents: object, n_actual: object, policy: Policy) -> tuple[Any
     if not is_integer(n_actual) or n_actual < 1:  # type: ignore[operator]  # guarded by is_integer
         return ("reject", "null", None)
     n: int = n_actual  # type: ignore[assignment]  # is_integer checked above
-    if n > MAX_SLOTS:
-        return ("reject", "too_large", None)
     if len(parents) < n:
         return ("reject", "truncated", None)
+    if n > MAX_SLOTS:
+        return ("reject", "too_large", None)
     found = violations(parents, n, policy)
     accepted = accepted_as_graph(parents, n, policy) if not found else False
     if not found and not accepted:  # pragma: no cover - the two definitions disagree

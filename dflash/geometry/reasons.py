@@ -33,7 +33,7 @@ class RejectReason(str, enum.Enum):
 @dataclass(frozen=True, slots=True)
 class Rejection:
     """A rejected geometry: ``reason``, first offending ``slot`` (None for whole-input
-    reasons NULL / TOO_LARGE / TRUNCATED) and a human ``message``."""
+    reasons NULL / TRUNCATED / TOO_LARGE) and a human ``message``."""
 
     reason: RejectReason
     slot: int | None

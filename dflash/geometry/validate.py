@@ -3,8 +3,9 @@
 Precedence (first match wins; ``specs/geometry.md`` is the specification):
 
 1. ``NULL``       parents is None / not a parent array, n_actual not an int >= 1
-2. ``TOO_LARGE``  n_actual (or the length, when n_actual is None) above ``MAX_SLOTS``
-3. ``TRUNCATED``  fewer than n_actual entries
+2. ``TRUNCATED``  fewer than n_actual entries
+3. ``TOO_LARGE``  n_actual (or the length, when n_actual is None) above ``MAX_SLOTS``;
+                  decided from the length alone, before any entry is read
 4. per slot, in order: ``NOT_INTEGER``, ``MALFORMED_ROOT``, ``OUT_OF_RANGE``, ``CYCLIC``,
    then (chain policy only) ``SIBLING`` / ``SKIPPED_PARENT``  — see :mod:`.rules`.
 """
@@ -115,13 +116,13 @@ def _read(parents: object, n_actual: object) -> list[object] | Rejection:
             return Rejection(RejectReason.NULL, None,
                              f"'n_actual' must be an int >= 1 (got {show(n_actual)})")
         n = n_int
+    if length < n:
+        return Rejection(RejectReason.TRUNCATED, None,
+                         f"'parents' has {length} entries, fewer than n_actual={show(n)}")
     if n > MAX_SLOTS:
         what = "'n_actual'" if n_actual is not None else "'n_actual' (default: len(parents))"
         return Rejection(RejectReason.TOO_LARGE, None,
                          f"{what} must be at most MAX_SLOTS={MAX_SLOTS} (got {show(n)})")
-    if length < n:
-        return Rejection(RejectReason.TRUNCATED, None,
-                         f"'parents' has {length} entries, fewer than n_actual={n}")
     return read_entries(parents, n)
 
 

@@ -106,9 +106,11 @@ CASES: list[tuple[str, Any, Any, str, int | None]] = [
     ("n_huge_negative", [-1], -huge_int(), "null", None),
     ("n_numpy_int", [-1, 0], np.int64(2), "chain", None),
     ("n_torch_int", [-1, 0], torch.tensor(2), "chain", None),
-    ("n_huge", [-1], huge_int(), "too_large", None),
+    ("n_huge", [-1], huge_int(), "truncated", None),  # TRUNCATED precedes TOO_LARGE
     ("length_too_large", [-1, *range(MAX_SLOTS)], None, "too_large", None),
-    ("n_too_large_short_input", [-1], MAX_SLOTS + 1, "too_large", None),
+    ("n_too_large_short_input", [-1], MAX_SLOTS + 1, "truncated", None),
+    ("n_too_large_long_input", [-1, *range(MAX_SLOTS)], MAX_SLOTS + 1, "too_large", None),
+    ("n_at_limit", [-1, *range(MAX_SLOTS - 1)], MAX_SLOTS, "chain", None),
     ("bool_entry", [-1, True], None, "not_integer", 1),
     ("numpy_bool_entry", [-1, np.bool_(False)], None, "not_integer", 1),
     ("float_entry", [-1, 0.0], None, "not_integer", 1),

@@ -82,6 +82,12 @@ class RollbackReport(_Frozen):
 
 
 class Timings(_Frozen):
+    """Wall-clock seconds (device-synchronised) of the two phases.
+
+    ``tokens_per_s`` is all returned tokens over ``decode_s``; the first of them comes from
+    the prefill's logits, so it reads about 1/N high for N tokens (the same for every mode).
+    """
+
     prefill_s: float
     decode_s: float
     tokens_per_s: float

@@ -4,6 +4,9 @@
 #   bash benchmarks/gpu_session.sh bench   # dflash bench, 9B-shaped model, A/B/A
 #   bash benchmarks/gpu_session.sh kernels # benchmarks/kernels.py (kernels-sweep: with its config sweep)
 #   bash benchmarks/gpu_session.sh cli     # dflash generate on two GPUs, every drafter
+#   bash benchmarks/gpu_session.sh minv    # M-invariant linear/attention: GPU tests + kernel table
+#   bash benchmarks/gpu_session.sh parity  # plain greedy vs every rollback mode (CLI, --check-parity)
+#   bash benchmarks/gpu_session.sh drafter # the default pair's drafter stage (scripts/build_default.py)
 # Expects the wheels the device lacks (pydantic and its deps, fla-core) under .whl/.
 set -uo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"
@@ -56,6 +59,36 @@ print(' parity', d['parity'], 'sha', d['sha256'], 'status', r['status'], \
 'accept %.3f' % d['acceptance_rate'], 'tok/s %.1f' % d['timings']['tokens_per_s'])" \
           "$json" | tee -a "$OUT/cli.log"
       done
+      ;;
+    minv)
+      python3 -m pytest tests/gpu/test_minv_kernels.py -q -p no:cacheprovider 2>&1 \
+        | tee "$OUT/minv_tests.log"
+      python3 benchmarks/minv_kernels.py --out "$OUT/minv_kernels.json" 2>&1 \
+        | tee "$OUT/minv_kernels.log"
+      ;;
+    parity)
+      # every rollback mode against plain one-token-per-forward greedy, bitwise (--check-parity)
+      for spec in "nine-b-shape synthetic 1024 128" "${PARITY_MODEL:-default} dflash 64 256" \
+                  "${PARITY_MODEL:-default} prompt-lookup 64 256"; do
+        set -- $spec
+        for mode in replay checkpoint remap; do
+          dflash generate --model "$1" --draft "$2" --prompt-len "$3" --max-new-tokens "$4" \
+            --rollback "$mode" --check-parity --json --no-progress \
+            > /tmp/parity.json 2>> "$OUT/parity_stderr.log"
+          echo "rc=$? model=$1 draft=$2 mode=$mode" | tee -a "$OUT/parity.log"
+          python3 -c "import json; d=json.load(open('/tmp/parity.json')); r=d['rollback']; \
+print(' parity', d['parity'], 'sha', d['sha256'][:16], 'status', r['status'], \
+'fast/replay/fail', r['fast'], r['replay'], r['replay_after_failure'], \
+'accept %.3f' % d['acceptance_rate'], 'commit %.2f' % d['avg_commit'])" | tee -a "$OUT/parity.log"
+        done
+      done
+      ;;
+    drafter)
+      # needs the trained target in dflash/data/default/target (the recipe's target stage)
+      python3 scripts/build_default.py --out /tmp/dflash_build --only-drafter \
+        --target-dir dflash/data/default/target --work /tmp/dflash_build_work 2>&1 \
+        | tee "$OUT/build_drafter.log"
+      (cd /tmp/dflash_build && tar cf "$OUT/drafter.tar" drafter summary.json loss_curves.png)
       ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac

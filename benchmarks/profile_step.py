@@ -1,65 +1,150 @@
-"""Profile speculative steps on the seeded 9B-shaped model: where does a step's time go?
+"""Wall time vs GPU time of one forward and one speculative step, with and without CUDA graphs.
 
-Prints the top operators by device time and by host time for a few steady-state steps of
-each rollback mode (torch.profiler), plus plain per-forward wall times. GPU only.
+On the seeded 9B-shaped model (bf16, one GPU, a seeded random prompt): for graphs off and
+on, measures
 
-    python benchmarks/profile_step.py [--steps 8] [--out DIR]
+- one target-only decode forward (``T = 1``, what plain greedy decoding runs per token);
+- one verify forward (``T = block``);
+- one speculative step per rollback mode (verify + rollback, replay mode: + the replay);
+
+each as wall time per call (host-synchronised, after warm-up so graphs are captured) and
+as GPU time per call (sum of the kernel and copy durations torch.profiler records over the
+same calls). ``wall / GPU`` near 1 means the host keeps the GPU busy. Prints a table and,
+with ``--json``, writes the numbers. GPU only; ~1-2 minutes on an H200.
+
+    python benchmarks/profile_step.py [--calls 16] [--prompt-len 1024] [--block 16]
+        [--layers 32] [--json out.json] [--table]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dflash.execution import RollbackPolicy, ShardedTarget, SpecDecoder, plan_shards
+from dflash.execution.engine import chain_of
 from dflash.model import HybridConfig, TargetModel
 from dflash.model.drafters import PromptLookupDrafter
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=1024)
-    ap.add_argument("--out", default="out")
-    args = ap.parse_args()
-    model = TargetModel.seeded(
-        HybridConfig.nine_b_shape(), seed=0, dtype=torch.bfloat16, device="cuda:0"
-    )
-    rng = random.Random(0)
-    prompt = [rng.randrange(model.config.vocab_size) for _ in range(args.prompt_len)]
-    plan = plan_shards(model.config.num_hidden_layers, "cuda:0", None)
-    for mode in ("replay", "checkpoint"):
-        target = ShardedTarget(model, plan, max_len=args.prompt_len + 600, max_draft=16)
-        drafter = PromptLookupDrafter()  # no oracle needed: only the step's cost matters
-        eng = SpecDecoder(target, drafter, block_size=16, policy=RollbackPolicy(mode=mode))
-        eng.prefill(prompt)
-        for _ in range(3):
-            eng.step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            eng.step()
-        torch.cuda.synchronize()
-        per = (time.perf_counter() - t0) / args.steps
-        print(f"[{mode}] {per * 1e3:.2f} ms per step (wall)", flush=True)
-    # a profiled run of checkpoint steps
-    target = ShardedTarget(model, plan, max_len=args.prompt_len + 600, max_draft=16)
-    drafter = PromptLookupDrafter()
-    eng = SpecDecoder(target, drafter, block_size=16, policy=RollbackPolicy(mode="checkpoint"))
-    eng.prefill(prompt)
-    for _ in range(3):
-        eng.step()
+def _device_us(prof: profile) -> float:
+    """Summed duration (µs) of every device-side event (kernels, copies) in ``prof``."""
+    total = 0.0
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            got = getattr(evt, "self_device_time_total", None)
+            if got is None:
+                got = getattr(evt, "self_cuda_time_total", 0.0)
+            total += float(got)
+    return total
+
+
+def _measure(run: Callable[[], object], calls: int, warmup: int) -> tuple[float, float]:
+    """(wall ms, GPU ms) per call of ``run``."""
+    for _ in range(warmup):
+        run()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        run()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / calls
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            eng.step()
+        for _ in range(calls):
+            run()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25), flush=True)
+    return wall * 1e3, _device_us(prof) / calls / 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=32, help="first N layers of the 9B shape")
+    ap.add_argument("--json", default=None, help="write the numbers here")
+    ap.add_argument("--table", action="store_true", help="also print the profiler's top ops")
+    args = ap.parse_args()
+    nine = HybridConfig.nine_b_shape()
+    config = HybridConfig(**{**nine.model_dump(), "layer_types": nine.layer_types[: args.layers]})
+    model = TargetModel.seeded(config, seed=0, dtype=torch.bfloat16, device="cuda:0")
+    rng = random.Random(0)
+    prompt = [rng.randrange(config.vocab_size) for _ in range(args.prompt_len)]
+    plan = plan_shards(config.num_hidden_layers, "cuda:0")
+    calls, warm, block = args.calls, args.warmup, args.block
+    budget = (warm + 2 * calls) * (block + 1) + 8  # positions every measured loop may use
+    rows: list[dict[str, object]] = []
+
+    def record(what: str, graphs: bool, wall: float, gpu: float, extra: str = "") -> None:
+        rows.append({"what": what, "graphs": graphs, "wall_ms": wall, "gpu_ms": gpu})
+        ratio = wall / gpu if gpu > 0 else float("inf")
+        print(f"{what:<34} graphs {'on ' if graphs else 'off'}  wall {wall:8.3f} ms  "
+              f"GPU {gpu:8.3f} ms  wall/GPU {ratio:5.2f}  {extra}", flush=True)
+
+    with torch.inference_mode():
+        for graphs in (False, True):
+            # one decode forward (T = 1): plain greedy decoding's unit of work
+            target = ShardedTarget(
+                model, plan, max_len=args.prompt_len + budget, max_draft=block, graphs=graphs
+            )
+            logits, _ = target.forward(prompt, "prefill", 0)
+            state = {"pos": len(prompt), "tok": int(logits[-1].argmax())}
+
+            def decode(target: ShardedTarget = target, state: dict[str, int] = state) -> None:
+                out, _ = target.forward([state["tok"]], "decode", state["pos"])
+                state["pos"] += 1
+                state["tok"] = int(out[0].argmax())  # the per-token host read of greedy
+
+            record("decode forward (T=1)", graphs, *_measure(decode, calls, warm))
+
+            # one verify forward (T = block), rolled back by a snapshot restore each time
+            def verify(target: ShardedTarget = target, state: dict[str, int] = state) -> None:
+                target.forward([state["tok"]] * block, "verify", state["pos"],
+                               geometry=chain_of(block))
+                for shard in target.shards:
+                    shard.caches.pool.restore_snapshot()
+                    shard.truncate_kv(state["pos"])
+
+            record(f"verify forward (T={block})", graphs, *_measure(verify, calls, warm))
+            del target
+
+            for mode in ("replay", "checkpoint", "remap"):
+                target = ShardedTarget(
+                    model, plan, max_len=args.prompt_len + budget, max_draft=block,
+                    graphs=graphs,
+                )
+                engine = SpecDecoder(
+                    target, PromptLookupDrafter(), block_size=block,
+                    policy=RollbackPolicy(mode=mode),
+                )
+                engine.prefill(prompt)
+                wall, gpu = _measure(engine.step, calls, warm)
+                avg = sum(r.accept_n for r in engine.records) / len(engine.records)
+                record(f"spec step, {mode}", graphs, wall, gpu,
+                       f"(status {engine.status.value}, avg commit {avg:.2f})")
+                if args.table and graphs and mode == "checkpoint":
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                        for _ in range(4):
+                            engine.step()
+                        torch.cuda.synchronize()
+                    print(p.key_averages().table(sort_by="cpu_time_total", row_limit=20))
+                if target.graphs is not None:
+                    fails = [f for g in target.graphs for f in g.failures]
+                    if fails:
+                        print(f"  capture failures: {fails}", flush=True)
+                del engine, target
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"prompt_len": args.prompt_len, "block": block, "layers": args.layers,
+                       "calls": calls, "rows": rows}, f, indent=2)
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,14 @@ Runs configuration A, then each B configuration, then A again — each as ``--wa
 unmeasured runs followed by ``--runs`` measured ones — and reports medians, the speed-up of
 every B over A (against the mean of the A1 and A2 medians) and the A1/A2 drift. Every run's
 tokens are compared with target-only greedy decoding; a speed-up is reported only when
-every run is correct. Writes JSON (``--out``) and a PNG plot (``--plot``, needs matplotlib).
+every run is correct.
+
+Output: the table goes to stderr. Without ``--out`` the JSON report goes to stdout and no
+file is written; ``--out PATH`` writes the JSON to PATH and a PNG plot beside it (PATH with
+the suffix ``.png``, or ``--plot PNG``; ``--plot ''`` for none; the plot needs matplotlib,
+which ``bash scripts/run.sh`` installs). Output paths are checked before anything runs.
+Runs stop at ``--eos-id`` only (not at the model's EOS id), so every run decodes the same
+number of tokens; ``--max-new-tokens`` must be >= 2 so that each run has a decode rate.
 """
 
 from __future__ import annotations
@@ -18,7 +25,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from dflash.commands.generate import Prepared, add_generation_options, prepare, usage_errors
+from dflash.commands.generate import (
+    Prepared,
+    add_generation_options,
+    decoding_failures,
+    prepare,
+    report_error,
+    usage_errors,
+)
+from dflash.commands.output import check_output_file
+from dflash.errors import ExecutionError, UsageError
 from dflash.execution.policy import RollbackMode, parse_mode
 
 
@@ -82,18 +98,39 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--runs", type=int, default=3, help="measured runs per phase")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured runs per phase")
-    p.add_argument("--out", default="benchmarks/results/bench.json", help="JSON report path")
     p.add_argument(
-        "--plot", default="benchmarks/results/bench.png", help="PNG plot path ('' = none)"
+        "--out",
+        type=Path,
+        default=None,
+        help="write the JSON report to this file, and the plot beside it (default: the JSON "
+        "report on stdout, no files)",
     )
-    p.add_argument("--json", action="store_true", help="also print the report on stdout")
+    p.add_argument(
+        "--plot",
+        default=None,
+        help="PNG plot path (default with --out: the --out path with suffix .png; '' = none)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="also print the report on stdout when --out is given"
+    )
     p.set_defaults(run=run)
+
+
+def _rate(r: Any) -> float:
+    """A run's decode rate; a run without a decode step (EOS from the prefill) has none."""
+    rate: float | None = r.timings.tokens_per_s
+    if rate is None:
+        raise ExecutionError(
+            "a run stopped at --eos-id right after the prefill, so it has no decode rate; "
+            "choose another --eos-id or prompt"
+        )
+    return rate
 
 
 def _phase(name: str, mode: str, results: list[Any], oracle_sha: str) -> Phase:
     runs = [
         RunStats(
-            tokens_per_s=r.timings.tokens_per_s,
+            tokens_per_s=_rate(r),
             decode_s=r.timings.decode_s,
             prefill_s=r.timings.prefill_s,
             target_forwards_per_step=r.target_forwards_per_step,
@@ -178,23 +215,63 @@ def plot(report: BenchReport, path: str) -> str | None:
     return None
 
 
+def plot_path(args: argparse.Namespace) -> Path | None:
+    """Where the PNG goes: ``--plot``, else beside ``--out``; None for no plot."""
+    if args.plot is not None:
+        return Path(args.plot) if args.plot else None
+    return None if args.out is None else args.out.with_suffix(".png")
+
+
+def matplotlib_missing() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is None
+
+
+def check_outputs(args: argparse.Namespace) -> Path | None:
+    """The output paths, checked before the benchmark runs; returns the plot path."""
+    if args.out is not None:
+        check_output_file(args.out, "--out", "bench.json")
+    png = plot_path(args)
+    if png is not None:
+        check_output_file(png, "--plot", "bench.png")
+        if args.out is not None and png.resolve() == args.out.resolve():
+            raise UsageError(f"--plot and --out name the same file ({str(png)!r})")
+    return png
+
+
 def run(args: argparse.Namespace) -> int:
-    deterministic = not args.non_deterministic
     try:
+        png = check_outputs(args)
+        if args.max_new_tokens < 2:
+            raise UsageError(
+                f"--max-new-tokens must be >= 2 for bench (got {args.max_new_tokens}): the "
+                "first token comes from the prefill, so a rate needs at least one decode step"
+            )
         mode_a = parse_mode(args.a, source="--a")
         modes_b = [parse_mode(m, source="--b") for m in args.b.split(",")]
         if args.runs < 1 or args.warmup < 0:
-            raise ValueError(
+            raise UsageError(
                 f"--runs must be >= 1 and --warmup >= 0 (got {args.runs}, {args.warmup})"
             )
-        ready = prepare(args, deterministic=deterministic)
+        ready = prepare(args)
     except usage_errors() as exc:
-        print(f"dflash bench: error: {exc}", file=sys.stderr)
+        report_error(args, f"dflash bench: error: {exc}", exc)
         return 2
+    except decoding_failures() as exc:
+        report_error(args, f"dflash bench: failed: {type(exc).__name__}: {exc}", exc)
+        return 3
+    if png is not None and matplotlib_missing():
+        print(
+            "dflash bench: matplotlib is not installed, so no plot will be written "
+            "(pip install 'dflash[plot]', or use bash scripts/run.sh, which installs it)",
+            file=sys.stderr,
+        )
+        png = None
     try:
-        return _bench(args, ready, mode_a, modes_b, deterministic)
-    except Exception as exc:  # a failure while measuring: exit 3 with its type, no traceback
-        print(f"dflash bench: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return _bench(args, ready, mode_a, modes_b, png)
+    except decoding_failures() as exc:  # a failure while measuring: exit 3, no traceback
+        report_error(args, f"dflash bench: failed: {type(exc).__name__}: {exc}", exc)
         return 3
 
 
@@ -203,7 +280,7 @@ def _bench(
     ready: Prepared,
     mode_a: RollbackMode,
     modes_b: list[RollbackMode],
-    deterministic: bool,
+    png: Path | None,
 ) -> int:
     """The A/B/A phases, the report, its table, JSON and plot; returns the exit status."""
     from dflash.execution.oracle import reference_greedy
@@ -214,19 +291,13 @@ def _bench(
     model, plan, prompt, drafter = ready.model, ready.plan, ready.prompt, ready.drafter
     dtype, devices, acceptance = ready.dtype, ready.devices, ready.acceptance
     oracle = ready.oracle
+    graphs = False if getattr(args, "no_graphs", False) else None
     if oracle is None:
-        oracle = reference_greedy(
-            model,
-            plan,
-            prompt,
-            args.max_new_tokens,
-            deterministic=deterministic,
-            block_size=args.block_size,
-        )
+        oracle = reference_greedy(model, plan, prompt, args.max_new_tokens, graphs=graphs)
     oracle_sha = token_sha256(oracle)
 
     def measure(mode: RollbackMode, name: str) -> Phase:
-        policy = RollbackPolicy(mode=mode, deterministic=deterministic)
+        policy = RollbackPolicy(mode=mode)
         results = []
         for i in range(args.warmup + args.runs):
             r = generate(
@@ -238,6 +309,7 @@ def _bench(
                 block_size=args.block_size,
                 policy=policy,
                 eos_id=args.eos_id,
+                graphs=graphs,
             )
             print(
                 f"dflash bench: {name} {mode} run {i + 1}/{args.warmup + args.runs}: "
@@ -276,7 +348,6 @@ def _bench(
             "prompt_len": len(prompt),
             "max_new_tokens": args.max_new_tokens,
             "block_size": args.block_size,
-            "deterministic": deterministic,
             "warmup": args.warmup,
             "runs": args.runs,
         },
@@ -295,13 +366,13 @@ def _bench(
         ),
     )
     print(table(report), file=sys.stderr)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report.model_dump(), indent=2) + "\n")
-    if args.plot:
-        message = plot(report, args.plot)
-        if message:
-            print(f"dflash bench: {message}", file=sys.stderr)
-    if args.json:
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report.model_dump(), indent=2) + "\n")
+        print(f"dflash bench: report written to {str(args.out)!r}", file=sys.stderr)
+    if png is not None:
+        message = plot(report, str(png))
+        print(f"dflash bench: {message or f'plot written to {str(png)!r}'}", file=sys.stderr)
+    if args.json or args.out is None:
         sys.stdout.write(report.model_dump_json() + "\n")
     return 0 if correct else 1

@@ -1,9 +1,17 @@
 """``dflash generate``: speculative decoding on a target model (the main job).
 
-With no ``--model`` it runs the built-in tiny default model and its default drafter.
-``--json`` prints exactly one JSON object (the ``GenerationResult``) on stdout; the
-progress bar and the summary table go to stderr.  Exit status: 0 done, 1 ``--check-parity``
-found a difference, 2 unusable arguments, 3 a failure while decoding.
+Text in, text out: with a model that has a ``tokenizer.json``, ``--prompt`` is tokenized
+and the generated text is printed on stdout as it is committed (``GenerationResult.text``
+holds it, without a final EOS token). A model without a tokenizer refuses a text prompt
+unless ``--bytes`` asks for the text's UTF-8 bytes as ids (output bytes are then decoded
+the same way; ids >= 256 show as U+FFFD); otherwise stdout gets the token ids. Generation
+stops at the model's EOS id (``generation_config.json``, else ``config.json``) unless
+``--eos-id`` names another. ``--json`` prints exactly one JSON object (the
+``GenerationResult``) on stdout and nothing else there; progress and the summary table go
+to stderr, the progress bar only when stderr is a terminal. Exit status: 0 done, 1
+``--check-parity`` found a difference, 2 unusable arguments, 3 a failure while decoding
+(also: the model does not fit in memory), 4 an internal error (a bug; ``dflash --debug
+generate`` prints its traceback), 130 Ctrl-C, 141 stdout closed early.
 """
 
 from __future__ import annotations
@@ -11,25 +19,55 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
-from dflash.execution.errors import LayerSplitError, RollbackConfigError
+from dflash.errors import CheckpointError, ConfigError, DFlashError, UsageError
 from dflash.execution.policy import ENV_VAR, ROLLBACK_MODES, RollbackPolicy
 from dflash.execution.results import GenerationResult
 
-USAGE_ERRORS: tuple[type[Exception], ...] = (LayerSplitError, RollbackConfigError)
+#: unusable arguments, model or checkpoint: exit 2 (LayerSplitError, RollbackConfigError,
+#: SessionError and the drafters' argument errors are UsageErrors). Any other exception
+#: while preparing is a bug: it reaches ``dflash.cli.main`` (exit 4).
+USAGE_ERRORS: tuple[type[Exception], ...] = (UsageError, ConfigError, CheckpointError)
+SEED_MAX = 2**63 - 1  # torch.manual_seed takes a signed 64-bit seed
+
+
+def seed_value(text: str) -> int:
+    """An argparse ``type`` for a seed: an integer in [0, 2**63 - 1]."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer in [0, 2**63 - 1] (got {text!r})"
+        ) from None
+    if not 0 <= value <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**63 - 1] (got {value})")
+    return value
+
+
+def mode_name(text: str) -> str:
+    """``--rollback``: case and surrounding spaces are ignored, as for $DFLASH_ROLLBACK."""
+    return text.strip().lower()
 
 
 def add_generation_options(p: argparse.ArgumentParser) -> None:
     """Options shared by ``generate`` and ``bench``."""
     p.add_argument(
         "--model",
-        default="tiny",
-        help="checkpoint directory, 'tiny' (built-in default) or 'nine-b-shape' "
-        "(seeded weights in the Qwen3.5-9B shape)",
+        default="default",
+        help="checkpoint directory (safetensors; pickle is refused), 'default' (the embedded "
+        "trained pair), or seeded weights: 'tiny' (default), 'nine-b-shape', "
+        "'twenty-seven-b-shape' (the Qwen3.5-9B / 27B shapes)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of built-in model weights")
+    p.add_argument(
+        "--seed",
+        type=seed_value,
+        default=0,
+        help="seed of the seeded models' weights, in [0, 2**63 - 1] (default 0)",
+    )
     p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
@@ -47,27 +85,53 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         "--acceptance",
         type=float,
         default=None,
-        help="synthetic drafter: per-slot probability of proposing the target's token "
+        help="--draft synthetic only: per-slot probability of proposing the target's token "
         "(given the earlier slots were right; default 0.8)",
     )
     acc.add_argument(
         "--drafted-acceptance",
         type=float,
         default=None,
-        help="synthetic drafter: choose the per-slot probability so that this share of "
+        help="--draft synthetic only: choose the per-slot probability so that this share of "
         "the drafted tokens is accepted on average (e.g. 0.4 with block 16)",
     )
-    p.add_argument("--draft-seed", type=int, default=0)
+    p.add_argument(
+        "--draft-seed",
+        type=seed_value,
+        default=0,
+        help="seed of the seeded and synthetic drafters, in [0, 2**63 - 1]",
+    )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", default=None, help="prompt text")
+    src.add_argument(
+        "--prompt",
+        default=None,
+        help="prompt text, tokenized with the model's tokenizer.json (see --bytes)",
+    )
     src.add_argument("--prompt-ids", default=None, help="prompt token ids, e.g. 3,14,15")
     src.add_argument(
         "--prompt-len", type=int, default=None, help="a prompt of N seeded random token ids"
     )
-    p.add_argument("--prompt-seed", type=int, default=0)
+    p.add_argument(
+        "--bytes",
+        action="store_true",
+        help="for a model without tokenizer.json: encode --prompt as its UTF-8 bytes and "
+        "decode the output the same way",
+    )
+    p.add_argument(
+        "--prompt-seed",
+        type=seed_value,
+        default=0,
+        help="seed of --prompt-len's random ids, in [0, 2**63 - 1]",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--eos-id", type=int, default=None, help="stop after this token id")
+    p.add_argument(
+        "--eos-id",
+        type=int,
+        default=None,
+        help="stop after this token id (default: the model's eos_token_id from "
+        "generation_config.json, else config.json; none for seeded models)",
+    )
     p.add_argument(
         "--devices",
         default=None,
@@ -77,10 +141,10 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         "--layer-split", default=None, help="layers per shard, e.g. 16,16 (default: even split)"
     )
     p.add_argument(
-        "--non-deterministic",
+        "--no-graphs",
         action="store_true",
-        help="let decode forwards use their natural shapes (parity then holds only "
-        "up to floating-point ties)",
+        help="run every forward eagerly (default on CUDA: decode, verify and replay "
+        "forwards replay CUDA graphs)",
     )
 
 
@@ -91,17 +155,27 @@ def register(subparsers: Any) -> None:
     add_generation_options(p)
     p.add_argument(
         "--rollback",
+        type=mode_name,
         choices=ROLLBACK_MODES,
         default=None,
-        help=f"rollback mode (default: ${ENV_VAR}, else replay)",
+        help=f"rollback mode, case-insensitive (default: ${ENV_VAR}, else checkpoint)",
     )
     p.add_argument(
         "--check-parity",
         action="store_true",
         help="also run target-only greedy decoding and compare token for token",
     )
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result as one JSON object on stdout (and nothing else there)",
+    )
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (there is none anyway when stderr is not a terminal or the "
+        "text is streamed)",
+    )
     p.set_defaults(run=run)
 
 
@@ -111,11 +185,19 @@ def default_devices() -> str:
     return "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
+def is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # a closed or file-less stream
+        return False
+
+
 class Progress:
-    """A one-line progress bar on a stream (stderr)."""
+    """A one-line progress bar on a stream (stderr); off unless the stream is a terminal."""
 
     def __init__(self, total: int, stream: TextIO, enabled: bool) -> None:
-        self.total, self.stream, self.enabled = total, stream, enabled
+        self.total, self.stream = total, stream
+        self.enabled = enabled and is_terminal(stream)
 
     def __call__(self, done: int, engine: Any) -> None:
         if not self.enabled:
@@ -164,26 +246,49 @@ def summary_table(r: GenerationResult) -> str:
         ("capture gate", r.capture.verdict + (f": {r.capture.reason}" if r.capture.reason else "")),
         ("checkpoint bytes", f"{r.checkpoint_bytes:,}"),
         ("devices / split", f"{','.join(r.devices)} / {','.join(map(str, r.layer_split))}"),
-        ("deterministic", str(r.deterministic)),
         ("parity", "not checked" if r.parity is None else str(r.parity).lower()),
+        ("text", text_row(r)),
         ("prefill", f"{r.timings.prefill_s:.3f} s"),
-        ("decode", f"{r.timings.decode_s:.3f} s, {r.timings.tokens_per_s:.1f} tokens/s"),
+        ("decode", decode_row(r)),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def text_row(r: GenerationResult) -> str:
+    if r.text is None:
+        return "none (no tokenizer: token ids on stdout)"
+    return f"{len(r.text)} characters"
+
+
+def decode_row(r: GenerationResult) -> str:
+    rate = r.timings.tokens_per_s
+    if rate is None:
+        return f"{r.timings.decode_s:.3f} s (no decode step: the only token came from prefill)"
+    return f"{r.timings.decode_s:.3f} s, {rate:.1f} tokens/s"
 
 
 def synthetic_acceptance(args: argparse.Namespace) -> float:
     """The synthetic drafter's per-slot probability from --acceptance / --drafted-acceptance."""
     from dflash.execution.session import per_slot_probability
 
+    if args.draft != "synthetic":
+        for option, value in (
+            ("--acceptance", args.acceptance),
+            ("--drafted-acceptance", args.drafted_acceptance),
+        ):
+            if value is not None:
+                raise UsageError(
+                    f"{option} applies only to --draft synthetic (got --draft {args.draft}); "
+                    "other drafters' acceptance is measured, not chosen"
+                )
     if args.drafted_acceptance is not None:
         if args.block_size < 2:
-            raise ValueError(f"--block-size must be >= 2 (got {args.block_size})")
+            raise UsageError(f"--block-size must be >= 2 (got {args.block_size})")
         return per_slot_probability(args.drafted_acceptance, args.block_size)
     p = 0.8 if args.acceptance is None else args.acceptance
     if not 0.0 <= p <= 1.0:
-        raise ValueError(f"--acceptance must be in [0, 1] (got {p})")
+        raise UsageError(f"--acceptance must be in [0, 1] (got {p})")
     return float(p)
 
 
@@ -199,53 +304,118 @@ class Prepared:
     dtype: Any  # torch.dtype
     devices: str
     acceptance: float
+    text: TextCodec | None = None  # how generated ids become text (None: ids only)
+    eos_id: int | None = None  # --eos-id, else the model directory's EOS id
 
 
-def prepare(args: argparse.Namespace, *, deterministic: bool) -> Prepared:
+class TextStreamLike(Protocol):
+    def push(self, ids: Sequence[int]) -> str: ...
+    def flush(self) -> str: ...
+
+
+class TextCodec(Protocol):
+    """What text output needs: :class:`dflash.model.tokenizer.TextTokenizer` or bytes."""
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+    def stream(self) -> TextStreamLike: ...
+
+
+class ByteStream:
+    """Incremental UTF-8 decoding of byte ids (ids >= 256 become U+FFFD)."""
+
+    def __init__(self) -> None:
+        import codecs
+
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, ids: Sequence[int]) -> str:
+        out = []
+        for t in ids:
+            out.append("\ufffd" if not 0 <= t < 256 else self._decoder.decode(bytes([t])))
+        return "".join(out)
+
+    def flush(self) -> str:
+        return str(self._decoder.decode(b"", final=True))
+
+
+class ByteText:
+    """``--bytes``: token ids are UTF-8 bytes."""
+
+    def decode(self, ids: Sequence[int]) -> str:
+        stream = ByteStream()
+        return stream.push(ids) + stream.flush()
+
+    def stream(self) -> TextStreamLike:
+        return ByteStream()
+
+
+def prepare(args: argparse.Namespace) -> Prepared:
     """Check the shared options, then build model, shards, prompt and drafter.
 
     The layer split is checked against the layer count before any weights are built, so
-    a bad ``--layer-split`` fails in milliseconds even for a large model.
+    a bad ``--layer-split`` fails in milliseconds even for a large model; so is the memory
+    the weights need (:class:`InsufficientMemoryError`, exit 3).
     """
     import torch
 
+    from dflash.commands.resources import check_memory
     from dflash.execution.session import (
         build_drafter,
-        build_model,
         encode_prompt,
+        eos_for,
         model_config,
         parse_dtype,
+        tokenizer_for,
     )
     from dflash.execution.shards import plan_shards
     from dflash.geometry import MAX_SLOTS
 
     if args.devices is not None and not args.devices.strip():
-        raise ValueError("--devices must name at least one device (got '')")
+        raise UsageError("--devices must name at least one device (got '')")
     devices = args.devices or default_devices()
     first = devices.split(",")[0].strip()
     dtype = parse_dtype(args.dtype, args.model, first)
     if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+        raise UsageError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     if not 2 <= args.block_size <= MAX_SLOTS:
-        raise ValueError(f"--block-size must be in [2, {MAX_SLOTS}] (got {args.block_size})")
+        raise UsageError(f"--block-size must be in [2, {MAX_SLOTS}] (got {args.block_size})")
     acceptance = synthetic_acceptance(args)
     config = model_config(args.model)
-    if args.eos_id is not None and not 0 <= args.eos_id < config.vocab_size:
-        raise ValueError(
-            f"--eos-id must be a token id in [0, {config.vocab_size}) (got {args.eos_id})"
-        )
+    eos_id = args.eos_id if args.eos_id is not None else eos_for(args.model)
+    if eos_id is not None and not 0 <= eos_id < config.vocab_size:
+        source = "--eos-id" if args.eos_id is not None else f"the EOS id of {args.model!r}"
+        raise UsageError(f"{source} must be a token id in [0, {config.vocab_size}) (got {eos_id})")
     plan = plan_shards(config.num_hidden_layers, devices, args.layer_split)
-    if first.startswith("cuda"):
-        torch.cuda.set_device(torch.device(first))
-    model = build_model(args.model, seed=args.seed, dtype=dtype, device=first)
+    tokenizer = tokenizer_for(args.model)
+    if tokenizer is not None and args.bytes:
+        raise UsageError(
+            f"--bytes is for models without a tokenizer; {args.model!r} has "
+            f"{str(tokenizer.path)!r}"
+        )
+    default_text = args.prompt is None and args.prompt_ids is None and args.prompt_len is None
+    byte_prompt = tokenizer is None and (args.bytes or default_text)
     prompt = encode_prompt(
         args.model,
-        model.config.vocab_size,
+        config.vocab_size,
         text=args.prompt,
         ids=args.prompt_ids,
         length=args.prompt_len,
         seed=args.prompt_seed,
+        allow_bytes=byte_prompt,
     )
+    if tokenizer is None and default_text and not args.bytes:
+        print(
+            f"dflash {getattr(args, 'command', 'generate')}: the model has no tokenizer: the "
+            "built-in prompt is given as its UTF-8 bytes",
+            file=sys.stderr,
+        )
+    check_memory(args.model, config, dtype, first)
+    if first.startswith("cuda"):
+        torch.cuda.set_device(torch.device(first))
+    model = build_model_checked(args.model, config, seed=args.seed, dtype=dtype, device=first)
+    codec: TextCodec | None = tokenizer
+    if codec is None and args.bytes:
+        codec = ByteText()
     drafter, oracle = build_drafter(
         args.draft,
         model,
@@ -255,35 +425,142 @@ def prepare(args: argparse.Namespace, *, deterministic: bool) -> Prepared:
         seed=args.draft_seed,
         max_new_tokens=args.max_new_tokens,
         block_size=args.block_size,
-        deterministic=deterministic,
+        model_spec=args.model,
     )
-    return Prepared(model, plan, prompt, drafter, oracle, dtype, devices, acceptance)
+    return Prepared(
+        model, plan, prompt, drafter, oracle, dtype, devices, acceptance, codec, eos_id
+    )
+
+
+def build_model_checked(
+    name: str, config: Any, *, seed: int, dtype: Any, device: str
+) -> Any:
+    """``build_model``; an allocation failure becomes :class:`InsufficientMemoryError`."""
+    from dflash.commands.resources import (
+        InsufficientMemoryError,
+        describe_need,
+        is_allocation_failure,
+        weight_bytes,
+    )
+    from dflash.execution.session import build_model
+
+    try:
+        return build_model(name, seed=seed, dtype=dtype, device=device)
+    except (RuntimeError, MemoryError) as exc:
+        if not (isinstance(exc, MemoryError) or is_allocation_failure(exc)):
+            raise
+        params, need = weight_bytes(config, dtype)
+        raise InsufficientMemoryError(
+            f"{describe_need(name, params, need, dtype)}, and {device} ran out of memory "
+            f"while building it ({str(exc).splitlines()[0][:200]})"
+        ) from None
 
 
 def usage_errors() -> tuple[type[Exception], ...]:
     """Exceptions that mean "unusable arguments" (exit 2) for generate and bench."""
-    from dflash.execution.session import SessionError
-    from dflash.model import ConfigError
-    from dflash.model.drafters import DrafterError
+    return USAGE_ERRORS
 
-    return (*USAGE_ERRORS, SessionError, ConfigError, DrafterError, ValueError)
+
+def decoding_failures() -> tuple[type[Exception], ...]:
+    """Exceptions that mean "decoding failed" (exit 3) for generate and bench.
+
+    dflash's own refusals (every :class:`DFlashError`) and device faults: out of device or
+    host memory, and a CUDA error (``torch.AcceleratorError``, torch >= 2.8). Anything
+    else is a bug and reaches ``dflash.cli.main`` (exit 4, ``--debug`` for the traceback).
+    """
+    import torch
+
+    faults: tuple[type[Exception], ...] = (DFlashError, torch.cuda.OutOfMemoryError, MemoryError)
+    accelerator = getattr(torch, "AcceleratorError", None)
+    if isinstance(accelerator, type) and issubclass(accelerator, Exception):
+        faults = (*faults, accelerator)
+    return faults
+
+
+def report_error(args: argparse.Namespace, line: str, exc: BaseException) -> None:
+    """One line on stderr; with ``dflash --debug`` the traceback first."""
+    if getattr(args, "debug", False):
+        traceback.print_exception(exc, file=sys.stderr)
+    print(line, file=sys.stderr)
+
+
+class TextPrinter:
+    """Streams generated text to ``out`` as tokens are committed.
+
+    Each call looks at every token generated so far (prompt excluded), stops before an
+    EOS token, and hands the not-yet-printed ids to an incremental decoder, which holds
+    back a character whose UTF-8 bytes are still split across tokens.
+    """
+
+    def __init__(self, codec: TextCodec, eos_id: int | None, out: TextIO | None) -> None:
+        self.stream, self.eos_id, self.out = codec.stream(), eos_id, out
+        self.pushed: list[int] = []
+        self.parts: list[str] = []
+
+    def _visible(self, tokens: Sequence[int]) -> list[int]:
+        tokens = list(tokens)
+        if self.eos_id is not None and self.eos_id in tokens:
+            tokens = tokens[: tokens.index(self.eos_id)]
+        return tokens
+
+    def _emit(self, piece: str) -> None:
+        if piece:
+            self.parts.append(piece)
+            if self.out is not None:
+                self.out.write(piece)
+                self.out.flush()
+
+    def update(self, tokens: Sequence[int]) -> None:
+        """``tokens``: every token generated so far."""
+        visible = self._visible(tokens)
+        if visible[: len(self.pushed)] != self.pushed:  # pragma: no cover - commits are final
+            raise RuntimeError("committed tokens changed while streaming text")
+        new = visible[len(self.pushed) :]
+        if new:
+            self.pushed.extend(new)
+            self._emit(self.stream.push(new))
+
+    def finish(self, tokens: Sequence[int]) -> str:
+        """Print what is left of the final ``tokens``; return the whole text."""
+        self.update(tokens)
+        self._emit(self.stream.flush())
+        if self.out is not None:
+            self.out.write("\n")
+            self.out.flush()
+        return "".join(self.parts)
 
 
 def execute(
     args: argparse.Namespace, policy: RollbackPolicy, ready: Prepared, *, progress: bool
 ) -> GenerationResult:
-    """Run one generation on what :func:`prepare` built."""
+    """Run one generation on what :func:`prepare` built.
+
+    With a text codec the text is streamed to stdout (unless ``--json``) and stored in
+    the result's ``text``; the progress bar is then off (the text shows the progress).
+    """
     from dflash.execution.run import generate
 
     start = "off" if not policy.fast else "requested"
     print(
-        f"dflash generate: rollback requested {policy.mode}, status {start}; "
-        f"deterministic {policy.deterministic}",
+        f"dflash generate: rollback requested {policy.mode}, status {start}",
         file=sys.stderr,
     )
-    bar = Progress(args.max_new_tokens, sys.stderr, progress)
+    json_out = bool(getattr(args, "json", False))
+    printer = (
+        None
+        if ready.text is None
+        else TextPrinter(ready.text, ready.eos_id, None if json_out else sys.stdout)
+    )
+    bar = Progress(args.max_new_tokens, sys.stderr, progress and (printer is None or json_out))
+    prompt_len = len(ready.prompt)
+
+    def on_progress(done: int, engine: Any) -> None:
+        bar(done, engine)
+        if printer is not None:  # generated so far: committed context + the pending token
+            printer.update([*engine.context[prompt_len:], engine.last][:done])
+
     try:
-        return generate(
+        result = generate(
             ready.model,
             ready.drafter,
             ready.prompt,
@@ -293,32 +570,35 @@ def execute(
             policy=policy,
             check_parity=bool(getattr(args, "check_parity", False)),
             oracle_tokens=ready.oracle,
-            eos_id=args.eos_id,
-            on_progress=bar,
+            eos_id=ready.eos_id,
+            on_progress=on_progress,
+            graphs=False if getattr(args, "no_graphs", False) else None,
         )
     finally:
         bar.close()
+    if printer is None:
+        return result
+    return result.model_copy(update={"text": printer.finish(result.tokens)})
 
 
 def run(args: argparse.Namespace) -> int:
     try:  # everything that depends only on the arguments: exit 2 when unusable
-        policy = RollbackPolicy.resolve(
-            getattr(args, "rollback", None),
-            environ=os.environ,
-            deterministic=not args.non_deterministic,
-        )
-        ready = prepare(args, deterministic=policy.deterministic)
+        policy = RollbackPolicy.resolve(getattr(args, "rollback", None), environ=os.environ)
+        ready = prepare(args)
     except usage_errors() as exc:
-        print(f"dflash generate: error: {exc}", file=sys.stderr)
+        report_error(args, f"dflash generate: error: {exc}", exc)
         return 2
+    except decoding_failures() as exc:  # e.g. the synthetic drafter's oracle run ran out of memory
+        report_error(args, f"dflash generate: failed: {type(exc).__name__}: {exc}", exc)
+        return 3
     try:
         result = execute(args, policy, ready, progress=not args.no_progress)
-    except Exception as exc:  # a failure while decoding: exit 3 with its type, no traceback
-        print(f"dflash generate: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except decoding_failures() as exc:  # a failure while decoding: exit 3, no traceback
+        report_error(args, f"dflash generate: failed: {type(exc).__name__}: {exc}", exc)
         return 3
     print(summary_table(result), file=sys.stderr)
     if args.json:
         sys.stdout.write(result.model_dump_json() + "\n")
-    else:
+    elif result.text is None:  # no tokenizer: the ids (text was streamed as it came)
         print(" ".join(map(str, result.tokens)))
     return 1 if result.parity is False else 0

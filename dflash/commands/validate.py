@@ -13,12 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dflash.errors import UsageError
 from dflash.geometry import ChainGeometry, Rejection, TreeGeometry, validate_chain, validate_tree
 
 EXIT_ACCEPTED, EXIT_REJECTED, EXIT_UNUSABLE = 0, 1, 2
 
 
-class UnusableInput(Exception):
+class UnusableInput(UsageError):
     """The input could not be read as a parent array document."""
 
 

@@ -1,6 +1,7 @@
 """Execution layer: shards, capture gate, rollback policy, the fail-closed step, results.
 
-See DESIGN.md §4 for the step semantics and ``specs/rollback.md`` for the state machine.
+See ``dflash.execution.engine`` for the step semantics and ``specs/rollback.md`` for the
+state machine.
 """
 
 from dflash.execution.capture_gate import CaptureGate, ShardStorage

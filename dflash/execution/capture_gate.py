@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dflash.execution.errors import IllegalTransitionError
 from dflash.execution.results import CaptureReport, SelfTestReport, ShardCaptureEvidence
 from dflash.model.caches import RecurrentPool
 
@@ -120,7 +121,10 @@ class CaptureGate:
             return
         for s in shards:
             if s.pool.live_slot is not None:  # the live state would be destroyed
-                raise RuntimeError("capture gate armed while the live state lies in a slot")
+                raise IllegalTransitionError(
+                    "capture gate armed while the live state lies in a slot "
+                    f"(live_slot={s.pool.live_slot})"
+                )
             for t in _storage(s.pool):
                 if t is not None:
                     t.fill_(math.nan)
@@ -291,7 +295,10 @@ class CaptureGate:
         for s, (ckpt, conv) in zip(shards, saved, strict=True):
             pool = s.pool
             if pool.live_slot is not None:
-                raise RuntimeError("self-test needs the replayed live state in the state buffers")
+                raise IllegalTransitionError(
+                    "self-test needs the replayed live state in the state buffers "
+                    f"(live_slot={pool.live_slot})"
+                )
             for a, b in ((ckpt, pool.state), (conv, pool.conv)):
                 if b.numel():
                     m, r = rel_err(a, b)

@@ -1,4 +1,4 @@
-"""The chain speculative decoding step (DESIGN.md §4) with a fail-closed rollback.
+"""The chain speculative decoding step with a fail-closed rollback.
 
 One step, with ``committed`` tokens in the caches and ``last`` the pending token::
 
@@ -28,7 +28,7 @@ from dflash.execution.errors import ExecutionError, PoisonedError, ShardPosition
 from dflash.execution.faults import NO_FAULTS, FaultInjector, FaultPhase
 from dflash.execution.lifecycle import Lifecycle, Phase
 from dflash.execution.policy import RollbackPolicy, RollbackStatus, parse_mode
-from dflash.execution.shards import ShardedTarget
+from dflash.execution.shards import ShardedTarget, device_ids
 from dflash.geometry import ChainGeometry, require_chain
 from dflash.model import RecurrentPool
 from dflash.model.drafters import Drafter, stack_tap_features
@@ -51,6 +51,23 @@ class StepRecord:
 def chain_of(n: int) -> ChainGeometry:
     """The validated pure chain of ``n`` slots; :func:`require_chain` raises on anything else."""
     return require_chain(tuple(range(-1, n - 1)))
+
+
+def greedy_acceptance(logits: Tensor, draft: Tensor) -> tuple[Tensor, Tensor]:
+    """On the device: ``logits: [B, vocab]``, ``draft: [B]`` int64 → (``t: [B]`` the
+    target's greedy tokens, ``accept_n: [1]`` = 1 + #leading ``i`` with
+    ``draft[i+1] == t[i]``). A chain accepts slots ``0 … accept_n-1``."""
+    t = logits.argmax(-1)  # [B]
+    hits = (draft[1:] == t[:-1]).to(torch.int64)  # [B-1]
+    return t, 1 + torch.cumprod(hits, 0).sum(0, keepdim=True)
+
+
+def leading_accepted(d: Sequence[int], t: Sequence[int]) -> int:
+    """The same count on the host, from the read-back tokens (a cross-check)."""
+    accept_n = 1
+    while accept_n < len(d) and d[accept_n] == t[accept_n - 1]:
+        accept_n += 1
+    return accept_n
 
 
 def self_test_tolerance(dtype: torch.dtype) -> float:
@@ -146,6 +163,12 @@ class SpecDecoder:
         self._forwards_before = self.target_forwards
         proposal = self.drafter.propose(list(self.context), self.last, B, self.features)
         d = [self.last, *self._check_proposal(proposal)]  # d: [B]
+        if self.committed + B > self.target.max_len:
+            raise ExecutionError(
+                f"KV cache capacity exhausted: a verify of {B} tokens at position "
+                f"{self.committed} needs {self.committed + B} positions, the caches hold "
+                f"max_len={self.target.max_len}"
+            )
         geometry = chain_of(len(d))
         self.target.require_position(self.committed, what="before verify")
         gate_run = self.policy.fast and self.gate.pending  # the gate runs for a fast mode only
@@ -163,10 +186,12 @@ class SpecDecoder:
             after_shard=(lambda k: self.gate.after_shard(k, storages)) if gate_run else None,
         )  # logits: [B, vocab]
         self.target_forwards += 1
-        t = logits.argmax(-1).tolist()  # t[i]: target's greedy token after d[0..i]
-        accept_n = 1
-        while accept_n < B and d[accept_n] == t[accept_n - 1]:
-            accept_n += 1
+        # argmax and acceptance on the device; reading them is the step's one host sync
+        t_dev, count = greedy_acceptance(logits, device_ids(d, logits.device)[0])
+        read = torch.cat([t_dev, count]).tolist()
+        t, accept_n = read[:B], read[B]  # t[i]: target's greedy token after d[0..i]
+        if accept_n != leading_accepted(d, t):
+            raise ExecutionError(f"device acceptance count {accept_n} disagrees with {t}")
         emitted = [*d[1:accept_n], t[accept_n - 1]]
         commit_n = accept_n
         saved = None
@@ -186,13 +211,10 @@ class SpecDecoder:
         """The gate step rolls back through replay and runs the one-time numerical self-test.
 
         The reference is the model's own ``replay`` mode over the accepted tokens, which does
-        not touch the capture path; in deterministic mode the fixed-shape replay then
-        rebuilds the same state the way every other step does.
+        not touch the capture path.
         """
-        self._replay(d, commit_n, natural=True)
+        self._replay(d, commit_n)
         self.gate.self_test(self.target.storages(), commit_n - 1, saved, step)
-        if self.policy.deterministic:
-            self._replay(d, commit_n)
         self.life.move("rollback")
         return "replay"
 
@@ -285,14 +307,7 @@ class SpecDecoder:
         d, commit_n, _, _ = self._pending
         try:
             self.faults.fire(FaultPhase.DURING_RECOVERY, len(self.records))
-            try:
-                self._replay(d, commit_n)
-            except Exception:
-                if not self.policy.deterministic:
-                    raise
-                # the fixed-shape replay uses the capture path; the model's own replay
-                # mode does not, so decoding can continue even if that path is broken
-                self._replay(d, commit_n, natural=True)
+            self._replay(d, commit_n)
         except Exception as exc:
             if not self.life.poisoned:
                 self.life.move("fail")
@@ -317,24 +332,17 @@ class SpecDecoder:
         else:
             pool.undo_rollback(self.committed)  # it was restored or remapped already
 
-    def _replay(self, d: list[int], commit_n: int, *, natural: bool = False) -> None:
-        """Legacy rollback: pre-verify state on every shard, then replay ``d[0..commit_n-1]``."""
+    def _replay(self, d: list[int], commit_n: int) -> None:
+        """Legacy rollback: pre-verify state on every shard, then replay ``d[0..commit_n-1]``.
+
+        The replay is the model's own ``replay`` mode: it touches no capture storage.
+        """
         for shard in self.target.shards:
             with shard.on_device():
                 self._undo_verify(shard.caches.pool)
             shard.truncate_kv(self.committed)
         self.target.require_position(self.committed, what="after restoring the pre-verify state")
-        if self.policy.deterministic and not natural:
-            # The replay runs at the verify's shape (the whole block; rows past commit_n do
-            # not influence rows before it), so each accepted token's row is computed with
-            # the same kernels in the same shapes as in the verify and the oracle.
-            self.target.forward(d, "verify", self.committed, geometry=chain_of(len(d)))
-            for shard in self.target.shards:
-                with shard.on_device():
-                    shard.caches.pool.restore_checkpoint(commit_n)
-                shard.truncate_kv(self.committed + commit_n)
-        else:
-            self.target.forward(d[:commit_n], "replay", self.committed)
+        self.target.replay(d[:commit_n], self.committed)
         self.target_forwards += 1
 
     # -- requests between steps ----------------------------------------------------------
@@ -349,9 +357,7 @@ class SpecDecoder:
             raise ExecutionError(
                 f"request_mode needs a clean target (phase {self.life.phase.value!r})"
             )
-        new = RollbackPolicy(
-            mode=parse_mode(mode, source="'mode'"), deterministic=self.policy.deterministic
-        )
+        new = RollbackPolicy(mode=parse_mode(mode, source="'mode'"))
         self.policy = new
         if new.fast and not self.gate.requested:
             self.gate.request()

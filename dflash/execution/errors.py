@@ -1,13 +1,16 @@
-"""Typed errors of the execution layer; each message names the field, the rule and the value."""
+"""Typed errors of the execution layer; each message names the field, the rule and the value.
+
+Every class derives from :class:`dflash.errors.ExecutionError` (re-exported here), the
+execution layer's member of the dflash error hierarchy.
+"""
 
 from __future__ import annotations
 
+from dflash.errors import ExecutionError as ExecutionError  # re-exported: the layer base
+from dflash.errors import UsageError
 
-class ExecutionError(RuntimeError):
-    """Base class of every error the execution layer raises on purpose."""
 
-
-class LayerSplitError(ValueError):
+class LayerSplitError(ExecutionError, UsageError):
     """A ``--devices`` / ``--layer-split`` combination that cannot form contiguous shards."""
 
 
@@ -27,5 +30,5 @@ class InjectedFault(ExecutionError):
     """Raised by a fault-injection hook; stands in for any failure inside a rollback."""
 
 
-class RollbackConfigError(ValueError):
+class RollbackConfigError(ExecutionError, UsageError):
     """An unknown rollback mode (from the CLI, the environment or a config)."""

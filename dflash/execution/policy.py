@@ -1,6 +1,6 @@
 """Rollback policy: which rollback the user asked for, and the status it has reached.
 
-Modes (DESIGN.md §4):
+Modes:
 
 - ``replay`` — legacy: restore the pre-verify state, replay the accepted tokens;
 - ``checkpoint`` — restore checkpoint slot ``commit_n - 1`` (one kernel launch per shard);
@@ -9,7 +9,8 @@ Modes (DESIGN.md §4):
 The fast modes are opt-in and only *requested* until the capture gate has validated the
 storage; until then every step rolls back through ``replay``.  The mode comes from, in
 order of precedence: the CLI (``--rollback``), the environment (``DFLASH_ROLLBACK``), the
-default ``replay``.
+default ``checkpoint`` (fast rollback *requested*: it becomes effective only through the
+capture gate; ``replay`` opts out).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dflash.execution.errors import RollbackConfigError
 RollbackMode = Literal["replay", "checkpoint", "remap"]
 ROLLBACK_MODES: tuple[RollbackMode, ...] = ("replay", "checkpoint", "remap")
 ENV_VAR = "DFLASH_ROLLBACK"
+DEFAULT_MODE: RollbackMode = "checkpoint"  # fast rollback requested (the gate decides)
 
 
 class RollbackStatus(str, enum.Enum):
@@ -49,17 +51,11 @@ def parse_mode(value: str, *, source: str) -> RollbackMode:
 
 
 class RollbackPolicy(BaseModel):
-    """The requested rollback mode and whether decoding runs in deterministic mode.
-
-    ``deterministic``: every decode-time target forward runs at the fixed shape of one
-    block (padded), so verify, replay and the greedy oracle compute each token's row with
-    the same kernels in the same shapes (see specs/rollback.md).
-    """
+    """The requested rollback mode."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     mode: RollbackMode = "replay"
-    deterministic: bool = True
 
     @property
     def fast(self) -> bool:
@@ -71,14 +67,13 @@ class RollbackPolicy(BaseModel):
         cli_mode: str | None = None,
         *,
         environ: Mapping[str, str] | None = None,
-        deterministic: bool = True,
     ) -> RollbackPolicy:
-        """The policy from the CLI value, else ``DFLASH_ROLLBACK``, else ``replay``."""
+        """The policy from the CLI value, else ``DFLASH_ROLLBACK``, else ``checkpoint``."""
         env = os.environ if environ is None else environ
         if cli_mode is not None:
             mode = parse_mode(cli_mode, source="--rollback")
         elif env.get(ENV_VAR):
             mode = parse_mode(env[ENV_VAR], source=f"environment variable {ENV_VAR}")
         else:
-            mode = "replay"
-        return cls(mode=mode, deterministic=deterministic)
+            mode = DEFAULT_MODE
+        return cls(mode=mode)

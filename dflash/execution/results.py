@@ -1,4 +1,4 @@
-"""Typed, JSON-serialisable results (DESIGN.md §5 field names; extra fields are additions)."""
+"""Typed, JSON-serialisable results (the documented `--json` field names, plus additions)."""
 
 from __future__ import annotations
 
@@ -84,13 +84,14 @@ class RollbackReport(_Frozen):
 class Timings(_Frozen):
     """Wall-clock seconds (device-synchronised) of the two phases.
 
-    ``tokens_per_s`` is all returned tokens over ``decode_s``; the first of them comes from
-    the prefill's logits, so it reads about 1/N high for N tokens (the same for every mode).
+    ``tokens_per_s`` is the tokens the decode steps produced (all returned tokens but the
+    first, which comes from the prefill's logits) over ``decode_s``; null when no decode
+    step ran (``max_new_tokens`` 1, or EOS straight from the prefill).
     """
 
     prefill_s: float
     decode_s: float
-    tokens_per_s: float
+    tokens_per_s: float | None
 
 
 class GenerationResult(_Frozen):
@@ -107,10 +108,9 @@ class GenerationResult(_Frozen):
     checkpoint_bytes: int
     parity: bool | None = None
     timings: Timings
-    # additions beyond DESIGN.md §5
+    # additions beyond the documented fields
     prompt_len: int = 0
     block_size: int = 0
-    deterministic: bool = True
     devices: list[str] = Field(default_factory=list)
     layer_split: list[int] = Field(default_factory=list)
     drafter: str = ""
@@ -120,3 +120,4 @@ class GenerationResult(_Frozen):
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     parity_sha256: str | None = None  # the oracle's SHA-256 when --check-parity ran
+    text: str | None = None  # decoded new text (final EOS left out) when there is a tokenizer

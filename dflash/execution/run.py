@@ -37,11 +37,13 @@ def generate(
     eos_id: int | None = None,
     faults: FaultInjector | None = None,
     on_progress: Callable[[int, SpecDecoder], None] | None = None,
+    graphs: bool | None = None,
 ) -> GenerationResult:
     """Speculative greedy decoding of ``max_new_tokens`` tokens after ``prompt``.
 
     ``oracle_tokens``: target-only greedy tokens already computed with the same settings
-    (reused by ``check_parity`` instead of decoding them again).
+    (reused by ``check_parity`` instead of decoding them again). ``graphs``: CUDA graphs
+    for the decode-time forwards (None: wherever supported; False: eager).
     """
     if (
         isinstance(max_new_tokens, bool)
@@ -51,7 +53,11 @@ def generate(
         raise ValueError(f"'max_new_tokens' must be an int >= 1 (got {max_new_tokens!r})")
     policy = policy or RollbackPolicy()
     target = ShardedTarget(
-        model, plan, max_len=len(prompt) + max_new_tokens + block_size + 1, max_draft=block_size
+        model,
+        plan,
+        max_len=len(prompt) + max_new_tokens + block_size + 1,
+        max_draft=block_size,
+        graphs=graphs,
     )
     engine = SpecDecoder(target, drafter, block_size=block_size, policy=policy, faults=faults)
     _sync(plan)
@@ -78,14 +84,7 @@ def generate(
         ref = (
             list(oracle_tokens)
             if oracle_tokens is not None
-            else reference_greedy(
-                model,
-                plan,
-                prompt,
-                len(tokens),
-                deterministic=policy.deterministic,
-                block_size=block_size,
-            )
+            else reference_greedy(model, plan, prompt, len(tokens), graphs=graphs)
         )
         parity = ref[: len(tokens)] == tokens
         parity_sha = token_sha256(ref[: len(tokens)])
@@ -116,11 +115,10 @@ def generate(
         timings=Timings(
             prefill_s=t1 - t0,
             decode_s=decode_s,
-            tokens_per_s=len(tokens) / decode_s if decode_s > 0 else 0.0,
+            tokens_per_s=(len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else None,
         ),
         prompt_len=len(prompt),
         block_size=block_size,
-        deterministic=policy.deterministic,
         devices=list(plan.devices),
         layer_split=list(plan.split),
         drafter=drafter.label,

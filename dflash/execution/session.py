@@ -1,13 +1,16 @@
 """Building what a generation needs from command-line style names.
 
-- models: ``tiny`` (the built-in default: :meth:`TargetModel.tiny_default` shape, seeded),
-  ``nine-b-shape`` (seeded weights in the shape of Qwen3.5-9B, for benchmarks), or a
-  Hugging Face checkpoint directory;
-- drafters: ``dflash`` (the built-in default: a seeded DFlash block drafter),
-  ``prompt-lookup``, ``synthetic`` (SYNTHETIC acceptance profile; needs the target's own
-  greedy continuation, computed here), or a DFlash drafter checkpoint directory;
-- prompts: explicit ids, text (the model directory's tokenizer when it has one and
-  ``transformers`` is installed, else UTF-8 bytes as ids), or ``N`` seeded random ids.
+- models: ``default`` (the embedded trained pair's target, shipped as package data; see
+  :mod:`dflash.data`), the seeded random models ``tiny`` (:meth:`TargetModel.tiny_default`
+  shape), ``nine-b-shape`` and ``twenty-seven-b-shape`` (the shapes of Qwen3.5-9B and
+  Qwen3.5-27B, for benchmarks), or a Hugging Face checkpoint directory. Names win over
+  directories: write ``./tiny`` to load a directory of that name;
+- drafters: ``dflash`` (with ``--model default`` the shipped trained drafter, else a seeded
+  DFlash block drafter shaped for the target), ``prompt-lookup``, ``synthetic`` (SYNTHETIC
+  acceptance profile; needs the target's own greedy continuation, computed here), or a
+  DFlash drafter checkpoint directory;
+- prompts: explicit ids, text (the model directory's ``tokenizer.json``; a model without
+  one encodes UTF-8 bytes as ids when ``allow_bytes``), or ``N`` seeded random ids.
 """
 
 from __future__ import annotations
@@ -18,23 +21,59 @@ from pathlib import Path
 
 import torch
 
+from dflash.data import DefaultDataMissingError, require_default
+from dflash.errors import UsageError
 from dflash.execution.oracle import reference_greedy
 from dflash.execution.shards import ShardPlan
 from dflash.model import HybridConfig, TargetModel
 from dflash.model.drafters import Drafter, make_drafter
+from dflash.model.tokenizer import TextTokenizer, TokenizerError, eos_token_id, load_tokenizer
 
-BUILTIN_MODELS = ("tiny", "nine-b-shape")
-DEFAULT_PROMPT = (
-    "Speculative decoding drafts a block of tokens; the target verifies them all at once."
+DEFAULT_MODEL = "default"
+SEEDED_MODELS = ("tiny", "nine-b-shape", "twenty-seven-b-shape")
+BUILTIN_MODELS = (DEFAULT_MODEL, *SEEDED_MODELS)
+DEFAULT_PROMPT = (  # code, like the embedded pair's training data (the standard library)
+    "import os\n\n\ndef read_lines(path, encoding=\"utf-8\"):\n"
+    "    \"\"\"Return the lines of the file at *path* without line endings.\"\"\"\n"
 )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class SessionError(ValueError):
+class SessionError(UsageError):
     """A model, drafter, dtype or prompt argument that cannot be used; names the value."""
 
 
+def twenty_seven_b_shape() -> HybridConfig:
+    """The shape of Qwen3.5-27B (its published ``text_config``).
+
+    64 layers, full attention every 4th; hidden 5120, intermediate 17408, vocab 248320;
+    attention 24 query / 4 KV heads of 256 with a quarter of each head rotated (theta 1e7);
+    Gated DeltaNet HK=16, HV=48, K=V=128, conv width 4; untied LM head.
+    """
+    return HybridConfig(
+        vocab_size=248320,
+        hidden_size=5120,
+        intermediate_size=17408,
+        layer_types=tuple(
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)
+        ),
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=48,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+        rope_theta=10_000_000.0,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=262144,
+    )
+
+
 def parse_dtype(name: str | None, model: str, device: str) -> torch.dtype:
+    """``--dtype``; by default float32 for ``tiny`` or on CPU, else bfloat16."""
     if name is None:
         big = model != "tiny" and device.startswith("cuda")
         return torch.bfloat16 if big else torch.float32
@@ -43,30 +82,68 @@ def parse_dtype(name: str | None, model: str, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def model_config(spec: str) -> HybridConfig:
-    """The configuration of the model named by ``spec``, without building any weights."""
-    if spec == "tiny":
-        return HybridConfig.tiny_default()
-    if spec == "nine-b-shape":
-        return HybridConfig.nine_b_shape()
+def model_directory(spec: str) -> Path | None:
+    """The checkpoint directory ``spec`` names (None for a seeded model)."""
+    if spec in SEEDED_MODELS:
+        return None
+    if spec == DEFAULT_MODEL:
+        try:
+            return require_default("target")
+        except DefaultDataMissingError as exc:
+            raise SessionError(f"--model default: {exc}") from None
     if Path(spec).is_dir():
-        return HybridConfig.from_hf_config(spec)
+        return Path(spec)
     raise SessionError(
         f"--model must be one of {', '.join(BUILTIN_MODELS)} or a checkpoint directory "
         f"(got {spec!r}: no such directory)"
     )
 
 
+def model_config(spec: str) -> HybridConfig:
+    """The configuration of the model named by ``spec``, without building any weights."""
+    if spec == "tiny":
+        return HybridConfig.tiny_default()
+    if spec == "nine-b-shape":
+        return HybridConfig.nine_b_shape()
+    if spec == "twenty-seven-b-shape":
+        return twenty_seven_b_shape()
+    directory = model_directory(spec)
+    assert directory is not None  # only seeded names have no directory
+    return HybridConfig.from_hf_config(directory)
+
+
 def build_model(spec: str, *, seed: int, dtype: torch.dtype, device: str) -> TargetModel:
     """The target model named by ``spec`` on ``device`` (moved per shard later)."""
-    config = model_config(spec)
-    if spec not in BUILTIN_MODELS:
-        return TargetModel.from_pretrained(spec, dtype=dtype, device=device)
+    directory = model_directory(spec)
+    if directory is not None:
+        return TargetModel.from_pretrained(directory, dtype=dtype, device=device)
     if spec == "tiny" and device == "cpu":
         # the tiny model's matrices are far too small to share between threads: one
         # thread is several times faster, and immune to other load on the machine
         torch.set_num_threads(1)
-    return TargetModel.seeded(config, seed=seed, dtype=dtype, device=device)
+    return TargetModel.seeded(model_config(spec), seed=seed, dtype=dtype, device=device)
+
+
+def tokenizer_for(spec: str) -> TextTokenizer | None:
+    """The tokenizer of the model ``spec`` names (None: seeded, or no ``tokenizer.json``)."""
+    directory = model_directory(spec)
+    if directory is None:
+        return None
+    try:
+        return load_tokenizer(directory)
+    except TokenizerError as exc:
+        raise SessionError(str(exc)) from None
+
+
+def eos_for(spec: str) -> int | None:
+    """The EOS id of the model ``spec`` names, from its generation_config.json / config.json."""
+    directory = model_directory(spec)
+    if directory is None:
+        return None
+    try:
+        return eos_token_id(directory)
+    except TokenizerError as exc:
+        raise SessionError(str(exc)) from None
 
 
 def parse_ids(text: str, vocab: int, what: str = "--prompt-ids") -> list[int]:
@@ -94,8 +171,13 @@ def encode_prompt(
     ids: str | None,
     length: int | None,
     seed: int,
+    allow_bytes: bool = True,
 ) -> list[int]:
-    """Prompt ids from exactly one of ``ids``, ``length`` (seeded random) or ``text``."""
+    """Prompt ids from exactly one of ``ids``, ``length`` (seeded random) or ``text``.
+
+    Text goes through the model's ``tokenizer.json``; a model without one encodes UTF-8
+    bytes as ids when ``allow_bytes``, else the text is refused.
+    """
     given = [
         n
         for n, v in (("--prompt", text), ("--prompt-ids", ids), ("--prompt-len", length))
@@ -115,17 +197,24 @@ def encode_prompt(
     text = DEFAULT_PROMPT if text is None else text
     if not text:
         raise SessionError("--prompt must not be empty")
-    directory = Path(model_spec)
-    if directory.is_dir() and (directory / "tokenizer.json").exists():
-        try:
-            from transformers import AutoTokenizer
-        except ImportError:
+    tokenizer = tokenizer_for(model_spec)
+    if tokenizer is not None:
+        tokens = tokenizer.encode(text)
+        if not tokens:
+            raise SessionError(f"--prompt {text!r} encodes to no tokens")
+        bad = [t for t in tokens if t >= vocab]
+        if bad:
             raise SessionError(
-                f"--prompt needs the tokenizer of {model_spec!r}: install transformers, or "
-                "pass --prompt-ids"
-            ) from None
-        tokens: list[int] = AutoTokenizer.from_pretrained(str(directory)).encode(text)
+                f"the tokenizer {str(tokenizer.path)!r} gives id {bad[0]}, outside the "
+                f"model's vocabulary of {vocab} ids"
+            )
         return tokens
+    if not allow_bytes:
+        raise SessionError(
+            f"--prompt text needs a tokenizer and model {model_spec!r} has none "
+            "(no tokenizer.json); pass --prompt-ids, or --bytes to encode the text as UTF-8 "
+            "bytes"
+        )
     if vocab < 256:
         raise SessionError(
             f"--prompt text is encoded as UTF-8 bytes, which needs a vocabulary of >= 256 ids "
@@ -165,19 +254,21 @@ def build_drafter(
     seed: int,
     max_new_tokens: int,
     block_size: int,
-    deterministic: bool,
+    model_spec: str | None = None,
 ) -> tuple[Drafter, list[int] | None]:
-    """The drafter, and for ``synthetic`` the target-only greedy tokens it was given."""
+    """The drafter, and for ``synthetic`` the target-only greedy tokens it was given.
+
+    ``dflash`` with ``model_spec == "default"`` is the shipped trained drafter.
+    """
+    if spec == "dflash" and model_spec == DEFAULT_MODEL:
+        try:
+            directory = require_default("drafter")
+        except DefaultDataMissingError as exc:
+            raise SessionError(f"--draft dflash with --model default: {exc}") from None
+        return make_drafter(str(directory), model, seed=seed), None
     if spec != "synthetic":
         return make_drafter(spec, model, seed=seed), None
-    oracle = reference_greedy(
-        model,
-        plan,
-        prompt,
-        max_new_tokens + block_size,
-        deterministic=deterministic,
-        block_size=block_size,
-    )
+    oracle = reference_greedy(model, plan, prompt, max_new_tokens + block_size)
     drafter = make_drafter(
         "synthetic", model, seed=seed, oracle=list(prompt) + oracle, acceptance=acceptance
     )

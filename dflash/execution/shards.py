@@ -18,6 +18,7 @@ from torch import Tensor
 
 from dflash.execution.capture_gate import ShardStorage
 from dflash.execution.errors import LayerSplitError, ShardPositionError
+from dflash.execution.graphs import ShardCompute, ShardGraphs, ShardOutput, graphs_supported
 from dflash.geometry import ChainGeometry
 from dflash.model import ShardCaches, TargetModel
 from dflash.model.target import Mode
@@ -102,6 +103,15 @@ def plan_shards(
     return ShardPlan(devices=tuple(devs), split=tuple(counts))
 
 
+def device_ids(ids: Sequence[int], device: torch.device) -> Tensor:
+    """Token ids as ``[1, T]`` int64 on ``device`` (through pinned memory on CUDA, so the
+    copy does not wait for the device's queue)."""
+    host = torch.tensor([list(ids)], dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class Shard:
     index: int
@@ -141,9 +151,23 @@ class Shard:
 
 
 class ShardedTarget:
-    """The target model run as contiguous shards; see the module docstring."""
+    """The target model run as contiguous shards; see the module docstring.
 
-    def __init__(self, model: TargetModel, plan: ShardPlan, *, max_len: int, max_draft: int):
+    ``graphs``: capture the decode, verify and replay forwards in CUDA graphs (one per
+    shard, :mod:`dflash.execution.graphs`); ``None`` = wherever supported (every shard on
+    CUDA, Triton kernels, no mixture-of-experts layers), ``False`` = always eager. CPU
+    shards always run eagerly (the same code).
+    """
+
+    def __init__(
+        self,
+        model: TargetModel,
+        plan: ShardPlan,
+        *,
+        max_len: int,
+        max_draft: int,
+        graphs: bool | None = None,
+    ):
         if len(plan.split) and sum(plan.split) != model.config.num_hidden_layers:
             raise LayerSplitError(
                 f"plan covers {sum(plan.split)} layers, the model has "
@@ -161,6 +185,13 @@ class ShardedTarget:
             for i in range(lo, hi):
                 model.layers[i].to(dev)
             self.shards.append(Shard(k, dev, range(lo, hi), self._new_caches(range(lo, hi), dev)))
+        why_not = graphs_supported(model, devices)
+        if graphs and why_not is not None:
+            raise ValueError(f"'graphs'=True but {why_not}")
+        self.graphs_off_reason = "disabled" if graphs is False else why_not
+        self.graphs: list[ShardGraphs] | None = (
+            [ShardGraphs(s.device) for s in self.shards] if self.graphs_off_reason is None else None
+        )
 
     def _new_caches(self, layers: range, device: torch.device) -> ShardCaches:
         return ShardCaches.for_layers(
@@ -183,7 +214,6 @@ class ShardedTarget:
     def checkpoint_bytes(self) -> int:
         return sum(s.caches.checkpoint_bytes for s in self.shards)
 
-    @torch.inference_mode()
     def forward(
         self,
         ids: Sequence[int],
@@ -194,22 +224,78 @@ class ShardedTarget:
         taps: Sequence[int] = (),
         after_shard: Callable[[int], None] | None = None,
     ) -> tuple[Tensor, dict[int, Tensor]]:
-        """``ids`` at positions ``start…`` through every shard → (logits [T, vocab], taps)."""
-        first = self.shards[0].device
-        hidden = self.model.embed_tokens(torch.tensor([list(ids)], device=first))  # [1, T, H]
+        """``ids`` at positions ``start…`` through every shard → (logits [T, vocab], taps).
+
+        Each shard: host checks and bookkeeping, then its device work — replayed from a
+        CUDA graph when graphs are on, the mode is not ``prefill`` and no ``after_shard``
+        hook (the capture gate) has to inspect storage between shards.
+        """
+        out, tapped = self._forward(ids, mode, start, geometry, taps, after_shard, True)
+        assert out is not None  # the last shard computed the LM head
+        return out, tapped
+
+    def replay(self, ids: Sequence[int], start: int) -> None:
+        """``ids`` at ``start…`` in ``replay`` mode, caches only (no LM head)."""
+        self._forward(ids, "replay", start, None, (), None, False)
+
+    @torch.inference_mode()
+    def _forward(
+        self,
+        ids: Sequence[int],
+        mode: Mode,
+        start: int,
+        geometry: ChainGeometry | None,
+        taps: Sequence[int],
+        after_shard: Callable[[int], None] | None,
+        logits: bool,
+    ) -> tuple[Tensor | None, dict[int, Tensor]]:
+        t = len(ids)
+        hidden_size = self.model.config.hidden_size
+        x = device_ids(ids, self.shards[0].device)  # [1, T] int64
+        graphed = self.graphs is not None and mode != "prefill" and after_shard is None
         tapped: dict[int, Tensor] = {}
+        out_logits: Tensor | None = None
         for shard in self.shards:
-            hidden = hidden.to(shard.device)
+            x = x.to(shard.device)
+            layers = tuple(shard.layers)
             with shard.on_device():
-                hidden, got = self.model.run_layers(
-                    hidden, shard.layers, shard.caches, start, mode, geometry, taps
-                )
+                self.model.begin_layers((1, t, hidden_size), layers, shard.caches, start, mode,
+                                        geometry)
+                compute = self._shard_compute(shard, mode, geometry, taps, logits)
+                pool = shard.caches.pool
+                mark = pool.end_verify_layer if mode == "verify" else None
+                if graphed and self.graphs is not None:
+                    key = (str(mode), t, pool.live_slot, logits)
+                    x, out_logits, got = self.graphs[shard.index].run(key, x, compute, mark)
+                else:
+                    x, out_logits, got = compute(x, mark)
+                self.model.end_layers(layers, shard.caches, start, mode, t)
             tapped.update(got)
             if after_shard is not None:
                 after_shard(shard.index)
-        with self.shards[-1].on_device():
-            logits = self.model.lm_head(self.model.norm(hidden))  # [1, T, vocab]
-        return logits[0], tapped
+        return (None if out_logits is None else out_logits[0]), tapped
+
+    def _shard_compute(
+        self,
+        shard: Shard,
+        mode: Mode,
+        geometry: ChainGeometry | None,
+        taps: Sequence[int],
+        logits: bool,
+    ) -> ShardCompute:
+        """The device work of ``shard``'s part of a forward (capture-safe unless prefill)."""
+        model, layers, caches = self.model, tuple(shard.layers), shard.caches
+        first, last = shard.index == 0, shard.index == len(self.shards) - 1
+
+        def compute(x: Tensor, on_layer: Callable[[int], None] | None) -> ShardOutput:
+            hidden = model.embed_tokens(x) if first else x  # [1, T, H]
+            hidden, got = model.compute_layers(
+                hidden, layers, caches, mode, geometry, taps, on_layer
+            )
+            head = model.logits(hidden, mode) if last and logits else None  # [1, T, vocab]
+            return hidden, head, got
+
+        return compute
 
     # -- positions -----------------------------------------------------------------------
 
@@ -244,9 +330,8 @@ class ShardedTarget:
             old = s.caches
             new = self._new_caches(s.layers, s.device)
             new.kv = old.kv
-            for i, layer in enumerate(old.pool.layer_ids):
-                state, conv = old.pool.live_views(layer)
-                new.pool.state[i].copy_(state)
-                new.pool.conv[i].copy_(conv)
-            new.pool.length = old.pool.length
+            new.pool.adopt_live(old.pool)
             s.caches = new
+        if self.graphs is not None:  # they hold the old storage's addresses
+            for g in self.graphs:
+                g.reset()

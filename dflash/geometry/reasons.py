@@ -12,6 +12,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+# GeometryError is the geometry layer's member of the dflash error hierarchy; it is defined
+# in dflash.errors (which imports neither torch nor dflash) and re-exported here.
+from dflash.errors import GeometryError
+
+__all__ = ["GeometryError", "RejectReason", "Rejection"]
+
 
 class RejectReason(str, enum.Enum):
     """Why a draft geometry was rejected, in precedence order (first match wins)."""
@@ -84,19 +90,3 @@ class Rejection:
     @classmethod
     def from_json(cls, text: str | bytes) -> Rejection:
         return cls.from_dict(json.loads(text))
-
-
-class GeometryError(ValueError):
-    """Raised by ``require_chain`` / ``require_tree``; carries the :class:`Rejection`."""
-
-    def __init__(self, rejection: Rejection) -> None:
-        super().__init__(f"{rejection.reason.value}: {rejection.message}")
-        self.rejection = rejection
-
-    @property
-    def reason(self) -> RejectReason:
-        return self.rejection.reason
-
-    @property
-    def slot(self) -> int | None:
-        return self.rejection.slot

@@ -6,16 +6,25 @@
 - :func:`rollback_restore`: live state and conv window <- slot ``commit_n - 1`` for all
   recurrent layers of a shard in one launch; :func:`slot_views` is the zero-copy remap.
 - :func:`rms_norm`: zero-centred or gated RMSNorm in one launch (batch-invariant rows).
+- :func:`linear`: ``x @ weight.T + bias`` whose rows do not depend on the row count M.
+- :func:`decode_attention`: causal decode/verify attention against a static KV cache,
+  rows independent of the number of query rows, ``start`` read on the device.
 
-Entry points validate every argument first, then run Triton on CUDA tensors (and on CPU
+Entry points validate every argument first (a bad value raises
+:class:`~dflash.errors.KernelBoundsError`, a ``ValueError``; a non-tensor ``TypeError``),
+take an optional ``out=`` for the output they return, then run Triton on CUDA tensors (and on CPU
 tensors under ``TRITON_INTERPRET=1``) and the ``*_reference`` twin otherwise; pass
 ``backend="triton"`` or ``"reference"`` to choose explicitly.
 """
 
+from dflash.kernels.attention import decode_attention
+from dflash.kernels.attention_reference import decode_attention_reference
 from dflash.kernels.conv import causal_conv1d_capture
 from dflash.kernels.conv_reference import causal_conv1d_capture_reference
 from dflash.kernels.gdn import gdn_verify
 from dflash.kernels.gdn_reference import gdn_verify_reference
+from dflash.kernels.linear import linear
+from dflash.kernels.linear_reference import linear_reference
 from dflash.kernels.rmsnorm import rms_norm
 from dflash.kernels.rmsnorm_reference import rms_norm_reference
 from dflash.kernels.rollback import RollbackBoundsError, rollback_restore, slot_views
@@ -25,8 +34,12 @@ __all__ = [
     "RollbackBoundsError",
     "causal_conv1d_capture",
     "causal_conv1d_capture_reference",
+    "decode_attention",
+    "decode_attention_reference",
     "gdn_verify",
     "gdn_verify_reference",
+    "linear",
+    "linear_reference",
     "rms_norm",
     "rms_norm_reference",
     "rollback_restore",

@@ -1,8 +1,9 @@
 """Input checks shared by the kernel entry points, and the backend choice.
 
 Every public kernel validates its arguments here *before* anything is launched, so bad
-input surfaces as a ``TypeError`` / ``ValueError`` that names the argument, the rule and
-the value, never as an error from inside a kernel.
+input surfaces as a ``TypeError`` (not a tensor, not a geometry) or a
+:class:`~dflash.errors.KernelBoundsError` (a ``ValueError``: shape, dtype, device, layout)
+that names the argument, the rule and the value, never as an error from inside a kernel.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Literal
 
 import torch
 
+from dflash.errors import KernelBoundsError
 from dflash.geometry import ChainGeometry, TreeGeometry
 
 Backend = Literal["auto", "triton", "reference"]
@@ -28,22 +30,54 @@ def tensor(name: str, value: object, ndim: int) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"'{name}' must be a torch.Tensor (got {type(value).__name__})")
     if value.ndim != ndim:
-        raise ValueError(f"'{name}' must have {ndim} dimensions (got shape {tuple(value.shape)})")
+        raise KernelBoundsError(
+            f"'{name}' must have {ndim} dimensions (got shape {tuple(value.shape)})"
+        )
     if value.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"'{name}' must be a floating tensor (got dtype {value.dtype})")
+        raise KernelBoundsError(f"'{name}' must be a floating tensor (got dtype {value.dtype})")
     return value
 
 
 def shape(name: str, value: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
     if tuple(value.shape) != expected:
-        raise ValueError(
+        raise KernelBoundsError(
             f"'{name}' must have shape {what} = {expected} (got {tuple(value.shape)})"
         )
 
 
 def dtype(name: str, value: torch.Tensor, expected: torch.dtype) -> None:
     if value.dtype != expected:
-        raise ValueError(f"'{name}' must be {expected} (got {value.dtype})")
+        raise KernelBoundsError(f"'{name}' must be {expected} (got {value.dtype})")
+
+
+def output(
+    name: str, value: object, expected: tuple[int, ...], dtype: torch.dtype, what: str
+) -> torch.Tensor:
+    """Check an ``out=`` tensor: exactly ``expected`` shape and ``dtype``, contiguous.
+
+    The device is checked with the inputs (:func:`same_device`), overlap with
+    :func:`disjoint`.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"'{name}' must be a torch.Tensor or None (got {type(value).__name__})")
+    shape(name, value, expected, what)
+    if value.dtype != dtype:
+        raise KernelBoundsError(f"'{name}' must be {dtype} like the result (got {value.dtype})")
+    if not value.is_contiguous():
+        raise KernelBoundsError(
+            f"'{name}' must be contiguous (got strides {value.stride()} for shape {expected})"
+        )
+    return value
+
+
+def disjoint(name: str, value: torch.Tensor, others: dict[str, torch.Tensor | None]) -> None:
+    """``value`` (an output) shares no storage with any of ``others`` (inputs, other outputs)."""
+    if value.numel() == 0:
+        return
+    mine = value.untyped_storage().data_ptr()
+    for n, t in others.items():
+        if t is not None and t.numel() and t.untyped_storage().data_ptr() == mine:
+            raise KernelBoundsError(f"'{name}' must not share memory with '{n}'")
 
 
 def same_device(named: dict[str, torch.Tensor | None]) -> torch.device:
@@ -52,7 +86,7 @@ def same_device(named: dict[str, torch.Tensor | None]) -> torch.device:
     first_name, first = next(iter(present.items()))
     for n, t in present.items():
         if t.device != first.device:
-            raise ValueError(
+            raise KernelBoundsError(
                 f"'{n}' is on {t.device} but '{first_name}' is on {first.device}; "
                 "all tensors must share one device"
             )
@@ -79,13 +113,15 @@ def geometry_parents(geometry: object, T: int, final_state_only: bool) -> tuple[
             f"(got {type(geometry).__name__})"
         )
     if geometry.n_actual != T:
-        raise ValueError(
+        raise KernelBoundsError(
             f"'geometry' n_actual must equal the token count T={T} (got {geometry.n_actual})"
         )
     if isinstance(geometry, ChainGeometry):
         return None
     if final_state_only:
-        raise ValueError("'geometry' must be a chain with final_state_only=True (got a tree)")
+        raise KernelBoundsError(
+            "'geometry' must be a chain with final_state_only=True (got a tree)"
+        )
     chain = tuple(range(-1, T - 1))
     return None if geometry.parents == chain else tuple(geometry.parents)
 
@@ -99,8 +135,8 @@ def use_triton(backend: str, device: torch.device) -> bool:
         return runnable
     if backend == "triton":
         if not runnable:
-            raise ValueError(
+            raise KernelBoundsError(
                 f"backend='triton' needs CUDA tensors or TRITON_INTERPRET=1 (got {device})"
             )
         return True
-    raise ValueError(f"'backend' must be 'auto', 'triton' or 'reference' (got {backend!r})")
+    raise KernelBoundsError(f"'backend' must be 'auto', 'triton' or 'reference' (got {backend!r})")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash.errors import KernelBoundsError
 from dflash.kernels import checks
 from dflash.kernels.conv_reference import causal_conv1d_capture_reference
 
@@ -16,6 +17,7 @@ def causal_conv1d_capture(
     captured: torch.Tensor,
     *,
     activation: str | None = "silu",
+    out: torch.Tensor | None = None,
     backend: checks.Backend = "auto",
 ) -> torch.Tensor:
     """Causal depthwise conv1d over ``T`` tokens, capturing ``concat(conv_rows, x)``.
@@ -30,24 +32,27 @@ def causal_conv1d_capture(
             ``C``; rows ``0 .. Kc-2+T`` receive ``concat(conv_rows, x)``. The window after
             accepting ``n`` tokens is ``captured[:, n : n+Kc-1]``.
         activation: ``"silu"`` or ``None``.
+        out: ``None`` (allocated) or a contiguous ``[B, T, C]`` tensor in x's dtype on the
+            inputs' device, sharing no memory with any other argument; receives ``y``.
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see ``gdn_verify``).
 
     Returns:
-        y: ``[B, T, C]`` in x's dtype.
+        y: ``[B, T, C]`` in x's dtype (``out`` when given).
 
     Raises:
         TypeError: an argument is not a tensor.
-        ValueError: shapes, dtypes, devices or ``activation`` are wrong, or ``T > S``.
+        KernelBoundsError: shapes, dtypes, devices, ``activation`` or ``out`` are wrong, or
+            ``T > S`` (a ``ValueError``).
     """
     x = checks.tensor("x", x, 3)
     B, T, C = x.shape
     if T < 1:
-        raise ValueError(f"'x' must hold at least one token (got T={T})")
+        raise KernelBoundsError(f"'x' must hold at least one token (got T={T})")
     weight = checks.tensor("weight", weight, 2)
     Kc = weight.shape[1]
     checks.shape("weight", weight, (C, Kc), "[C, Kc] with C from x")
     if Kc < 2:
-        raise ValueError(f"'weight' kernel size Kc must be >= 2 (got {Kc})")
+        raise KernelBoundsError(f"'weight' kernel size Kc must be >= 2 (got {Kc})")
     conv_rows = checks.tensor("conv_rows", conv_rows, 3)
     checks.shape("conv_rows", conv_rows, (B, Kc - 1, C), "[B, Kc-1, C]")
     checks.dtype("conv_rows", conv_rows, x.dtype)
@@ -59,23 +64,29 @@ def causal_conv1d_capture(
     checks.shape("captured", captured, (B, rows, C), "[B, Kc-1+S, C]")
     checks.dtype("captured", captured, x.dtype)
     if rows - (Kc - 1) < T:
-        raise ValueError(
+        raise KernelBoundsError(
             f"'captured' needs Kc-1+T={Kc - 1 + T} rows for T={T} tokens (got {rows})"
         )
     if C > 1 and captured.stride(2) != 1:
-        raise ValueError(
+        raise KernelBoundsError(
             f"'captured' must be contiguous along channels (got strides {captured.stride()})"
         )
     if activation not in ("silu", None):
-        raise ValueError(f"'activation' must be 'silu' or None (got {activation!r})")
-    device = checks.same_device(
-        {"x": x, "conv_rows": conv_rows, "weight": weight, "bias": bias, "captured": captured}
-    )
+        raise KernelBoundsError(f"'activation' must be 'silu' or None (got {activation!r})")
+    inputs: dict[str, torch.Tensor | None] = {
+        "x": x, "conv_rows": conv_rows, "weight": weight, "bias": bias, "captured": captured,
+    }
+    if out is not None:
+        out = checks.output("out", out, (B, T, C), x.dtype, "x.shape [B, T, C]")
+        checks.disjoint("out", out, inputs)
+    device = checks.same_device({**inputs, "out": out})
 
     if not checks.use_triton(backend, device):
         return causal_conv1d_capture_reference(
-            x, conv_rows, weight, bias, captured, activation=activation
+            x, conv_rows, weight, bias, captured, activation=activation, out=out
         )
     from dflash.kernels.conv_triton import launch_causal_conv1d_capture
 
-    return launch_causal_conv1d_capture(x, conv_rows, weight, bias, captured, activation=activation)
+    return launch_causal_conv1d_capture(
+        x, conv_rows, weight, bias, captured, activation=activation, out=out
+    )

@@ -22,6 +22,7 @@ def causal_conv1d_capture_reference(
     captured: torch.Tensor,       # [B, Kc-1+S, C], S >= T
     *,
     activation: str | None = "silu",
+    out: torch.Tensor | None = None,  # [B, T, C] in x's dtype
 ) -> torch.Tensor:
     """Reference twin of :func:`dflash.kernels.causal_conv1d_capture`."""
     T = x.shape[1]
@@ -38,4 +39,7 @@ def causal_conv1d_capture_reference(
         for j in range(Kc):
             acc = acc + w[:, j] * xf[:, t + j]
         y[:, t] = acc * torch.sigmoid(acc) if activation == "silu" else acc
-    return y.to(x.dtype)
+    if out is None:
+        return y.to(x.dtype)
+    out.copy_(y)
+    return out

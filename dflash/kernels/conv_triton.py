@@ -71,13 +71,18 @@ def causal_conv1d_capture_kernel(  # type: ignore[no-untyped-def]  # Triton poin
 
 def launch_causal_conv1d_capture(
     x: torch.Tensor, conv_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-    captured: torch.Tensor, *, activation: str | None, block_c: int = 128,
+    captured: torch.Tensor, *, activation: str | None, out: torch.Tensor | None = None,
+    block_c: int = 128,
 ) -> torch.Tensor:
-    """Launch :func:`causal_conv1d_capture_kernel` on validated inputs; returns ``y``."""
+    """Launch :func:`causal_conv1d_capture_kernel` on validated inputs; returns ``y``.
+
+    ``out`` (validated: contiguous ``[B, T, C]`` in x's dtype) receives ``y``; ``None``
+    allocates it.
+    """
     B, T, C = x.shape
     Kc = weight.shape[1]
     x = x if x.stride(2) == 1 else x.contiguous()
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
     BC = min(block_c, triton.next_power_of_2(C))
     grid = (B, triton.cdiv(C, BC))
     causal_conv1d_capture_kernel[grid](

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from dflash.errors import KernelBoundsError
 from dflash.kernels import checks
 from dflash.kernels.gdn_reference import gdn_verify_reference
 
@@ -27,6 +28,7 @@ def gdn_verify(
     use_qk_l2norm: bool = True,
     final_state_only: bool = False,
     snapshot: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
     backend: checks.Backend = "auto",
 ) -> torch.Tensor:
     """Run the gated delta rule over ``T`` tokens, capturing the state after each token.
@@ -48,16 +50,19 @@ def gdn_verify(
         scale: query scale, default ``K ** -0.5``.
         use_qk_l2norm: L2-normalise q and k per head (eps 1e-6) inside the kernel.
         snapshot: optional ``[B, HV, K, V]`` float32, receives a copy of ``initial_state``.
+        out: ``None`` (allocated) or a contiguous ``[B, T, HV, V]`` tensor in v's dtype on
+            the inputs' device, sharing no memory with any other argument; receives ``o``.
         backend: ``"auto"`` (Triton on CUDA, or on CPU under ``TRITON_INTERPRET=1``;
             the reference otherwise), ``"triton"`` or ``"reference"``.
 
     Returns:
-        o: ``[B, T, HV, V]`` in v's dtype.
+        o: ``[B, T, HV, V]`` in v's dtype (``out`` when given).
 
     Raises:
         TypeError: a tensor argument is not a tensor, or ``geometry`` is not a validated
             geometry object (before anything is launched).
-        ValueError: shapes, dtypes or devices disagree, ``T > S``, or ``n_actual != T``.
+        KernelBoundsError: shapes, dtypes or devices disagree, ``T > S``,
+            ``n_actual != T``, or ``out`` is wrong (a ``ValueError``).
     """
     q = checks.tensor("q", q, 4)
     B, T, HK, K = q.shape
@@ -67,11 +72,13 @@ def gdn_verify(
     HV, V = v.shape[2], v.shape[3]
     checks.shape("v", v, (B, T, HV, V), "[B, T, HV, V] with B, T from q")
     if T < 1:
-        raise ValueError(f"'q' must hold at least one token (got T={T})")
+        raise KernelBoundsError(f"'q' must hold at least one token (got T={T})")
     if HK < 1 or HV % HK != 0:
-        raise ValueError(f"'v' heads HV={HV} must be a positive multiple of q's HK={HK}")
+        raise KernelBoundsError(f"'v' heads HV={HV} must be a positive multiple of q's HK={HK}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"'q', 'k', 'v' must share a dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
+        raise KernelBoundsError(
+            f"'q', 'k', 'v' must share a dtype (got {q.dtype}, {k.dtype}, {v.dtype})"
+        )
     g = checks.tensor("g", g, 3)
     checks.shape("g", g, (B, T, HV), "[B, T, HV]")
     beta = checks.tensor("beta", beta, 3)
@@ -84,32 +91,37 @@ def gdn_verify(
     checks.shape("checkpoints", checkpoints, (B, S, HV, K, V), "[B, S, HV, K, V]")
     checks.dtype("checkpoints", checkpoints, torch.float32)
     if not final_state_only and S < T:
-        raise ValueError(f"'checkpoints' needs S >= T={T} slots (got S={S})")
+        raise KernelBoundsError(f"'checkpoints' needs S >= T={T} slots (got S={S})")
     if S < 1:
-        raise ValueError("'checkpoints' needs at least one slot (got S=0)")
+        raise KernelBoundsError("'checkpoints' needs at least one slot (got S=0)")
     if snapshot is not None:
         snapshot = checks.tensor("snapshot", snapshot, 4)
         checks.shape("snapshot", snapshot, (B, HV, K, V), "[B, HV, K, V]")
         checks.dtype("snapshot", snapshot, torch.float32)
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise ValueError(f"'scale' must be a finite number or None (got {scale!r})")
-    device = checks.same_device({
+        raise KernelBoundsError(f"'scale' must be a finite number or None (got {scale!r})")
+    inputs: dict[str, torch.Tensor | None] = {
         "q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
         "checkpoints": checkpoints, "snapshot": snapshot,
-    })
+    }
+    if out is not None:
+        out = checks.output("out", out, (B, T, HV, V), v.dtype, "v.shape [B, T, HV, V]")
+        checks.disjoint("out", out, inputs)
+    device = checks.same_device({**inputs, "out": out})
     parents = checks.geometry_parents(geometry, T, final_state_only)
 
     if not checks.use_triton(backend, device):
         return gdn_verify_reference(
             q, k, v, g, beta, initial_state, checkpoints, geometry, scale=scale,
             use_qk_l2norm=use_qk_l2norm, final_state_only=final_state_only, snapshot=snapshot,
+            out=out,
         )
     if K > MAX_TRITON_K:
-        raise ValueError(f"'q' head dim K must be <= {MAX_TRITON_K} for Triton (got {K})")
+        raise KernelBoundsError(f"'q' head dim K must be <= {MAX_TRITON_K} for Triton (got {K})")
     from dflash.kernels.gdn_triton import launch_gdn_verify
 
     return launch_gdn_verify(
         q, k, v, g, beta, initial_state, checkpoints, parents,
         scale=K**-0.5 if scale is None else float(scale), use_qk_l2norm=use_qk_l2norm,
-        final_state_only=final_state_only, snapshot=snapshot,
+        final_state_only=final_state_only, snapshot=snapshot, out=out,
     )

@@ -37,6 +37,7 @@ def gdn_verify_reference(
     use_qk_l2norm: bool = True,
     final_state_only: bool = False,
     snapshot: torch.Tensor | None = None,  # [B, HV, K, V]
+    out: torch.Tensor | None = None,       # [B, T, HV, V] in v's dtype
 ) -> torch.Tensor:
     """Reference twin of :func:`dflash.kernels.gdn_verify` (same arguments and effects)."""
     B, T, HK, K = q.shape
@@ -78,4 +79,7 @@ def gdn_verify_reference(
         checkpoints[:, 0] = after[-1].to(checkpoints.dtype)
     else:
         checkpoints[:, :T] = torch.stack(after, dim=1).to(checkpoints.dtype)
-    return o.to(v.dtype)
+    if out is None:
+        return o.to(v.dtype)
+    out.copy_(o)
+    return out

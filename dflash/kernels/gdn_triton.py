@@ -106,9 +106,13 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
         p_g += HV
         p_beta += HV
         more = t + 1 < T
-        b_q = tl.load(p_q, mask=m_k & more, other=0).to(tl.float32)
-        b_k = tl.load(p_k, mask=m_k & more, other=0).to(tl.float32)
-        b_v = tl.load(p_v, mask=m_v & more, other=0).to(tl.float32)
+        # the next token's block masks compare full blocks (a block ``&`` a scalar is not
+        # a boolean mask for every triton interpreter): no key/value lane past the last token
+        m_k_next = o_k < tl.where(more, K, 0)
+        m_v_next = o_v < tl.where(more, V, 0)
+        b_q = tl.load(p_q, mask=m_k_next, other=0).to(tl.float32)
+        b_k = tl.load(p_k, mask=m_k_next, other=0).to(tl.float32)
+        b_v = tl.load(p_v, mask=m_v_next, other=0).to(tl.float32)
         b_g = tl.load(p_g, mask=more, other=0).to(tl.float32)
         b_beta = tl.load(p_beta, mask=more, other=0).to(tl.float32)
         t += 1
@@ -130,15 +134,19 @@ def launch_gdn_verify(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     initial_state: torch.Tensor, checkpoints: torch.Tensor, parents: tuple[int, ...] | None,
     *, scale: float, use_qk_l2norm: bool, final_state_only: bool,
-    snapshot: torch.Tensor | None, block_v: int | None = None, num_warps: int | None = None,
-    store_hint: int = 1,
+    snapshot: torch.Tensor | None, out: torch.Tensor | None = None,
+    block_v: int | None = None, num_warps: int | None = None, store_hint: int = 1,
 ) -> torch.Tensor:
-    """Launch :func:`gdn_verify_kernel` on validated inputs; returns ``o`` in v's dtype."""
+    """Launch :func:`gdn_verify_kernel` on validated inputs; returns ``o`` in v's dtype.
+
+    ``out`` (validated: contiguous ``[B, T, HV, V]`` in v's dtype) receives ``o``; ``None``
+    allocates it.
+    """
     B, T, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     g, beta = g.contiguous(), beta.contiguous()
-    o = torch.empty_like(v)
+    o = torch.empty_like(v) if out is None else out
     BV, warps = default_config(K, V)
     BV = block_v or BV
     warps = num_warps or warps

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from dflash.errors import KernelBoundsError
 from dflash.kernels import checks
 from dflash.kernels.rmsnorm_reference import rms_norm_reference
 
@@ -19,6 +20,7 @@ def rms_norm(
     *,
     zero_centred: bool,
     gate: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
     backend: checks.Backend = "auto",
 ) -> torch.Tensor:
     """RMSNorm over the last dimension, computed in float32, returned in x's dtype.
@@ -31,24 +33,27 @@ def rms_norm(
             ``False``: ``weight * (x / rms(x))`` (Gated DeltaNet output norm).
         gate: ``None`` or a tensor shaped like ``x``; the result is multiplied by
             ``silu(gate)``.
+        out: ``None`` (allocated) or a contiguous tensor shaped and typed like ``x`` on
+            x's device, sharing no memory with any other argument; receives ``y``.
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see ``gdn_verify``).
 
     Returns:
-        ``y`` shaped and typed like ``x``.
+        ``y`` shaped and typed like ``x`` (``out`` when given).
 
     Raises:
         TypeError: an argument is not a tensor.
-        ValueError: shapes, dtypes, devices or ``eps`` are wrong.
+        KernelBoundsError: shapes, dtypes, devices, ``eps`` or ``out`` are wrong (a
+            ``ValueError``).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"'x' must be a torch.Tensor (got {type(x).__name__})")
     if x.ndim < 1 or x.dtype not in checks.FLOAT_DTYPES:
-        raise ValueError(
+        raise KernelBoundsError(
             f"'x' must be a floating tensor of rank >= 1 (got {x.dtype}, {tuple(x.shape)})"
         )
     D = x.shape[-1]
     if not 1 <= D <= MAX_DIM:
-        raise ValueError(f"'x' last dimension must be in [1, {MAX_DIM}] (got {D})")
+        raise KernelBoundsError(f"'x' last dimension must be in [1, {MAX_DIM}] (got {D})")
     weight = checks.tensor("weight", weight, 1)
     checks.shape("weight", weight, (D,), "[D] with D from x")
     if gate is not None:
@@ -57,10 +62,16 @@ def rms_norm(
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (
         math.isfinite(eps) and eps > 0
     ):
-        raise ValueError(f"'eps' must be a positive finite float (got {eps!r})")
-    device = checks.same_device({"x": x, "weight": weight, "gate": gate})
+        raise KernelBoundsError(f"'eps' must be a positive finite float (got {eps!r})")
+    inputs: dict[str, torch.Tensor | None] = {"x": x, "weight": weight, "gate": gate}
+    if out is not None:
+        out = checks.output("out", out, tuple(x.shape), x.dtype, "x's shape")
+        checks.disjoint("out", out, inputs)
+    device = checks.same_device({**inputs, "out": out})
     if checks.use_triton(backend, device):
         from dflash.kernels.rmsnorm_triton import launch_rms_norm
 
-        return launch_rms_norm(x, weight, float(eps), zero_centred, gate)
-    return rms_norm_reference(x, weight, float(eps), zero_centred=zero_centred, gate=gate)
+        return launch_rms_norm(x, weight, float(eps), zero_centred, gate, out=out)
+    return rms_norm_reference(
+        x, weight, float(eps), zero_centred=zero_centred, gate=gate, out=out
+    )

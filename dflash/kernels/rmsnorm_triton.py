@@ -40,13 +40,17 @@ def rms_norm_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are unty
 
 def launch_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
-    gate: torch.Tensor | None,
+    gate: torch.Tensor | None, *, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch :func:`rms_norm_kernel` on validated inputs; returns ``y`` like ``x``."""
+    """Launch :func:`rms_norm_kernel` on validated inputs; returns ``y`` like ``x``.
+
+    ``out`` (validated: contiguous, shaped and typed like ``x``) receives ``y``; ``None``
+    allocates it.
+    """
     D = x.shape[-1]
     x2 = x.reshape(-1, D).contiguous()
     z2 = None if gate is None else gate.reshape(-1, D).contiguous()
-    y = torch.empty_like(x2)
+    y = torch.empty_like(x2) if out is None else out.view(-1, D)
     rows = x2.shape[0]
     if rows:
         BD = triton.next_power_of_2(D)
@@ -55,4 +59,4 @@ def launch_rms_norm(
             ZERO_CENTRED=zero_centred, HAS_GATE=z2 is not None, BD=BD,
             num_warps=4 if BD <= 1024 else 8,
         )
-    return y.view(x.shape)
+    return y.view(x.shape) if out is None else out

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import torch
 
+from dflash.errors import KernelBoundsError
 from dflash.kernels import checks
 from dflash.kernels.rollback_reference import rollback_restore_reference
 
 
-class RollbackBoundsError(ValueError):
-    """A rollback was refused on the host, before any launch; the message names the value."""
+class RollbackBoundsError(KernelBoundsError):
+    """A rollback was refused on the host, before any launch; the message names the value.
+
+    A :class:`~dflash.errors.KernelBoundsError`, hence also a ``ValueError``.
+    """
 
 
 def _present(name: str, value: object, ndim: int) -> torch.Tensor:

@@ -21,12 +21,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dflash.errors import ExecutionError
 from dflash.kernels import rollback_restore
 from dflash.model.config import HybridConfig
+from dflash.model.layers import rotary_table
 
 
-class CacheError(RuntimeError):
-    """A cache operation that would leave the caches inconsistent; nothing was changed."""
+class CacheError(ExecutionError):
+    """A cache operation that would leave the caches inconsistent; nothing was changed.
+
+    An execution-layer error: the caches refuse an operation sequence the verify/rollback
+    state machine does not allow.
+    """
 
 
 class KVCache:
@@ -63,6 +69,24 @@ class KVCache:
         if not 0 <= n <= self.length:
             raise CacheError(f"'n' must be in [0, length={self.length}] (got {n})")
         self.length = n
+
+    def reset(self) -> None:
+        """Empty (before a prefill)."""
+        self.length = 0
+
+    def advance(self, start: int, n: int) -> None:
+        """A forward wrote rows ``start … start+n-1``; the length becomes ``start + n``.
+
+        A cache without attention layers holds no rows and keeps length 0.
+        """
+        if not self.layer_ids:
+            return
+        if start != self.length or start + n > self.max_len:
+            raise CacheError(
+                f"KV rows {start}..{start + n - 1} do not continue length {self.length} "
+                f"within 'max_len'={self.max_len}"
+            )
+        self.length = start + n
 
 
 class RecurrentPool:
@@ -104,7 +128,11 @@ class RecurrentPool:
         )
         self.snapshot = torch.zeros(state_shape, dtype=f32, device=device)
         self.live_slot: int | None = None
-        self.length = 0
+        # the committed position: ``length`` on the host (for checks), ``position`` on the
+        # device (what the kernels read); only this pool's methods and the forward that
+        # advances it (``advance_device`` then ``advance``) change them
+        self._length = 0
+        self.position = torch.zeros(batch, dtype=torch.int64, device=device)
         self._index = {layer: i for i, layer in enumerate(self.layer_ids)}
         # Bookkeeping of the last verify: where it started, how many slots it wrote, where
         # the live state was before it, and which layers have their snapshot written.
@@ -113,6 +141,15 @@ class RecurrentPool:
         self._slot_before_verify: int | None = None
         self._snapshot_written = [False] * n
         self.awaiting_rollback = False
+
+    @property
+    def length(self) -> int:
+        """Tokens absorbed into the live state (the device copy is ``position``)."""
+        return self._length
+
+    def _move_to(self, n: int) -> None:
+        self._length = n
+        self.position.fill_(n)
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -146,13 +183,14 @@ class RecurrentPool:
 
         After a remap the live conv rows lie inside ``captured``, which the verify
         overwrites; copying these ``Kc-1`` rows per layer first keeps the pre-verify window
-        in ``conv`` (the recurrent state's copy is the kernel's ``snapshot`` write).
+        in ``conv`` (the recurrent state's copy is the kernel's ``snapshot`` write). This
+        copy runs before the verify's device work (outside any CUDA graph of it).
         """
         self.check_can_advance("verify")
         if n > self.max_draft:
             raise CacheError(f"verify of {n} slots exceeds 'max_draft'={self.max_draft}")
         j = self.live_slot
-        if j is not None:
+        if j is not None and self.layer_ids:
             self.conv.copy_(self.captured[:, :, j + 1 : j + self.conv_kernel])
         self.verify_start, self.verified_n = start, n
         self._slot_before_verify = j
@@ -169,6 +207,34 @@ class RecurrentPool:
     def end_verify(self) -> None:
         """The verify is complete; until a rollback the pool only accepts a rollback."""
         self.awaiting_rollback = True
+
+    def advance_device(self, n: int) -> None:
+        """Device part of a prefill / decode / replay: ``position += n`` (capture-safe)."""
+        self.position.add_(n)
+
+    def advance(self, start: int, n: int) -> None:
+        """Host part: the forward absorbed ``n`` tokens from ``start`` into the live state
+        (after :meth:`advance_device` ran on the device)."""
+        self.check_can_advance("advance")
+        if start != self._length:
+            raise CacheError(
+                f"recurrent tokens from {start} do not continue length {self._length}"
+            )
+        self._length = start + n
+
+    def adopt_live(self, other: RecurrentPool) -> None:
+        """Take ``other``'s live state, conv window and length (storage rebuild)."""
+        if other.layer_ids != self.layer_ids:
+            raise CacheError(
+                f"adopt_live: layers {list(other.layer_ids)} differ from {list(self.layer_ids)}"
+            )
+        other.check_can_advance("adopt_live")
+        for i, layer in enumerate(other.layer_ids):
+            state, conv = other.live_views(layer)
+            self.state[i].copy_(state)
+            self.conv[i].copy_(conv)
+        self.live_slot = None
+        self._move_to(other.length)
 
     def check_can_advance(self, mode: str) -> None:
         """Raise unless the live state may be read (no verify awaiting its rollback)."""
@@ -203,14 +269,14 @@ class RecurrentPool:
         new_length = self._check_commit(commit_n)
         rollback_restore(self.state, self.conv, self.checkpoints, self.captured, commit_n)
         self.live_slot = None
-        self.length = new_length
+        self._move_to(new_length)
         self._clear_verify()
 
     def remap(self, commit_n: int) -> None:
         """Make checkpoint slot ``commit_n-1`` the live state; moves no bytes."""
         new_length = self._check_commit(commit_n)
         self.live_slot = commit_n - 1
-        self.length = new_length
+        self._move_to(new_length)
         self._clear_verify()
 
     def undo_rollback(self, start: int) -> None:
@@ -231,7 +297,7 @@ class RecurrentPool:
         self.state.copy_(self.snapshot)
         self.conv.copy_(self.captured[:, :, : self.conv_kernel - 1])
         self.live_slot = None
-        self.length = start
+        self._move_to(start)
 
     def restore_snapshot(self) -> None:
         """Live state ← the pre-verify state, ``live_slot`` ← None (the fail-closed path).
@@ -249,7 +315,7 @@ class RecurrentPool:
             elif j is not None:
                 self.state[i].copy_(self.checkpoints[i, :, j])
         self.live_slot = None
-        self.length = self.verify_start
+        self._move_to(self.verify_start)
         self._clear_verify()
 
     def _clear_verify(self) -> None:
@@ -262,16 +328,27 @@ class RecurrentPool:
         self.state.zero_()
         self.conv.zero_()
         self.live_slot = None
-        self.length = 0
+        self._move_to(0)
         self._clear_verify()
 
 
 class ShardCaches:
-    """One :class:`KVCache` and one :class:`RecurrentPool` for a contiguous layer range."""
+    """One :class:`KVCache` and one :class:`RecurrentPool` for a contiguous layer range,
+    and the rotary table ``(cos, sin)`` ``[max_len, rotary_dim]`` their attention reads."""
 
-    def __init__(self, kv: KVCache, pool: RecurrentPool) -> None:
+    def __init__(self, kv: KVCache, pool: RecurrentPool, rope: tuple[Tensor, Tensor]) -> None:
+        if rope[0].shape[0] < kv.max_len:
+            raise ValueError(
+                f"'rope' covers {rope[0].shape[0]} positions, the KV cache {kv.max_len}"
+            )
         self.kv = kv
         self.pool = pool
+        self.rope = rope
+
+    def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos/sin rows ``[T, rotary_dim]`` of ``positions: [T]`` (int64 on the caches' device)."""
+        cos, sin = self.rope
+        return cos.index_select(0, positions), sin.index_select(0, positions)
 
     @classmethod
     def for_layers(
@@ -304,7 +381,7 @@ class ShardCaches:
             conv_kernel=config.linear_conv_kernel_dim, conv_dim=config.conv_dim,
             dtype=dtype, device=device,
         )
-        return cls(kv, pool)
+        return cls(kv, pool, rotary_table(config, max_len, dtype, device))
 
     @property
     def layer_ids(self) -> tuple[int, ...]:

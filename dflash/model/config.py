@@ -16,14 +16,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dflash.errors import ConfigError as ConfigError  # re-exported: the config layer error
+
 LayerType = Literal["linear_attention", "full_attention"]
 ModelFamily = Literal["qwen3_5_text", "qwen3_next"]
 
 _SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_next")
-
-
-class ConfigError(ValueError):
-    """A model configuration that dflash cannot run; the message names field and value."""
 
 
 class HybridConfig(BaseModel):
@@ -38,7 +36,8 @@ class HybridConfig(BaseModel):
     ``conv_dim = 2·HK·K + HV·V`` mixed q/k/v channels.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
+    # strict: a JSON string "512" is not an int, 1 is not a bool (an int is a valid float)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, protected_namespaces=())
 
     model_type: ModelFamily = "qwen3_5_text"
     vocab_size: int = Field(gt=0)
@@ -386,7 +385,10 @@ def _build(cls: type[HybridConfig], fields: dict[str, Any]) -> HybridConfig:
         return cls(**fields)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "config"
+        if not first["loc"]:  # a cross-field rule: its message starts with the field's name
+            message = first["msg"].removeprefix("Value error, ")
+            raise ConfigError(f"config field {message}") from exc
+        where = ".".join(str(p) for p in first["loc"])
         value = first.get("input")
         shown = "" if isinstance(value, dict) else f" (got {value!r})"
         raise ConfigError(f"config field {where!r}: {first['msg']}{shown}") from exc

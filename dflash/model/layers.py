@@ -4,10 +4,21 @@ Parameter names mirror the Hugging Face Qwen3.5 modules so checkpoints map 1:1
 (``layers.{i}.linear_attn.in_proj_qkv.weight`` …). The mixers read and write their
 caches through the views handed to them by :class:`dflash.model.target.TargetModel`;
 the recurrent maths runs in :mod:`dflash.kernels` (Triton on CUDA, reference on CPU).
+
+Which kernels a forward runs on is an :class:`Ops` value. Decode, verify and replay
+forwards use ``Ops(invariant=True)``: every projection goes through
+:func:`dflash.kernels.linear` and attention through :func:`dflash.kernels.decode_attention`,
+both *M-invariant* (a row's result does not depend on how many rows the call carries),
+so a token's row of a ``T``-token verify is bitwise the ``T = 1`` decode of the same
+state. On CPU the remaining pointwise maths (gates, activations, norms) also runs one
+token at a time there, because CPU torch evaluates the tail of a vector loop with scalar
+code that may round differently. The prefill (shared by plain and speculative decoding)
+may use any kernels: ``Ops(invariant=False)`` runs ``F.linear`` and SDPA.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -15,10 +26,45 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash.geometry import ChainGeometry
-from dflash.kernels import causal_conv1d_capture, gdn_verify, rms_norm
+from dflash.kernels import causal_conv1d_capture, decode_attention, gdn_verify, linear, rms_norm
 from dflash.model.config import HybridConfig
 
 KernelBackend = Literal["auto", "triton", "reference"]
+
+
+class Ops:
+    """The kernels of one forward.
+
+    ``invariant``: M-invariant linear and attention kernels (decode / verify / replay);
+    otherwise ``F.linear`` and SDPA (prefill). ``backend`` picks Triton or the torch
+    references for every :mod:`dflash.kernels` call. ``token_wise`` (set for invariant
+    forwards on CPU) makes :meth:`each_token` evaluate its function one token at a time.
+    """
+
+    __slots__ = ("backend", "invariant", "token_wise")
+
+    def __init__(self, *, invariant: bool, backend: KernelBackend, device: torch.device) -> None:
+        self.invariant = invariant
+        self.backend: KernelBackend = backend
+        self.token_wise = invariant and device.type == "cpu"
+
+    def linear(self, module: nn.Linear, x: Tensor) -> Tensor:
+        """``module(x)`` on this forward's kernels (``x: [..., in]`` → ``[..., out]``)."""
+        if not self.invariant:
+            return F.linear(x, module.weight, module.bias)
+        return linear(x, module.weight, module.bias, backend=self.backend)
+
+    def each_token(self, fn: Callable[..., Tensor], *xs: Tensor) -> Tensor:
+        """``fn(*xs)`` for ``xs: [B, T, ...]``, one token at a time when ``token_wise``.
+
+        Per token, ``fn`` sees exactly the shapes a ``T = 1`` forward gives it, so its
+        result for that token cannot depend on ``T`` (CPU vector-loop tails round
+        differently from the loop body; CUDA pointwise kernels need no such care).
+        """
+        t = xs[0].shape[1]
+        if not self.token_wise or t == 1:
+            return fn(*xs)
+        return torch.cat([fn(*(x[:, i : i + 1] for x in xs)) for i in range(t)], dim=1)
 
 
 def _norm_backend(x: Tensor) -> KernelBackend:
@@ -62,9 +108,16 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return out
+    def forward(self, x: Tensor, ops: Ops | None = None) -> Tensor:
+        if ops is None:
+            out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return out
+        hidden = ops.each_token(_swiglu, ops.linear(self.gate_proj, x), ops.linear(self.up_proj, x))
+        return ops.linear(self.down_proj, hidden)
+
+
+def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
 
 
 def rotary_cos_sin(
@@ -77,6 +130,27 @@ def rotary_cos_sin(
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, dim/2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [T, dim]
     return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+ROTARY_CHUNK = 64  # positions per cos/sin evaluation of a rotary table
+
+
+def rotary_table(
+    config: HybridConfig, length: int, dtype: torch.dtype, device: torch.device | str
+) -> tuple[Tensor, Tensor]:
+    """cos/sin ``[length, rotary_dim]`` for positions ``0 … length-1``.
+
+    Evaluated in chunks of :data:`ROTARY_CHUNK` positions (the last one padded), so the
+    entry of a position is the same bits whatever ``length`` is: caches of different
+    capacities (the speculative loop's and the greedy oracle's) rotate identically.
+    """
+    padded = -(-length // ROTARY_CHUNK) * ROTARY_CHUNK
+    cos, sin = [], []
+    for lo in range(0, padded, ROTARY_CHUNK):
+        c, s = rotary_cos_sin(config, torch.arange(lo, lo + ROTARY_CHUNK, device=device), dtype)
+        cos.append(c)
+        sin.append(s)
+    return torch.cat(cos)[:length].contiguous(), torch.cat(sin)[:length].contiguous()
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -116,37 +190,53 @@ class GatedAttention(nn.Module):
         sin: Tensor,
         k_cache: Tensor,
         v_cache: Tensor,
-        start: int,
-        visible: Tensor | None,
+        positions: Tensor,
+        ops: Ops,
+        visible: Tensor | None = None,
     ) -> Tensor:
-        """``x: [B, T, hidden]`` at positions ``start … start+T-1``.
+        """``x: [B, T, hidden]`` at ``positions: [T]`` (int64, on x's device, consecutive).
 
-        ``k_cache, v_cache: [B, HKV, max_len, D]`` receive this step's keys/values; the
-        queries attend to cache rows ``0 … start+T-1``. ``visible: [T, start+T]`` bool
-        (True = may attend) or None for "all rows" (single-token decode).
+        ``k_cache, v_cache: [B, HKV, max_len, D]`` receive this step's keys/values at
+        ``positions``; query row ``t`` attends to cache rows ``0 … positions[t]``. Invariant
+        forwards read the cache through :func:`decode_attention` (length from the device,
+        no slicing); the prefill uses SDPA over rows ``0 … T-1`` with ``visible: [T, T]``
+        (True = may attend), None for a single token.
         """
         b, t, _ = x.shape
         d = self.head_dim
-        q_and_gate = self.q_proj(x).view(b, t, self.num_heads, 2 * d)
+        q_and_gate = ops.linear(self.q_proj, x).view(b, t, self.num_heads, 2 * d)
         q, gate = q_and_gate[..., :d], q_and_gate[..., d:]
-        q = apply_rotary(self.q_norm(q), cos, sin)  # [B, T, H, D]
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, d)), cos, sin)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, d)
-        end = start + t
-        k_cache[:, :, start:end] = k.transpose(1, 2)
-        v_cache[:, :, start:end] = v.transpose(1, 2)
-        keys = k_cache[:, :, :end]  # [B, HKV, start+T, D]
-        values = v_cache[:, :, :end]
+        q = apply_rotary(ops.each_token(self.q_norm, q), cos, sin)  # [B, T, H, D]
+        k = ops.linear(self.k_proj, x).view(b, t, self.num_kv_heads, d)
+        k = apply_rotary(ops.each_token(self.k_norm, k), cos, sin)
+        v = ops.linear(self.v_proj, x).view(b, t, self.num_kv_heads, d)
+        k_cache.index_copy_(2, positions, k.transpose(1, 2))  # rows positions[0..T-1]
+        v_cache.index_copy_(2, positions, v.transpose(1, 2))
+        if ops.invariant:
+            start = positions[:1].expand(b).contiguous()  # [B], the position of row 0
+            out = decode_attention(q, k_cache, v_cache, start, scale=d**-0.5, backend=ops.backend)
+        else:
+            out = self._prefill_attention(q, k_cache[:, :, :t], v_cache[:, :, :t], visible)
+        out = out.reshape(b, t, self.num_heads * d)
+        gated = ops.each_token(_sigmoid_gate, out, gate.reshape(b, t, self.num_heads * d))
+        return ops.linear(self.o_proj, gated)
+
+    def _prefill_attention(
+        self, q: Tensor, keys: Tensor, values: Tensor, visible: Tensor | None
+    ) -> Tensor:
+        """SDPA of ``q: [B, T, H, D]`` over ``keys/values: [B, HKV, T, D]`` → ``[B, T, H, D]``."""
+        b, t, _, d = q.shape
         # Grouped heads without copying the cache: query head h = kv * G + g reads KV head
         # kv, so the G query heads of one KV head become G*T query rows of that head.
         groups = self.num_heads // self.num_kv_heads
         q_rows = q.transpose(1, 2).reshape(b, self.num_kv_heads, groups * t, d)
-        mask = None if visible is None else visible.repeat(groups, 1)  # [G*T, start+T]
+        mask = None if visible is None else visible.repeat(groups, 1)  # [G*T, T]
         out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask, scale=d**-0.5)
-        out = out.reshape(b, self.num_heads, t, d).transpose(1, 2).reshape(b, t, self.num_heads * d)
-        out = out * torch.sigmoid(gate.reshape(b, t, self.num_heads * d))
-        result: Tensor = self.o_proj(out)
-        return result
+        return out.reshape(b, self.num_heads, t, d).transpose(1, 2)
+
+
+def _sigmoid_gate(x: Tensor, gate: Tensor) -> Tensor:
+    return x * torch.sigmoid(gate)
 
 
 class GatedDeltaNet(nn.Module):
@@ -188,7 +278,7 @@ class GatedDeltaNet(nn.Module):
         conv_rows: Tensor,
         geometry: ChainGeometry | None,
         capture: tuple[Tensor, Tensor, Tensor] | None,
-        backend: KernelBackend,
+        ops: Ops,
     ) -> Tensor:
         """``x: [B, T, hidden]`` → ``[B, T, hidden]``.
 
@@ -201,10 +291,11 @@ class GatedDeltaNet(nn.Module):
         """
         b, t, _ = x.shape
         kc1 = self.conv_kernel - 1
-        mixed = self.in_proj_qkv(x)  # [B, T, C]
-        z = self.in_proj_z(x).view(b, t, self.num_v_heads, self.head_v_dim)
-        beta = torch.sigmoid(self.in_proj_b(x))  # [B, T, HV]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        backend = ops.backend
+        mixed = ops.linear(self.in_proj_qkv, x)  # [B, T, C]
+        z = ops.linear(self.in_proj_z, x).view(b, t, self.num_v_heads, self.head_v_dim)
+        beta = ops.each_token(torch.sigmoid, ops.linear(self.in_proj_b, x))  # [B, T, HV]
+        g = ops.each_token(self._log_decay, ops.linear(self.in_proj_a, x))  # [B, T, HV] f32
         weight = self.conv1d.weight.squeeze(1)  # [C, Kc]
         if capture is None:  # in place: conv inputs go to scratch, the new window is its tail
             captured = mixed.new_empty(b, kc1 + t, mixed.shape[-1])
@@ -226,9 +317,12 @@ class GatedDeltaNet(nn.Module):
                 q, k, v, g, beta, state, checkpoints, geometry,
                 snapshot=snapshot, backend=backend,
             )
-        o = self.norm(o, z)  # [B, T, HV, V]
-        out: Tensor = self.out_proj(o.reshape(b, t, self.value_dim))
-        return out
+        o = ops.each_token(self.norm, o, z)  # [B, T, HV, V]
+        return ops.linear(self.out_proj, o.reshape(b, t, self.value_dim))
+
+    def _log_decay(self, a: Tensor) -> Tensor:
+        """``g = -exp(A_log) · softplus(a + dt_bias)`` in float32."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
 
 class DecoderLayer(nn.Module):

@@ -36,6 +36,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
+from dflash.errors import CheckpointError as CheckpointError  # re-exported: one family
 from dflash.model.config import ConfigError, HybridConfig
 
 if TYPE_CHECKING:
@@ -45,10 +46,8 @@ log = logging.getLogger(__name__)
 
 _IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.")
 _FLOAT_CODES = ("F32", "BF16", "F16", "F64")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file or tensor."""
+# PyTorch pickle checkpoints (pytorch_model.bin, *.pt, *.pth, *.ckpt): never opened
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 @dataclass(frozen=True)
@@ -87,6 +86,16 @@ def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
         return files, weight_map
     if single.is_file():
         return [single], None
+    pickled = sorted(p.name for p in directory.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+    if pickled:
+        raise CheckpointError(
+            f"{str(directory)!r} holds only pickle weights ({', '.join(pickled[:3])}"
+            f"{', …' if len(pickled) > 3 else ''}); dflash refuses pickle on purpose, since "
+            "unpickling a file can run arbitrary code. Convert it once to safetensors, e.g. "
+            "python -c \"import sys, transformers as t; "
+            "t.AutoModelForCausalLM.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2], "
+            "safe_serialization=True)\" DIR OUT_DIR (then copy the tokenizer files to OUT_DIR)"
+        )
     raise CheckpointError(
         f"no weights in {str(directory)!r}: expected 'model.safetensors' or "
         "'model.safetensors.index.json'"

@@ -5,6 +5,11 @@
 ``sigmoid(shared_expert_gate(x)) · shared_expert(x)``. Parameter names follow the Hugging
 Face checkpoints (``mlp.gate``, ``mlp.experts.{e}.{gate,up,down}_proj``,
 ``mlp.shared_expert.*``, ``mlp.shared_expert_gate``).
+
+Row-count invariance (decode / verify / replay forwards, :class:`~dflash.model.layers.Ops`):
+the router runs per token on CPU, the top-k weights are summed in slot order (no
+reduction kernel), every projection is an M-invariant linear, and a token's expert
+outputs are added in ascending expert id whatever other tokens the call carries.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash.model.config import HybridConfig
-from dflash.model.layers import MLP
+from dflash.model.layers import MLP, Ops
 
 
 class SparseMoE(nn.Module):
@@ -29,20 +34,47 @@ class SparseMoE(nn.Module):
         self.shared_expert = MLP(h, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(h, 1, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])  # [N, hidden]
-        logits = self.gate(flat)  # [N, E]
+    def _route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """``logits: [..., E]`` → (weights ``[..., k]`` in logits' dtype, expert ids)."""
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(logits.dtype)
+            total = weights[..., 0]
+            for i in range(1, self.top_k):  # slot order, the same for every row count
+                total = total + weights[..., i]
+            weights = weights / total[..., None]
+        return weights.to(logits.dtype), chosen
+
+    def forward(self, x: Tensor, ops: Ops | None = None) -> Tensor:
+        """``x: [B, T, hidden]`` → ``[B, T, hidden]`` (``ops`` None: plain torch modules)."""
+        shape = x.shape
+        if ops is None:
+            weights, chosen = self._route(self.gate(x))
+            shared_gate = self.shared_expert_gate(x)
+        else:
+            logits = ops.linear(self.gate, x)  # [B, T, E]
+            if ops.token_wise:
+                routed = [self._route(logits[:, i : i + 1]) for i in range(shape[1])]
+                weights = torch.cat([w for w, _ in routed], dim=1)
+                chosen = torch.cat([c for _, c in routed], dim=1)
+            else:
+                weights, chosen = self._route(logits)
+            shared_gate = ops.linear(self.shared_expert_gate, x)
+        flat = x.reshape(-1, shape[-1])  # [N, hidden]
+        weights, chosen = weights.reshape(flat.shape[0], -1), chosen.reshape(flat.shape[0], -1)
         out = torch.zeros_like(flat)
-        for expert_id in torch.unique(chosen).tolist():
+        for expert_id in torch.unique(chosen).tolist():  # ascending
             rows, slot = torch.where(chosen == expert_id)
-            y = self.experts[expert_id](flat[rows]) * weights[rows, slot, None]
+            y = self.experts[expert_id](flat[rows][None], ops)[0] * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
-        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        result: Tensor = (out + shared).reshape(shape)
+        shared = self.shared_expert(x, ops)  # [B, T, hidden]
+        if ops is None:
+            gated = torch.sigmoid(shared_gate) * shared
+        else:
+            gated = ops.each_token(_gated, shared_gate, shared)
+        result: Tensor = out.reshape(shape) + gated
         return result
+
+
+def _gated(gate: Tensor, shared: Tensor) -> Tensor:
+    return torch.sigmoid(gate) * shared

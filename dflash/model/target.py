@@ -17,7 +17,7 @@ length becomes ``start+T`` (the execution layer truncates it after a verify).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast
 
@@ -32,8 +32,8 @@ from dflash.model.layers import (
     DecoderLayer,
     DeltaNetLayer,
     KernelBackend,
+    Ops,
     RMSNorm,
-    rotary_cos_sin,
 )
 
 if TYPE_CHECKING:
@@ -156,54 +156,116 @@ class TargetModel(nn.Module):
         tap layer among ``layer_ids``.
         """
         ids = tuple(layer_ids)
-        t = self._check_run(hidden, ids, caches, start_pos, mode, geometry)
+        t = self.begin_layers(tuple(hidden.shape), ids, caches, start_pos, mode, geometry)
+        mark = caches.pool.end_verify_layer if mode == "verify" else None
+        hidden, tapped = self.compute_layers(hidden, ids, caches, mode, geometry, taps, mark)
+        self.end_layers(ids, caches, start_pos, mode, t)
+        return hidden, tapped
+
+    # A forward is three parts: ``begin_layers`` (host: checks, cache bookkeeping),
+    # ``compute_layers`` (device only: no host synchronisation, no shape that depends on
+    # a runtime value, positions read from the device — a CUDA graph can capture it for
+    # decode, verify and replay) and ``end_layers`` (host: the caches' length mirrors).
+
+    def begin_layers(
+        self,
+        shape: tuple[int, ...],
+        ids: tuple[int, ...],
+        caches: ShardCaches,
+        start_pos: int,
+        mode: Mode,
+        geometry: ChainGeometry | TreeGeometry | None,
+    ) -> int:
+        """Check a forward of hidden states of ``shape`` ``[B, T, H]`` and prepare the
+        caches (nothing changes when a check fails); returns ``T``."""
+        t = self._check_run(shape, ids, caches, start_pos, mode, geometry)
         kv, pool = caches.kv, caches.pool
         if mode == "prefill":
             pool.reset()
-            kv.length = 0
+            kv.reset()
         elif mode == "verify":
             pool.begin_verify(start_pos, t)
         else:
             pool.check_can_advance(mode)
+        return t
+
+    def compute_layers(
+        self,
+        hidden: Tensor,
+        ids: tuple[int, ...],
+        caches: ShardCaches,
+        mode: Mode,
+        geometry: ChainGeometry | TreeGeometry | None = None,
+        taps: Sequence[int] = (),
+        on_layer: Callable[[int], None] | None = None,
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        """The device work of a forward prepared by :meth:`begin_layers`.
+
+        Positions come from ``caches.pool.position`` (device); decode, replay and prefill
+        advance it on the device. ``on_layer(layer)`` runs after each recurrent layer of a
+        verify (host bookkeeping of which layers wrote their checkpoints; None while a
+        CUDA graph is captured).
+        """
+        kv, pool = caches.kv, caches.pool
+        t = hidden.shape[1]
         chain = geometry if isinstance(geometry, ChainGeometry) else None
-        backend = self._backend(hidden.device)
-        positions = torch.arange(start_pos, start_pos + t, device=hidden.device)
-        cos, sin = rotary_cos_sin(self.config, positions, hidden.dtype)
-        end = start_pos + t
+        ops = self.ops(mode, hidden.device)
+        positions = pool.position[:1] + torch.arange(t, device=hidden.device)  # [T] int64
+        cos, sin = caches.rotary(positions)  # [T, rotary_dim] each
         visible = None
-        if t > 1:
-            rows = torch.arange(end, device=hidden.device)
-            visible = rows[None, :] <= positions[:, None]  # [T, start+T], causal over the chain
+        if mode == "prefill" and t > 1:
+            rows = torch.arange(t, device=hidden.device)
+            visible = rows[None, :] <= rows[:, None]  # [T, T], causal
         wanted = set(taps)
         tapped: dict[int, Tensor] = {}
         for layer_id in ids:
             layer = cast(DecoderLayer, self.layers[layer_id])
-            x = layer.input_layernorm(hidden)
+            x = ops.each_token(layer.input_layernorm, hidden)
             if isinstance(layer, AttentionLayer):
                 k_cache, v_cache = kv.views(layer_id)
-                x = layer.self_attn(x, cos, sin, k_cache, v_cache, start_pos, visible)
+                x = layer.self_attn(x, cos, sin, k_cache, v_cache, positions, ops, visible)
             elif not isinstance(layer, DeltaNetLayer):
                 kind = type(layer).__name__
                 raise TypeError(f"layer {layer_id} is a {kind}, not a decoder layer")
             elif mode == "verify":
                 state, conv_rows = pool.live_for_verify(layer_id)
                 capture = pool.capture_views(layer_id)
-                x = layer.linear_attn(x, state, conv_rows, chain, capture, backend)
-                pool.end_verify_layer(layer_id)
+                x = layer.linear_attn(x, state, conv_rows, chain, capture, ops)
+                if on_layer is not None:
+                    on_layer(layer_id)
             else:
                 state, conv_rows = pool.live_views(layer_id)
-                x = layer.linear_attn(x, state, conv_rows, None, None, backend)
+                x = layer.linear_attn(x, state, conv_rows, None, None, ops)
             hidden = hidden + x
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + layer.mlp(ops.each_token(layer.post_attention_layernorm, hidden), ops)
             if layer_id in wanted:
                 tapped[layer_id] = hidden
-        if kv.layer_ids:
-            kv.length = end
+        if mode != "verify":
+            pool.advance_device(t)
+        return hidden, tapped
+
+    def end_layers(
+        self, ids: tuple[int, ...], caches: ShardCaches, start_pos: int, mode: Mode, t: int
+    ) -> None:
+        """Host part after :meth:`compute_layers`: the caches' length mirrors."""
+        kv, pool = caches.kv, caches.pool
+        kv.advance(start_pos, t)
         if mode == "verify":
+            for layer in ids:
+                if layer in pool.layer_ids:
+                    pool.end_verify_layer(layer)
             pool.end_verify()
         else:
-            pool.length = end
-        return hidden, tapped
+            pool.advance(start_pos, t)
+
+    def ops(self, mode: Mode, device: torch.device) -> Ops:
+        """The kernels of a ``mode`` forward on ``device``: M-invariant unless prefill."""
+        return Ops(invariant=mode != "prefill", backend=self._backend(device), device=device)
+
+    def logits(self, hidden: Tensor, mode: Mode) -> Tensor:
+        """Final norm and LM head: ``hidden: [B, T, H]`` → ``[B, T, vocab]``."""
+        ops = self.ops(mode, hidden.device)
+        return ops.linear(self.lm_head, ops.each_token(self.norm, hidden))
 
     def _backend(self, device: torch.device) -> KernelBackend:
         if self.kernel_backend == "auto" and device.type == "cpu":
@@ -237,11 +299,11 @@ class TargetModel(nn.Module):
         hidden, tapped = self.run_layers(
             hidden, range(self.config.num_hidden_layers), caches, start, mode, geometry, taps
         )
-        return self.lm_head(self.norm(hidden)), tapped
+        return self.logits(hidden, mode), tapped
 
     def _check_run(
         self,
-        hidden: Tensor,
+        shape: tuple[int, ...],
         ids: tuple[int, ...],
         caches: ShardCaches,
         start_pos: int,
@@ -250,11 +312,11 @@ class TargetModel(nn.Module):
     ) -> int:
         if mode not in _MODES:
             raise ValueError(f"'mode' must be one of {list(_MODES)} (got {mode!r})")
-        if hidden.dim() != 3 or hidden.shape[-1] != self.config.hidden_size:
+        if len(shape) != 3 or shape[-1] != self.config.hidden_size:
             raise ValueError(
-                f"'hidden' must be [B, T, {self.config.hidden_size}] (got {tuple(hidden.shape)})"
+                f"'hidden' must be [B, T, {self.config.hidden_size}] (got {tuple(shape)})"
             )
-        t = hidden.shape[1]
+        t = shape[1]
         if t == 0:
             raise ValueError("'hidden' must hold at least one token (got T=0)")
         if mode == "decode" and t != 1:

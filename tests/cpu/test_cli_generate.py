@@ -1,4 +1,4 @@
-"""``dflash generate``: the DESIGN.md §5 result contract, stdout/stderr discipline, errors."""
+"""``dflash generate``: the result contract (README, `--json`), stdout/stderr discipline, errors."""
 
 from __future__ import annotations
 
@@ -176,12 +176,13 @@ def test_a_failure_while_decoding_exits_3_without_a_traceback(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import dflash.execution.run as run_module
+    from dflash.execution.errors import PoisonedError
 
     def broken(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("device lost")
+        raise PoisonedError("device lost")  # any DFlashError while decoding (bugs exit 4)
 
     monkeypatch.setattr(run_module, "generate", broken)
     assert main(["generate", *FAST]) == 3
     out, err = capsys.readouterr()
     assert out == ""
-    assert "failed: RuntimeError: device lost" in err and "Traceback" not in err
+    assert "failed: PoisonedError: device lost" in err and "Traceback" not in err

@@ -52,8 +52,21 @@ def chain(n: int) -> object:
 
 def verify(i: dict[str, torch.Tensor], ckpt: torch.Tensor, geometry: object,
            **kw: object) -> torch.Tensor:
-    return gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], i["initial_state"], ckpt,
-                      geometry, **kw)  # type: ignore[arg-type]
+    """gdn_verify into a NaN-poisoned ``out``: an output the kernel does not write stays NaN."""
+    out = torch.full_like(i["v"], NAN)
+    o = gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], i["initial_state"], ckpt,
+                   geometry, out=out, **kw)  # type: ignore[arg-type]
+    assert o is out
+    return o
+
+
+def conv(x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+         cap: torch.Tensor) -> torch.Tensor:
+    """causal_conv1d_capture into a NaN-poisoned ``out``."""
+    out = torch.full_like(x, NAN)
+    y = causal_conv1d_capture(x, rows, w, b, cap, out=out)
+    assert y is out
+    return y
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -78,7 +91,9 @@ def test_checkpoints_equal_sequential_decode_bit_exactly(shape: str) -> None:
     HV = SHAPES[shape]
     i = gdn_inputs(HV, seed=2)
     ckpt = torch.full((1, T, HV, K, V), NAN, device="cuda")
-    o = verify(i, ckpt, chain(T), snapshot=torch.empty(1, HV, K, V, device="cuda"))
+    snapshot = torch.full((1, HV, K, V), NAN, device="cuda")
+    o = verify(i, ckpt, chain(T), snapshot=snapshot)
+    assert torch.equal(snapshot, i["initial_state"])
     state = i["initial_state"].clone()
     for t in range(T):
         step = {n: (state if n == "initial_state" else x[:, t : t + 1]) for n, x in i.items()}
@@ -91,13 +106,15 @@ def test_tree_path_equals_chain_bit_exactly() -> None:
     HV, parents = 48, [-1, 0, 0, 1, 2, 2, 3, 5]
     i = gdn_inputs(HV, seed=3, T=len(parents))
     ckpt = torch.full((1, len(parents), HV, K, V), NAN, device="cuda")
-    verify(i, ckpt, require_tree(parents))
+    o = verify(i, ckpt, require_tree(parents))
     path = [0, 2, 5, 7]
     sub = {n: (x if n == "initial_state" else x[:, path]) for n, x in i.items()}
     ckpt_path = torch.full((1, 4, HV, K, V), NAN, device="cuda")
-    verify(sub, ckpt_path, chain(4))
+    o_path = verify(sub, ckpt_path, chain(4))
+    assert not o.isnan().any() and not ckpt.isnan().any()
     for s, slot in enumerate(path):
         assert torch.equal(ckpt_path[:, s], ckpt[:, slot])
+        assert torch.equal(o_path[:, s], o[:, slot])
 
 
 def test_remap_in_place_equals_out_of_place() -> None:
@@ -108,6 +125,7 @@ def test_remap_in_place_equals_out_of_place() -> None:
     bank_copy = bank.clone()
     o_out = verify({**second, "initial_state": bank[:, n - 1].clone()}, bank_copy, chain(T))
     o_in = verify({**second, "initial_state": bank[:, n - 1]}, bank, chain(T))
+    assert not o_out.isnan().any() and not bank_copy.isnan().any()
     assert torch.equal(o_in, o_out) and torch.equal(bank, bank_copy)
 
 
@@ -118,14 +136,15 @@ def test_conv_capture_matches_reference_and_remaps() -> None:
     w = torch.randn(C, KC, generator=gen, device="cuda").bfloat16()
     b = torch.randn(C, generator=gen, device="cuda").bfloat16()
     cap = torch.full((1, KC - 1 + T, C), NAN, device="cuda", dtype=torch.bfloat16)
-    y = causal_conv1d_capture(x, rows, w, b, cap)
-    cap64 = torch.empty(1, KC - 1 + T, C, device="cuda", dtype=torch.float64)
+    y = conv(x, rows, w, b, cap)
+    cap64 = torch.full((1, KC - 1 + T, C), NAN, device="cuda", dtype=torch.float64)
     y64 = causal_conv1d_capture_reference(x.double(), rows.double(), w.double(), b.double(), cap64)
     assert rel_rms(y, y64) <= 1e-2
     assert torch.equal(cap, torch.cat([rows, x], 1))
     n, cap_copy = 7, cap.clone()
-    y_out = causal_conv1d_capture(x, cap[:, n : n + KC - 1].clone(), w, b, cap_copy)
-    y_in = causal_conv1d_capture(x, cap[:, n : n + KC - 1], w, b, cap)
+    y_out = conv(x, cap[:, n : n + KC - 1].clone(), w, b, cap_copy)
+    y_in = conv(x, cap[:, n : n + KC - 1], w, b, cap)
+    assert not y_out.isnan().any()
     assert torch.equal(y_in, y_out) and torch.equal(cap, cap_copy)
 
 

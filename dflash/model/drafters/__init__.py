@@ -1,6 +1,7 @@
 """Drafters: guess ``block_size - 1`` tokens after the pending token (see ``base``).
 
-- :class:`DFlashDrafter` — bidirectional block drafter conditioned on target tap features;
+- :class:`DFlashDrafter` — z-lab's DFlash block drafter (their checkpoint format), conditioned
+  on target tap features through a cached context;
 - :class:`PromptLookupDrafter` — n-gram lookup in the context;
 - :class:`SyntheticDrafter` — SYNTHETIC, for benchmarks: a chosen acceptance profile
   against the target's own greedy continuation.
@@ -12,14 +13,19 @@ from dflash.model.drafters.dflash_drafter import DFlashDrafter
 from dflash.model.drafters.errors import (
     CheckpointConfigError,
     CheckpointFileError,
+    ConfigFieldError,
     DraftArgumentError,
     DrafterCheckpointError,
     DrafterError,
+    MaskTokenRangeError,
     MissingKeysError,
     OracleMismatchError,
+    TapLayerRangeError,
     TargetMismatchError,
+    TargetShapeMismatchError,
     TensorShapeError,
     UnexpectedKeysError,
+    UnknownArchitectureError,
     UnknownDrafterSpecError,
 )
 from dflash.model.drafters.prompt_lookup import LookupResult, PromptLookupDrafter
@@ -31,6 +37,7 @@ __all__ = [
     "AcceptanceProfile",
     "CheckpointConfigError",
     "CheckpointFileError",
+    "ConfigFieldError",
     "DFlashConfig",
     "DFlashDrafter",
     "DraftArgumentError",
@@ -39,14 +46,18 @@ __all__ = [
     "DrafterCheckpointError",
     "DrafterError",
     "LookupResult",
+    "MaskTokenRangeError",
     "MissingKeysError",
     "Oracle",
     "OracleMismatchError",
     "PromptLookupDrafter",
     "SyntheticDrafter",
+    "TapLayerRangeError",
     "TargetMismatchError",
+    "TargetShapeMismatchError",
     "TensorShapeError",
     "UnexpectedKeysError",
+    "UnknownArchitectureError",
     "UnknownDrafterSpecError",
     "default_tap_layers",
     "make_drafter",

@@ -1,9 +1,23 @@
-"""Reading and writing DFlash drafter checkpoints: ``config.json`` + ``model.safetensors``.
+"""Reading and writing DFlash drafter checkpoints in z-lab's format.
 
-Reading is all-or-nothing: the config is validated, every tensor's name, shape and dtype is
-checked against the configuration and every tensor is read before any of them is handed
-out, so a bad checkpoint raises a typed :class:`DrafterCheckpointError` and nothing
-half-loaded is ever used. Files are memory-mapped by safetensors; nothing is unpickled.
+A checkpoint directory holds ``config.json`` (a Qwen3 config with
+``architectures: ["DFlashDraftModel"]``, ``block_size``, ``num_target_layers`` and
+``dflash_config: {mask_token_id, target_layer_ids}``; see :mod:`dflash_config`) and
+``model.safetensors`` (bfloat16) with the tensors::
+
+    fc.weight                       [H, len(target_layer_ids) * H]
+    hidden_norm.weight, norm.weight [H]
+    layers.{i}.input_layernorm.weight, layers.{i}.post_attention_layernorm.weight   [H]
+    layers.{i}.self_attn.q_proj.weight [heads * D, H]   (+ .bias when attention_bias)
+    layers.{i}.self_attn.{k,v}_proj.weight [kv_heads * D, H]
+    layers.{i}.self_attn.o_proj.weight [H, heads * D]
+    layers.{i}.self_attn.{q,k}_norm.weight [D]
+    layers.{i}.mlp.{gate,up}_proj.weight [I, H],  layers.{i}.mlp.down_proj.weight [H, I]
+
+Reading is all-or-nothing: the config is parsed and validated, every tensor's name and
+shape is checked and every tensor read before any is handed out, so a bad checkpoint
+raises a typed :class:`DrafterCheckpointError` naming the file, field or tensor and the
+expected and found values, and nothing half-loaded is used. Nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -11,29 +25,47 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pydantic
+import torch
 from pydantic_core import ErrorDetails
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from dflash.model.drafters.dflash_config import DFlashConfig
+from dflash.model.drafters.dflash_config import (
+    ARCHITECTURE,
+    MODEL_TYPE,
+    DFlashConfig,
+    default_tap_layers,
+)
 from dflash.model.drafters.errors import (
+    MISSING,
     CheckpointConfigError,
     CheckpointFileError,
+    ConfigFieldError,
     DrafterCheckpointError,
+    MaskTokenRangeError,
     MissingKeysError,
     TensorShapeError,
     UnexpectedKeysError,
+    UnknownArchitectureError,
 )
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+# dflash_config keys with the value that leaves z-lab's DFlashDraftModel unchanged
+_NEUTRAL_DFLASH_KEYS: dict[str, object] = {
+    "input_embedding_scale": 1.0,
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": None,
+}
+_DFLASH_KEYS = ("mask_token_id", "target_layer_ids", "block_size")
 
 
 def read_config(directory: str | Path) -> DFlashConfig:
-    """Read and validate ``directory/config.json``."""
+    """Read, translate and validate ``directory/config.json``."""
     root = Path(directory)
     if not root.is_dir():
         raise CheckpointFileError(f"drafter checkpoint {str(root)!r} is not a directory")
@@ -46,11 +78,113 @@ def read_config(directory: str | Path) -> DFlashConfig:
         raise CheckpointConfigError(f"{path}: not readable JSON ({exc})") from exc
     if not isinstance(raw, dict):
         raise CheckpointConfigError(f"{path}: must hold a JSON object (got {type(raw).__name__})")
+    return config_from_hf(raw, str(path))
+
+
+def config_from_hf(raw: Mapping[str, Any], where: str = CONFIG_FILE) -> DFlashConfig:
+    """Translate a z-lab ``config.json`` object into a :class:`DFlashConfig`."""
+    arch = raw.get("architectures", MISSING)
+    if arch != [ARCHITECTURE]:
+        raise UnknownArchitectureError(where, "architectures", f"[{ARCHITECTURE!r}]", arch)
+    model_type = raw.get("model_type", MISSING)
+    if model_type != MODEL_TYPE:
+        raise UnknownArchitectureError(where, "model_type", repr(MODEL_TYPE), model_type)
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigFieldError(where, "hidden_act", "'silu'", act)
+    dflash = raw.get("dflash_config", {})
+    if not isinstance(dflash, dict):
+        raise ConfigFieldError(where, "dflash_config", "a JSON object", dflash)
+    for key, value in dflash.items():
+        if key in _DFLASH_KEYS:
+            continue
+        if key in _NEUTRAL_DFLASH_KEYS and value == _NEUTRAL_DFLASH_KEYS[key]:
+            continue
+        expected = (
+            f"{_NEUTRAL_DFLASH_KEYS[key]!r} (other values are not supported)"
+            if key in _NEUTRAL_DFLASH_KEYS
+            else f"one of {list(_DFLASH_KEYS)} (this DFlash variant is not supported)"
+        )
+        raise ConfigFieldError(where, f"dflash_config.{key}", expected, value)
+
+    def need(name: str) -> Any:
+        if name not in raw:
+            raise ConfigFieldError(where, name, "an integer", MISSING)
+        return raw[name]
+
+    def dflash_value(name: str, default: object = MISSING) -> Any:
+        value = dflash.get(name, raw.get(name, default))
+        if value is MISSING:
+            raise ConfigFieldError(where, f"dflash_config.{name}", "a value", MISSING)
+        return value
+
+    fields: dict[str, Any] = {
+        name: need(name)
+        for name in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "vocab_size",
+            "num_target_layers",
+        )
+    }
+    for name in fields:
+        if isinstance(fields[name], bool) or not isinstance(fields[name], int):
+            raise ConfigFieldError(where, name, "an integer", fields[name])
+    heads = fields["num_attention_heads"]
+    fields["head_dim"] = raw.get("head_dim") or (fields["hidden_size"] // heads if heads > 0 else 0)
+    for name, default in (
+        ("rms_norm_eps", 1e-6),
+        ("max_position_embeddings", 32768),
+        ("attention_bias", False),
+        ("sliding_window", None),
+        ("is_causal", None),
+    ):
+        fields[name] = raw.get(name, default)
+    theta, scaling = _rope(raw, where)
+    fields["rope_theta"], fields["rope_scaling"] = theta, scaling
+    fields["block_size"] = dflash_value("block_size", 16)
+    mask = dflash_value("mask_token_id")
+    vocab = fields["vocab_size"]
+    if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < vocab:
+        raise MaskTokenRangeError(
+            where, "dflash_config.mask_token_id", f"a token id in [0, vocab_size={vocab})", mask
+        )
+    fields["mask_token_id"] = mask
+    taps = dflash_value("target_layer_ids", None)
+    if taps is None and isinstance(fields["num_target_layers"], int):
+        num_layers = fields["num_hidden_layers"]
+        taps = default_tap_layers(fields["num_target_layers"], max(1, num_layers))
+    fields["target_layer_ids"] = taps
+    layer_types = raw.get("layer_types")
+    fields["layer_types"] = layer_types
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        fields["sliding_window"] = None  # no layer uses it
     try:
-        return DFlashConfig.model_validate(raw)
+        return DFlashConfig.model_validate(fields)
     except pydantic.ValidationError as exc:
         problems = "; ".join(_describe(err) for err in exc.errors())
-        raise CheckpointConfigError(f"{path}: invalid DFlash drafter config: {problems}") from exc
+        raise CheckpointConfigError(f"{where}: invalid DFlash drafter config: {problems}") from exc
+
+
+def _rope(raw: Mapping[str, Any], where: str) -> tuple[Any, Any]:
+    """``(rope_theta, rope_scaling)`` from either the legacy keys or ``rope_parameters``."""
+    params = raw.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ConfigFieldError(where, "rope_parameters", "a JSON object", params)
+    theta = raw.get("rope_theta", (params or {}).get("rope_theta", 10000.0))
+    scaling = raw.get("rope_scaling")
+    if scaling is None and params is not None:
+        kind = params.get("rope_type", "default")
+        if kind != "default":
+            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ConfigFieldError(where, "rope_scaling", "a JSON object or null", scaling)
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return theta, scaling
 
 
 def _describe(err: ErrorDetails) -> str:
@@ -60,8 +194,42 @@ def _describe(err: ErrorDetails) -> str:
     return f"{where}: {err['msg']}" + (f" (got {err['input']!r})" if shown else "")
 
 
+def expected_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a checkpoint of ``config`` and its shape (z-lab's names)."""
+    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, config.feature_size),
+        "hidden_norm.weight": (h,),
+        "norm.weight": (h,),
+    }
+    for i in range(config.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q_out, h),
+            p + "self_attn.k_proj.weight": (kv_out, h),
+            p + "self_attn.v_proj.weight": (kv_out, h),
+            p + "self_attn.o_proj.weight": (h, q_out),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+        if config.attention_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q_out,),
+                p + "self_attn.k_proj.bias": (kv_out,),
+                p + "self_attn.v_proj.bias": (kv_out,),
+                p + "self_attn.o_proj.bias": (h,),
+            }
+    return shapes
+
+
 def read_weights(
-    directory: str | Path, expected_shapes: Mapping[str, tuple[int, ...]]
+    directory: str | Path, expected: Mapping[str, tuple[int, ...]]
 ) -> dict[str, Tensor]:
     """Read ``directory/model.safetensors`` after checking names and shapes.
 
@@ -76,16 +244,16 @@ def read_weights(
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             keys = set(f.keys())
-            missing = sorted(set(expected_shapes) - keys)
+            missing = sorted(set(expected) - keys)
             if missing:
                 raise MissingKeysError(shown, missing)
-            unexpected = sorted(keys - set(expected_shapes))
+            unexpected = sorted(keys - set(expected))
             if unexpected:
                 raise UnexpectedKeysError(shown, unexpected)
             for key in sorted(keys):
                 found = tuple(int(n) for n in f.get_slice(key).get_shape())
-                if found != expected_shapes[key]:
-                    raise TensorShapeError(shown, key, expected_shapes[key], found)
+                if found != expected[key]:
+                    raise TensorShapeError(shown, key, expected[key], found)
             tensors: dict[str, Tensor] = {key: f.get_tensor(key) for key in sorted(keys)}
     except DrafterCheckpointError:
         raise
@@ -103,14 +271,34 @@ def read_weights(
 
 
 def write_checkpoint(
-    directory: str | Path, config: DFlashConfig, tensors: Mapping[str, Tensor]
+    directory: str | Path,
+    config: DFlashConfig,
+    tensors: Mapping[str, Tensor],
+    *,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> None:
-    """Write ``config.json`` and ``model.safetensors`` (tensors copied to contiguous CPU)."""
+    """Write ``config.json`` and ``model.safetensors`` (tensors as contiguous CPU ``dtype``)."""
+    shapes = expected_shapes(config)
+    if set(tensors) != set(shapes):
+        raise DrafterCheckpointError(
+            f"tensors to save differ from the config's: missing "
+            f"{sorted(set(shapes) - set(tensors))}, extra {sorted(set(tensors) - set(shapes))}"
+        )
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    (root / CONFIG_FILE).write_text(config.model_dump_json(indent=2) + "\n", encoding="utf-8")
-    cpu = {key: t.detach().to("cpu").contiguous() for key, t in tensors.items()}
+    hf = config.to_hf_dict()
+    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    cpu = {key: t.detach().to("cpu", dtype).contiguous() for key, t in tensors.items()}
     save_file(cpu, str(root / WEIGHTS_FILE), metadata={"format": "pt"})
+    (root / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
 
 
-__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "read_config", "read_weights", "write_checkpoint"]
+__all__ = [
+    "CONFIG_FILE",
+    "WEIGHTS_FILE",
+    "config_from_hf",
+    "expected_shapes",
+    "read_config",
+    "read_weights",
+    "write_checkpoint",
+]

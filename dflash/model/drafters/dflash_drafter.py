@@ -1,13 +1,22 @@
-"""The DFlash block drafter: one bidirectional pass over ``[last, mask × (B-1)]``.
+"""The DFlash block drafter (z-lab's ``DFlashDraftModel`` semantics), with a context cache.
 
-Context conditioning: the target's hidden states at ``tap_layers`` for the committed tokens
-(``features`` ``[Tc, len(tap_layers) * H]``) are projected to ``[Tc, H]`` once per call and
-used as extra keys/values in every drafter layer. The block's queries attend, unmasked, to
-those context entries and to the whole block, so every position sees every other one. The
-token embedding and LM head are the target's own tensors, held by reference: they are not
-parameters of the drafter, not copied and not saved with it.
+One proposal, with ``n = len(context)`` committed tokens and ``last`` pending at ``n``::
 
-Greedy proposal: the argmax of the logits at each mask position (slots 1..B-1).
+    ctx_i = hidden_norm(fc(features_i))           # every committed token i < n, [H]
+    K_ctx, V_ctx (per layer) = k_norm(k_proj(ctx)) rotated at i, v_proj(ctx)   # cached
+    x = embed([last, mask × (B-1)])               # the target's embedding, positions n … n+B-1
+    per layer: queries of the block attend to [K_ctx ; K_block] (no mask in full-attention
+               layers; causal and windowed in sliding-window layers), then the MLP
+    guesses = argmax(lm_head(norm(x))[1:])        # the target's LM head, B-1 tokens
+
+The context keys/values are a cache: each ``propose`` receives the tap features of the
+tokens committed since the previous call (all prompt rows after a prefill, then the
+``commit_n`` rows of each step), crops the cache to the committed length that precedes
+them (a shorter or different context, e.g. a new prompt, resets it) and appends only
+the new rows. The block's own keys/values are never cached.
+
+The token embedding and LM head are the target's tensors, held by reference: they are not
+parameters of the drafter and are not saved with it.
 """
 
 from __future__ import annotations
@@ -20,15 +29,22 @@ from torch import Tensor, nn
 
 from dflash.model.drafters.base import check_block_size, check_context, check_token
 from dflash.model.drafters.dflash_checkpoint import (
+    expected_shapes,
     read_config,
     read_weights,
     write_checkpoint,
 )
 from dflash.model.drafters.dflash_config import DFlashConfig
-from dflash.model.drafters.dflash_layers import DrafterLayer, RMSNorm, rotary_cos_sin
-from dflash.model.drafters.errors import DraftArgumentError, TargetMismatchError
+from dflash.model.drafters.dflash_layers import DrafterLayer, RMSNorm, Rotary, visibility
+from dflash.model.drafters.errors import (
+    DraftArgumentError,
+    TapLayerRangeError,
+    TargetMismatchError,
+    TargetShapeMismatchError,
+)
 
 _O_PROJ_GAIN = 4.0  # see DFlashDrafter.random
+ContextKV = list[tuple[Tensor, Tensor]]  # per layer: k, v [N, kv_heads, C, D]
 
 
 class DFlashDrafter(nn.Module):
@@ -42,20 +58,23 @@ class DFlashDrafter(nn.Module):
         """Build with parameters left to ``torch.nn`` defaults; prefer :meth:`random` or
         :meth:`from_pretrained`, which set every parameter deterministically."""
         super().__init__()
-        _check_target_weight("embed_weight", embed_weight, config)
-        _check_target_weight("lm_head_weight", lm_head_weight, config)
+        check_target(config, embed_weight, lm_head_weight, None, "the target")
         self.config = config
         self.fc = nn.Linear(config.feature_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(config)
         # plain attributes, not submodules/parameters: shared with the target, never saved
         object.__setattr__(self, "_embed_weight", embed_weight)
         object.__setattr__(self, "_lm_head_weight", lm_head_weight)
+        self._cache: list[tuple[Tensor, Tensor]] = []  # per layer k, v [1, kv_heads, cap, D]
+        self._tokens: list[int] = []  # the committed tokens whose K/V are cached
+        self.rows_projected = 0  # context rows run through fc so far (cost accounting)
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
-        return self.config.tap_layers
+        return self.config.target_layer_ids
 
     @property
     def dtype(self) -> torch.dtype:
@@ -64,6 +83,11 @@ class DFlashDrafter(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.fc.weight.device
+
+    @property
+    def cached_length(self) -> int:
+        """Committed tokens whose context keys/values are cached."""
+        return len(self._tokens)
 
     # -- construction -------------------------------------------------------------------
 
@@ -94,7 +118,7 @@ class DFlashDrafter(nn.Module):
         """Seeded random weights, drawn on the CPU in float32 in parameter-name order, so the
         same seed gives the same drafter on any device; ``dtype`` defaults to the embedding's.
 
-        Norms are 1 and linear weights N(0, 1/fan_in), except the attention output
+        Norms are 1, biases 0 and linear weights N(0, 1/fan_in), except the attention output
         projections, N(0, 16/fan_in): with unit-scale target embeddings the untrained drafter
         would otherwise repeat whatever the mask embedding maps to, whereas this way the
         attended context drives its output, as it does in a trained drafter.
@@ -107,6 +131,8 @@ class DFlashDrafter(nn.Module):
             for name, param in sorted(drafter.named_parameters()):
                 if name.endswith("norm.weight"):
                     value = torch.ones(param.shape)
+                elif name.endswith(".bias"):
+                    value = torch.zeros(param.shape)
                 else:
                     gain = _O_PROJ_GAIN if name.endswith("o_proj.weight") else 1.0
                     value = torch.randn(param.shape, generator=gen) * gain * param.shape[-1] ** -0.5
@@ -120,41 +146,71 @@ class DFlashDrafter(nn.Module):
         embed_weight: Tensor,
         lm_head_weight: Tensor,
         *,
+        num_target_layers: int | None = None,
         dtype: torch.dtype | None = None,
     ) -> DFlashDrafter:
-        """Load ``directory/{config.json, model.safetensors}``; typed errors on any problem."""
+        """Load a z-lab-format drafter; typed errors on any problem, nothing half-loaded.
+
+        ``num_target_layers``: the target's layer count (checks the tap layers against it).
+        """
         config = read_config(directory)
+        check_target(config, embed_weight, lm_head_weight, num_target_layers, str(directory))
+        tensors = read_weights(directory, expected_shapes(config))
         drafter = cls._empty(config, embed_weight, lm_head_weight, dtype)
-        shapes = {k: tuple(v.shape) for k, v in drafter.state_dict().items()}
-        tensors = read_weights(directory, shapes)
         with torch.no_grad():
             for name, param in drafter.state_dict().items():
                 param.copy_(tensors[name])
         return drafter.eval().requires_grad_(False)
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """Write ``config.json`` and ``model.safetensors`` (the drafter's own weights only)."""
+        """Write z-lab's ``config.json`` + ``model.safetensors`` (bf16, own weights only)."""
         write_checkpoint(directory, self.config, self.state_dict())
 
-    # -- drafting -----------------------------------------------------------------------
+    # -- the forward pieces (shared with training) --------------------------------------
 
-    def block_hidden(self, block: Tensor, features: Tensor, position: int) -> Tensor:
-        """Final-norm hidden states ``[Tb, H]`` of the drafter over the token ids ``block``.
-
-        ``block`` ``[Tb]`` occupies positions ``position .. position+Tb-1``; ``features``
-        ``[Tc, F]`` are the context rows at positions ``position-Tc .. position-1``.
-        """
-        cfg = self.config
+    def embed(self, ids: Tensor) -> Tensor:
+        """ids: [...] → the target's embeddings [..., H] in the drafter's dtype/device."""
         embed = self._embed_weight
-        x = F.embedding(block.to(embed.device), embed).to(self.device, self.dtype)  # [Tb, H]
-        if cfg.context_window is not None:
-            features = features[-cfg.context_window :]
-        context = self.hidden_norm(self.fc(features.to(self.device, self.dtype)))  # [Tc, H]
-        tc, tb = context.shape[0], x.shape[0]
-        positions = torch.arange(position - tc, position + tb, device=self.device)
-        cos, sin = rotary_cos_sin(positions, cfg.head_dim, cfg.rope_theta)  # [Tc+Tb, D]
-        for layer in self.layers:
-            x = layer(x, context, (cos[tc:], sin[tc:]), (cos, sin))
+        return F.embedding(ids.to(embed.device), embed).to(self.device, self.dtype)
+
+    def project_context(self, features: Tensor) -> Tensor:
+        """features: [N, C, len(taps)*H] → ``hidden_norm(fc(features))`` [N, C, H]."""
+        self.rows_projected += int(features.shape[0] * features.shape[1])
+        out: Tensor = self.hidden_norm(self.fc(features.to(self.device, self.dtype)))
+        return out
+
+    def context_kv(self, context: Tensor, positions: Tensor) -> ContextKV:
+        """context: [N, C, H] projected rows at positions [N, C] → per-layer k, v."""
+        cos, sin = self.rotary(positions, context.dtype)
+        return [layer.self_attn.keys_values(context, cos, sin) for layer in self._layers()]
+
+    def run_block(
+        self,
+        x: Tensor,
+        q_pos: Tensor,
+        ctx_kv: ContextKV,
+        k_ctx_pos: Tensor,
+        extra_visible: Tensor | None = None,
+    ) -> Tensor:
+        """The drafter layers over block rows; returns ``norm(x)`` [N, Q, H].
+
+        Args:
+            x: [N, Q, H] embedded block rows at positions ``q_pos`` [N, Q].
+            ctx_kv: per layer k, v [N, kv_heads, C, D] of context rows at ``k_ctx_pos`` [N, C].
+            extra_visible: [N, Q, C+Q] bool ANDed into every layer's mask (training: each
+                block sees only context before its anchor and its own block), or None.
+        """
+        cos, sin = self.rotary(q_pos, x.dtype)
+        k_pos = torch.cat([k_ctx_pos, q_pos], dim=1)  # [N, C+Q]
+        for i, layer in enumerate(self._layers()):
+            cfg = self.config
+            visible = visibility(
+                q_pos, k_pos, causal=cfg.layer_causal(i), window=cfg.layer_window(i)
+            )
+            if extra_visible is not None:
+                visible = extra_visible if visible is None else visible & extra_visible
+            k_ctx, v_ctx = ctx_kv[i]
+            x = layer(x, k_ctx, v_ctx, cos, sin, visible)
         out: Tensor = self.norm(x)
         return out
 
@@ -164,27 +220,124 @@ class DFlashDrafter(nn.Module):
         weight = self._lm_head_weight
         return F.linear(hidden.to(weight.device, weight.dtype), weight)
 
+    def _layers(self) -> list[DrafterLayer]:
+        return [layer for layer in self.layers if isinstance(layer, DrafterLayer)]
+
+    def block_ids(self, last: int, block_size: int) -> Tensor:
+        """``[last, mask × (B-1)]`` as a [1, B] long tensor."""
+        block = torch.full((1, block_size), self.config.mask_token_id, dtype=torch.long)
+        block[0, 0] = last
+        return block
+
+    # -- drafting -----------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget the cached context (the next ``propose`` must bring every row)."""
+        self._cache = []
+        self._tokens = []
+
     def propose(
         self, context: list[int], last: int, block_size: int, features: Tensor | None
     ) -> list[int]:
-        """Greedy block proposal: ``block_size - 1`` argmax tokens, one forward pass."""
+        """Greedy block proposal: ``block_size - 1`` argmax tokens, one forward pass.
+
+        ``features`` are the tap rows of the last ``T`` tokens of ``context`` (those not
+        yet given, or given again); the cache keeps the ``len(context) - T`` before them.
+        """
         check_block_size(block_size)
         check_token("last", last, self.config.vocab_size)
-        n_context = len(check_context(context, check_tokens=False))
-        features = self._check_features(features, n_context)
-        block = torch.full((block_size,), self.config.mask_token_id, dtype=torch.long)
-        block[0] = last  # [last, mask × (B-1)]
+        tokens = check_context(context, check_tokens=False)
+        features = self._check_features(features, len(tokens))
         with torch.no_grad():
-            hidden = self.block_hidden(block, features, n_context)  # one pass over the block
+            self._extend(tokens, features)
+            hidden = self._draft_hidden(last, block_size)  # [B, H]
             logits = self.logits(hidden[1:])  # [B-1, V]: the mask slots
         return [int(t) for t in logits.argmax(dim=-1).tolist()]
+
+    @torch.no_grad()
+    def propose_uncached(self, features: Tensor, last: int, block_size: int) -> list[int]:
+        """The same proposal computed from the features of *every* committed token at once,
+        without reading or changing the cache (the reference the cache is tested against)."""
+        hidden = self.uncached_hidden(features, last, block_size)
+        return [int(t) for t in self.logits(hidden[1:]).argmax(-1).tolist()]
+
+    @torch.no_grad()
+    def uncached_hidden(self, features: Tensor, last: int, block_size: int) -> Tensor:
+        """Final hidden states [B, H] of the block after ``features`` [n, F] (no cache)."""
+        n = features.shape[0]
+        ctx = self.project_context(features[None])  # [1, n, H]
+        ctx_pos = torch.arange(n, device=self.device)[None]
+        kv = self.context_kv(ctx, ctx_pos)
+        x = self.embed(self.block_ids(last, block_size))
+        q_pos = torch.arange(n, n + block_size, device=self.device)[None]
+        return self.run_block(x, q_pos, kv, ctx_pos)[0]
+
+    def _extend(self, tokens: list[int], features: Tensor) -> None:
+        """Crop the cache to ``len(tokens) - T`` and append the ``T`` rows of ``features``."""
+        n, t = len(tokens), features.shape[0]
+        keep = n - t
+        if keep > len(self._tokens):
+            raise DraftArgumentError(
+                f"'features' has {t} rows for a context of {n} tokens, so the drafter needs "
+                f"the first {keep} tokens cached, but it holds {len(self._tokens)}; pass the "
+                f"features of every token committed since the previous call"
+            )
+        if self._tokens[:keep] != tokens[:keep]:
+            first = next(i for i in range(keep) if self._tokens[i] != tokens[i])
+            raise DraftArgumentError(
+                f"'context' differs from the cached context at position {first} "
+                f"(cached {self._tokens[first]}, got {tokens[first]}); pass the features of "
+                f"every token from there on, or call reset()"
+            )
+        self._tokens = self._tokens[:keep]
+        if t == 0:
+            return
+        ctx = self.project_context(features[None])  # [1, T, H]
+        positions = torch.arange(keep, n, device=self.device)[None]
+        new = self.context_kv(ctx, positions)
+        if not self._cache:
+            self._cache = [(k.new_empty(0), v.new_empty(0)) for k, v in new]
+        grown: list[tuple[Tensor, Tensor]] = []
+        for (k_buf, v_buf), (k, v) in zip(self._cache, new, strict=True):
+            if k_buf.dim() != 4 or k_buf.shape[2] < n:
+                cap = max(n, 2 * (k_buf.shape[2] if k_buf.dim() == 4 else 0), 64)
+                k_new = k.new_empty(1, k.shape[1], cap, k.shape[3])
+                v_new = v.new_empty(1, v.shape[1], cap, v.shape[3])
+                if keep:
+                    k_new[:, :, :keep] = k_buf[:, :, :keep]
+                    v_new[:, :, :keep] = v_buf[:, :, :keep]
+                k_buf, v_buf = k_new, v_new
+            k_buf[:, :, keep:n] = k
+            v_buf[:, :, keep:n] = v
+            grown.append((k_buf, v_buf))
+        self._cache = grown
+        self._tokens = tokens
+
+    def _draft_hidden(self, last: int, block_size: int) -> Tensor:
+        """[B, H] final hidden states of the block over the cached context."""
+        n = len(self._tokens)
+        x = self.embed(self.block_ids(last, block_size))  # [1, B, H]
+        q_pos = torch.arange(n, n + block_size, device=self.device)[None]
+        # a windowed layer's queries (positions >= n) see no key below n - window + 1
+        windows = [self.config.layer_window(i) for i in range(self.config.num_hidden_layers)]
+        lo = 0 if None in windows else max(0, n - max(w for w in windows if w) + 1)
+        kv: ContextKV = []
+        for i in range(self.config.num_hidden_layers):
+            if self._cache:
+                k_buf, v_buf = self._cache[i]
+                kv.append((k_buf[:, :, lo:n], v_buf[:, :, lo:n]))
+            else:
+                empty = x.new_empty(1, self.config.num_key_value_heads, 0, self.config.head_dim)
+                kv.append((empty, empty))
+        ctx_pos = torch.arange(lo, n, device=self.device)[None]
+        return self.run_block(x, q_pos, kv, ctx_pos)[0]
 
     def _check_features(self, features: Tensor | None, n_context: int) -> Tensor:
         width = self.config.feature_size
         if features is None:
             raise DraftArgumentError(
                 f"'features' is required by the DFlash drafter: [T, {width}] tap hidden states "
-                f"of tap_layers {list(self.tap_layers)} (got None)"
+                f"of target_layer_ids {list(self.tap_layers)} (got None)"
             )
         if not isinstance(features, Tensor):
             raise DraftArgumentError(
@@ -204,12 +357,36 @@ class DFlashDrafter(nn.Module):
         return features
 
 
-def _check_target_weight(name: str, weight: object, config: DFlashConfig) -> None:
-    expected = [config.vocab_size, config.hidden_size]
-    if not isinstance(weight, Tensor):
-        raise TargetMismatchError(f"{name!r} must be a torch.Tensor (got {type(weight).__name__})")
-    if list(weight.shape) != expected:
-        raise TargetMismatchError(
-            f"{name!r} has shape {list(weight.shape)}, the drafter config needs "
-            f"[vocab_size, hidden_size] = {expected}"
-        )
+def check_target(
+    config: DFlashConfig,
+    embed_weight: object,
+    lm_head_weight: object,
+    num_target_layers: int | None,
+    where: str,
+) -> None:
+    """The target's embedding / LM head / layer count must fit the drafter config."""
+    for name, weight in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
+        if not isinstance(weight, Tensor) or weight.dim() != 2:
+            shown = list(weight.shape) if isinstance(weight, Tensor) else type(weight).__name__
+            raise TargetMismatchError(
+                f"{where}: {name!r} must be a [vocab_size, hidden_size] tensor (got {shown})"
+            )
+        if int(weight.shape[1]) != config.hidden_size:
+            raise TargetShapeMismatchError(
+                where, "hidden_size", config.hidden_size, int(weight.shape[1])
+            )
+        if int(weight.shape[0]) != config.vocab_size:
+            raise TargetShapeMismatchError(
+                where, "vocab_size", config.vocab_size, int(weight.shape[0])
+            )
+    if num_target_layers is not None:
+        bad = [t for t in config.target_layer_ids if not 0 <= t < num_target_layers]
+        if bad:
+            raise TapLayerRangeError(
+                f"{where}: target_layer_ids {list(config.target_layer_ids)} include {bad}, "
+                f"outside the target's layers 0..{num_target_layers - 1}"
+            )
+        if config.num_target_layers != num_target_layers:
+            raise TargetShapeMismatchError(
+                where, "num_target_layers", config.num_target_layers, num_target_layers
+            )

@@ -1,11 +1,23 @@
-"""Layers of the DFlash block drafter: RMSNorm, rotary embedding, context attention, MLP.
+"""Layers of the DFlash block drafter (Qwen3 layers with context keys/values).
 
-The block's queries attend, with no causal mask, to keys/values made from the projected
-target context features followed by the block itself: every block position sees the whole
-context and the whole block (bidirectional drafting in one pass).
+Each drafter layer is a Qwen3 decoder layer whose attention takes two inputs: the block
+(``[last, mask × (B-1)]``, embedded with the target's embedding) gives the queries and the
+block keys/values; the projected target context (``hidden_norm(fc(features))``, the same
+for every layer) gives extra keys/values through the *same* ``k_proj`` / ``v_proj`` /
+``k_norm``. Context keys are rotated at their own positions ``0 … committed-1``, block
+queries and keys at ``committed … committed+B-1``; context keys/values of committed
+tokens never change, so the drafter caches them per layer.
+
+Maths (Qwen3): ``RMSNorm(x) = weight * (x / sqrt(mean(x²) + eps))`` (plain weight, not
+``1 + weight``), normalised in float32 and cast back before the weight multiplies;
+per-head RMSNorm on queries and keys before the rotary embedding; half-split rotary
+embedding (``x * cos + rotate_half(x) * sin``); SwiGLU MLP ``down(silu(gate x) * up x)``.
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -13,11 +25,9 @@ from torch import Tensor, nn
 
 from dflash.model.drafters.dflash_config import DFlashConfig
 
-Rope = tuple[Tensor, Tensor]  # (cos, sin), each [T, head_dim]
-
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight`` over the last axis, computed in float32."""
+    """Qwen3's RMSNorm: ``weight * (x / rms(x))``, the normalisation in float32."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -27,58 +37,142 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
+        out: Tensor = self.weight * x32.to(x.dtype)
+        return out
 
 
-def rotary_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos, sin: [T, head_dim] for the half-split rotary embedding at ``positions`` [T]."""
-    inv_freq = 1.0 / theta ** (
-        torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
+def inverse_frequencies(config: DFlashConfig) -> tuple[Tensor, float]:
+    """``(inv_freq [head_dim/2] float32, attention_scale)`` for the config's rotary embedding.
+
+    ``default``: ``theta^(-2i/D)``; ``linear``: divided by ``factor``; ``yarn`` (YaRN,
+    Peng et al. 2023): per frequency, a ramp between interpolation (divided by ``factor``)
+    for long wavelengths and extrapolation (unchanged) for short ones, between the
+    correction dimensions of ``beta_fast`` / ``beta_slow`` rotations over the original
+    context, and ``cos``/``sin`` scaled by ``0.1 ln(factor) + 1`` (or the ``mscale`` ratio).
+    """
+    dim, base = config.head_dim, config.rope_theta
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
+    inv_freq = 1.0 / (base**exponents)
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    original = float(
+        scaling.get("original_max_position_embeddings") or config.max_position_embeddings
     )
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, head_dim/2]
-    angles = torch.cat([freqs, freqs], dim=-1)  # [T, head_dim]
-    return angles.cos(), angles.sin()
+    beta_fast = float(scaling.get("beta_fast") or 32.0)
+    beta_slow = float(scaling.get("beta_slow") or 1.0)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    index = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((index - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1.0 - ramp
+    blended = (inv_freq / factor) * (1.0 - extrapolate) + inv_freq * extrapolate
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    given = scaling.get("attention_factor")
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if given is not None:
+        attention = float(given)
+    elif m and m_all:
+        attention = mscale(factor, float(m)) / mscale(factor, float(m_all))
+    else:
+        attention = mscale(factor)
+    return blended, attention
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [T, heads, head_dim]; rotates the two halves of each head by the position angle."""
+class Rotary:
+    """cos/sin tables of the config's rotary embedding at given positions."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        self.inv_freq, self.scale = inverse_frequencies(config)
+
+    def __call__(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions: [..., T] → cos, sin: [..., T, head_dim] in ``dtype`` (float32 maths)."""
+        inv = self.inv_freq.to(positions.device)
+        freqs = positions.float()[..., None] * inv  # [..., T, D/2]
+        angles = torch.cat([freqs, freqs], dim=-1)  # [..., T, D]
+        return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [N, heads, T, D]; cos/sin: [N, T, D] → ``x * cos + rotate_half(x) * sin``."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    x32 = x.float() * cos[:, None, :] + rotated.float() * sin[:, None, :]
-    return x32.to(x.dtype)
+    return x * cos[:, None] + rotated * sin[:, None]
 
 
-class ContextAttention(nn.Module):
-    """Block queries over [context features ; block] keys/values, grouped KV heads, no mask."""
+class DraftAttention(nn.Module):
+    """Grouped-query attention of block queries over [context ; block] keys/values."""
 
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        bias = cfg.attention_bias
+        h = cfg.hidden_size
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(h, q_out, bias=bias)
+        self.k_proj = nn.Linear(h, kv_out, bias=bias)
+        self.v_proj = nn.Linear(h, kv_out, bias=bias)
+        self.o_proj = nn.Linear(q_out, h, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, context: Tensor, rope_q: Rope, rope_k: Rope) -> Tensor:
-        # x: [Tb, H] block   context: [Tc, H] projected features
-        # rope_q: cos, sin [Tb, D]   rope_k: cos, sin [Tc+Tb, D] (context positions first)
-        tb = x.shape[0]
-        kv_in = torch.cat([context, x], dim=0)  # [Tc+Tb, H]
-        q = self.q_norm(self.q_proj(x).view(tb, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(kv_in).view(-1, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(kv_in).view(-1, self.num_kv_heads, self.head_dim)
-        q = apply_rotary(q, *rope_q)  # [Tb, NH, D]
-        k = apply_rotary(k, *rope_k)  # [Tc+Tb, NKV, D]
+    def keys_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """x: [N, T, H] (context rows or block rows) → rotated k, v: [N, kv_heads, T, D]."""
+        n, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(n, t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(n, t, self.num_kv_heads, self.head_dim)
+        return rotate(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+    def forward(
+        self,
+        x: Tensor,
+        k_ctx: Tensor,
+        v_ctx: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        visible: Tensor | None,
+    ) -> Tensor:
+        """Attention of the block over [context ; block].
+
+        Args:
+            x: [N, Q, H] the (normed) block rows; cos/sin: [N, Q, D] at their positions.
+            k_ctx, v_ctx: [N, kv_heads, C, D] context keys (rotated) / values.
+            visible: [N, Q, C+Q] bool (True: key visible) or None (every key visible).
+
+        Returns:
+            [N, Q, H].
+        """
+        n, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(n, q_len, self.num_heads, self.head_dim))
+        q = rotate(q.transpose(1, 2), cos, sin)  # [N, heads, Q, D]
+        k_blk, v_blk = self.keys_values(x, cos, sin)  # [N, kv_heads, Q, D]
+        k = torch.cat([k_ctx, k_blk], dim=2)  # [N, kv_heads, C+Q, D]
+        v = torch.cat([v_ctx, v_blk], dim=2)
         group = self.num_heads // self.num_kv_heads
-        k = k.repeat_interleave(group, dim=1)  # [Tc+Tb, NH, D]
-        v = v.repeat_interleave(group, dim=1)
-        # [NH, Tb, D] attends to [NH, Tc+Tb, D] with no mask: bidirectional over the block
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-        out: Tensor = self.o_proj(o.transpose(0, 1).reshape(tb, self.num_heads * self.head_dim))
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)  # [N, heads, C+Q, D]
+            v = v.repeat_interleave(group, dim=1)
+        mask = None if visible is None else visible[:, None]  # [N, 1, Q, C+Q]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
+        o = o.transpose(1, 2).reshape(n, q_len, self.num_heads * self.head_dim)
+        out: Tensor = self.o_proj(o)
         return out
 
 
@@ -97,16 +191,41 @@ class SwiGLU(nn.Module):
 
 
 class DrafterLayer(nn.Module):
-    """Pre-norm residual layer: context attention, then SwiGLU MLP."""
+    """Pre-norm residual layer: context attention, then SwiGLU MLP (context is not normed)."""
 
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = ContextAttention(cfg)
+        self.self_attn = DraftAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: Tensor, context: Tensor, rope_q: Rope, rope_k: Rope) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, rope_q, rope_k)
+    def forward(self, x: Tensor, *attn_args: Any) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), *attn_args)
         out: Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return out
+
+
+def visibility(
+    q_pos: Tensor,
+    k_pos: Tensor,
+    *,
+    causal: bool,
+    window: int | None,
+) -> Tensor | None:
+    """Which keys each query sees, from absolute positions (None: all of them).
+
+    q_pos: [N, Q], k_pos: [N, K] → [N, Q, K] bool. Causal: key position <= query position.
+    Window ``w``: query − key < w, and for a non-causal layer also key − query < w.
+    """
+    if not causal and window is None:
+        return None
+    dq = q_pos[:, :, None] - k_pos[:, None, :]  # [N, Q, K] query − key
+    visible = torch.ones_like(dq, dtype=torch.bool)
+    if causal:
+        visible &= dq >= 0
+    if window is not None:
+        visible &= dq < window
+        if not causal:
+            visible &= -dq < window
+    return visible

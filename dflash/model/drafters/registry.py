@@ -2,8 +2,9 @@
 
 Specs: ``"prompt-lookup"``, ``"synthetic"`` (needs ``oracle``), ``"dflash"`` (a seeded random
 DFlash drafter shaped for the target — the built-in default, untrained) or a directory
-holding a DFlash drafter checkpoint. Names win over directories; write ``./dflash`` to load
-a directory of that name.
+holding a DFlash drafter checkpoint in z-lab's format (``config.json`` +
+``model.safetensors``, as published for vLLM / SGLang). Names win over directories; write
+``./dflash`` to load a directory of that name.
 """
 
 from __future__ import annotations
@@ -82,10 +83,13 @@ def make_drafter(
             hidden_size=int(embed.shape[1]),
             vocab_size=int(embed.shape[0]),
             num_target_layers=len(target.layers),
+            num_hidden_layers=2,
         )
         return DFlashDrafter.random(config, embed, lm_head, seed, dtype=dtype)
     if Path(spec).is_dir():
-        return DFlashDrafter.from_pretrained(spec, embed, lm_head, dtype=dtype)
+        return DFlashDrafter.from_pretrained(
+            spec, embed, lm_head, num_target_layers=len(target.layers), dtype=dtype
+        )
     raise UnknownDrafterSpecError(
         f"unknown drafter spec {spec!r}: expected one of {list(DRAFTER_NAMES)} "
         f"or an existing DFlash drafter checkpoint directory"

@@ -1,8 +1,10 @@
-"""Parity: speculative output equals target-only greedy decoding, token for token.
+"""Parity: speculative output equals plain target-only greedy decoding, bit for bit.
 
-Every rollback mode, several prompts, block sizes 2, 4 and 16; the synthetic drafter with
-acceptance 1 gives all-accepted steps, with 0 none-accepted steps (both are asserted to
-have happened, so the edge cases are really exercised).
+The oracle is ``greedy_generate``: prefill, then one ``decode`` forward per token, no
+capture storage. Every rollback mode, every drafter, float32 and bfloat16, several
+prompts, block sizes 2, 4 and 16; the synthetic drafter with acceptance 1 gives
+all-accepted steps, with 0 none-accepted steps (both asserted to have happened, so the
+edge cases are really exercised).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import pytest
 
 from dflash.execution import (
     ROLLBACK_MODES,
+    GenerationResult,
     RollbackPolicy,
     RollbackStatus,
     generate,
@@ -21,7 +24,7 @@ from dflash.execution import (
     token_sha256,
 )
 from dflash.model import TargetModel
-from dflash.model.drafters import SyntheticDrafter
+from dflash.model.drafters import Drafter, SyntheticDrafter, make_drafter
 
 PROMPTS: dict[str, list[int]] = {}
 
@@ -32,6 +35,7 @@ def _prompts(prompts: dict[str, list[int]]) -> None:
 
 
 N = 12
+DTYPES = ("float32", "bfloat16")
 CASES = [  # (prompt, block size, acceptance)
     ("digits", 2, 0.0),
     ("short", 4, 0.6),
@@ -41,42 +45,47 @@ CASES = [  # (prompt, block size, acceptance)
 
 
 def _run(
-    tiny: TargetModel,
-    oracle: list[int],
+    model: TargetModel,
+    drafter: Drafter,
     prompt: str,
     block: int,
-    p: float,
     mode: str,
     *,
+    n: int = N,
     devices: str = "cpu",
     split: str | None = None,
-    deterministic: bool = True,
-):
-    # the drafter's oracle reaches a block past the budget, so p=1 accepts every slot
-    drafter = SyntheticDrafter(PROMPTS[prompt] + oracle, p, tiny.config.vocab_size, seed=3)
+) -> GenerationResult:
     return generate(
-        tiny,
+        model,
         drafter,
         PROMPTS[prompt],
         plan=plan_shards(6, devices, split),
-        max_new_tokens=N,
+        max_new_tokens=n,
         block_size=block,
-        policy=RollbackPolicy(mode=mode, deterministic=deterministic),
+        policy=RollbackPolicy(mode=mode),
     )
 
 
+def _synthetic(model: TargetModel, prompt: str, oracle: list[int], p: float) -> Drafter:
+    # the drafter's oracle reaches a block past the budget, so p=1 accepts every slot
+    return SyntheticDrafter(PROMPTS[prompt] + oracle, p, model.config.vocab_size, seed=3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", ROLLBACK_MODES)
 @pytest.mark.parametrize(("prompt", "block", "p"), CASES)
-def test_every_mode_matches_target_only_greedy(
-    tiny: TargetModel,
-    greedy: Callable[[str, int], list[int]],
+def test_every_mode_matches_plain_greedy(
+    tiny_of: Callable[[str], TargetModel],
+    greedy: Callable[..., list[int]],
+    dtype: str,
     mode: str,
     prompt: str,
     block: int,
     p: float,
 ) -> None:
-    oracle = greedy(prompt, N + block)
-    result = _run(tiny, oracle, prompt, block, p, mode)
+    model = tiny_of(dtype)
+    oracle = greedy(prompt, N + block, dtype)
+    result = _run(model, _synthetic(model, prompt, oracle, p), prompt, block, mode)
     assert result.tokens == oracle[:N]
     assert result.sha256 == token_sha256(oracle[:N])
     if mode == "replay":
@@ -97,47 +106,61 @@ def test_every_mode_matches_target_only_greedy(
         assert result.acceptance_rate == 0.0 and result.avg_commit == 1.0  # none accepted
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("draft", ["prompt-lookup", "dflash"])
+def test_every_drafter_matches_plain_greedy(
+    tiny_of: Callable[[str], TargetModel],
+    greedy: Callable[..., list[int]],
+    dtype: str,
+    draft: str,
+) -> None:
+    model = tiny_of(dtype)
+    oracle = greedy("repeat", 20, dtype)
+    drafter = make_drafter(draft, model, seed=0)
+    for mode in ROLLBACK_MODES:
+        result = _run(model, drafter, "repeat", 4, mode, n=20)
+        assert result.tokens == oracle, (draft, mode)
+
+
+def test_bfloat16_longer_run_with_partial_acceptance(
+    tiny_of: Callable[[str], TargetModel], greedy: Callable[..., list[int]]
+) -> None:
+    """bf16 over more steps: many verify rows, every accepted length, every mode."""
+    model = tiny_of("bfloat16")
+    oracle = greedy("digits", 48 + 8, "bfloat16")
+    for mode in ROLLBACK_MODES:
+        result = _run(model, _synthetic(model, "digits", oracle, 0.7), "digits", 8, mode, n=48)
+        assert result.tokens == oracle[:48], mode
+        assert 0.0 < result.acceptance_rate < 1.0 and result.steps > 8, mode
+
+
 @pytest.mark.parametrize("mode", ROLLBACK_MODES)
 def test_split_across_two_cpu_shards_equals_unsplit(
-    tiny: TargetModel, greedy: Callable[[str, int], list[int]], mode: str
+    tiny: TargetModel, greedy: Callable[..., list[int]], mode: str
 ) -> None:
     oracle = greedy("digits", N + 4)
-    one = _run(tiny, oracle, "digits", 4, 0.6, mode)
-    two = _run(tiny, oracle, "digits", 4, 0.6, mode, devices="cpu,cpu", split="2,4")
+    drafter = _synthetic(tiny, "digits", oracle, 0.6)
+    one = _run(tiny, drafter, "digits", 4, mode)
+    two = _run(tiny, drafter, "digits", 4, mode, devices="cpu,cpu", split="2,4")
     assert two.tokens == one.tokens == oracle[:N]
     assert two.layer_split == [2, 4] and two.devices == ["cpu", "cpu"]
     assert len(two.capture.shards) == (2 if mode != "replay" else 0)
     assert two.checkpoint_bytes == one.checkpoint_bytes  # same storage, split over two shards
 
 
-def test_non_deterministic_mode_matches_on_cpu_float32(
-    tiny: TargetModel, greedy: Callable[[str, int], list[int]]
-) -> None:
-    oracle = greedy("repeat", N + 4)
-    for mode in ROLLBACK_MODES:
-        result = _run(tiny, oracle, "repeat", 4, 0.6, mode, deterministic=False)
-        assert result.tokens == oracle[:N], mode
-        assert not result.deterministic
-
-
-def test_deterministic_oracle_equals_plain_greedy(
-    tiny: TargetModel, greedy: Callable[[str, int], list[int]]
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sharded_oracle_equals_greedy_generate(
+    tiny_of: Callable[[str], TargetModel], greedy: Callable[..., list[int]], dtype: str
 ) -> None:
     for name in ("digits", "short"):
-        plain = greedy(name, N)
-        fixed_shape = reference_greedy(
-            tiny,
-            plan_shards(6, "cpu,cpu", "3,3"),
-            PROMPTS[name],
-            N,
-            deterministic=True,
-            block_size=4,
+        sharded = reference_greedy(
+            tiny_of(dtype), plan_shards(6, "cpu,cpu", "3,3"), PROMPTS[name], N
         )
-        assert fixed_shape == plain
+        assert sharded == greedy(name, N, dtype)
 
 
 def test_check_parity_reports_true_and_the_oracle_sha(
-    tiny: TargetModel, greedy: Callable[[str, int], list[int]]
+    tiny: TargetModel, greedy: Callable[..., list[int]]
 ) -> None:
     oracle = greedy("short", 8)
     drafter = SyntheticDrafter(PROMPTS["short"] + oracle, 0.5, tiny.config.vocab_size, seed=0)

@@ -1,4 +1,4 @@
-"""The nine reference cases of DESIGN.md §1, with the execution sentinel."""
+"""The nine reference cases of specs/geometry.md, with the execution sentinel."""
 
 from __future__ import annotations
 

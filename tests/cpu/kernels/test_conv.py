@@ -6,6 +6,7 @@ import pytest
 import torch
 from kernels_support import NAN, needs_interpreter, rel_rms
 
+from dflash.errors import KernelBoundsError
 from dflash.kernels import causal_conv1d_capture, causal_conv1d_capture_reference
 
 
@@ -21,8 +22,13 @@ def conv_inputs(B: int, T: int, C: int, Kc: int, dtype: torch.dtype, bias: bool,
 
 
 def run(i: dict[str, torch.Tensor | None], captured: torch.Tensor, **kw: object) -> torch.Tensor:
-    return causal_conv1d_capture(i["x"], i["conv_rows"], i["weight"], i["bias"], captured,  # type: ignore[arg-type]
-                                 **kw)  # type: ignore[arg-type]
+    """causal_conv1d_capture into a NaN-poisoned ``out`` (unless the caller passes ``out``)."""
+    x = i["x"]
+    out = kw.pop("out", torch.full_like(x, NAN) if isinstance(x, torch.Tensor) else None)
+    y = causal_conv1d_capture(x, i["conv_rows"], i["weight"], i["bias"], captured,  # type: ignore[arg-type]
+                              out=out, **kw)  # type: ignore[arg-type]
+    assert y is out, "the result must be the out= tensor"
+    return y
 
 
 # (B, T, C, Kc, bias, activation, dtype)
@@ -47,7 +53,9 @@ def test_triton_matches_float64_reference(
     i64 = {n: (None if t is None else t.double()) for n, t in i.items()}
     cap64 = torch.full((B, Kc - 1 + S, C), NAN, dtype=torch.float64)
     y_ref = causal_conv1d_capture_reference(i64["x"], i64["conv_rows"], i64["weight"],  # type: ignore[arg-type]
-                                            i64["bias"], cap64, activation=act)
+                                            i64["bias"], cap64, activation=act,
+                                            out=torch.full((B, T, C), NAN, dtype=torch.float64))
+    assert torch.equal(cap64[:, : Kc - 1 + T].to(dtype), captured[:, : Kc - 1 + T])
     assert y.dtype == dtype
     assert rel_rms(y, y_ref) <= (1e-6 if dtype == torch.float32 else 1e-2)
     xin = torch.cat([i["conv_rows"], i["x"]], dim=1)  # type: ignore[list-item]
@@ -104,6 +112,20 @@ def test_strided_conv_rows() -> None:
     assert torch.equal(a, b)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_out_none_allocates_the_same_result(backend: str) -> None:
+    i = conv_inputs(1, 5, 24, 4, torch.bfloat16, True, seed=6)
+    cap_a = torch.full((1, 8, 24), NAN, dtype=torch.bfloat16)
+    cap_b = torch.full((1, 8, 24), NAN, dtype=torch.bfloat16)
+    into = run(i, cap_a, backend=backend)
+    fresh = causal_conv1d_capture(i["x"], i["conv_rows"], i["weight"], i["bias"], cap_b,  # type: ignore[arg-type]
+                                  backend=backend)
+    assert fresh.dtype == torch.bfloat16 and fresh.shape == (1, 5, 24)
+    assert not into.isnan().any() and torch.equal(fresh, into)
+    assert torch.equal(cap_a, cap_b)
+
+
 def test_bad_arguments_are_named() -> None:
     i = conv_inputs(1, 3, 16, 4, torch.float32, True, seed=0)
     cap = torch.full((1, 6, 16), NAN)
@@ -124,3 +146,19 @@ def test_bad_arguments_are_named() -> None:
     for change, captured, act, error, match in cases:
         with pytest.raises(error, match=match):
             run({**i, **change}, captured, activation=act)  # type: ignore[dict-item]
+    x = i["x"]
+    assert x is not None
+    bad_out: list[tuple[object, type[Exception], str]] = [
+        (x.tolist(), TypeError, "'out' must be a torch.Tensor or None"),
+        (torch.empty(1, 2, 16), KernelBoundsError, "'out' must have shape x.shape"),
+        (torch.empty(1, 3, 16, dtype=torch.float64), KernelBoundsError,
+         "'out' must be torch.float32 like the result"),
+        (torch.empty(1, 16, 3).transpose(1, 2), KernelBoundsError, "'out' must be contiguous"),
+        (torch.empty(1, 3, 16, device="meta"), KernelBoundsError, "'out' is on meta"),
+        (x, KernelBoundsError, "'out' must not share memory with 'x'"),
+        (cap[:, :3], KernelBoundsError, "'out' must not share memory with 'captured'"),
+    ]
+    for out, error, match in bad_out:
+        with pytest.raises(error, match=match):
+            run(i, cap, out=out)
+    assert torch.isnan(cap).all(), "a refused call writes nothing"

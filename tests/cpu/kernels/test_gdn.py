@@ -8,6 +8,7 @@ from kernels_support import NAN, as64, gdn_inputs, nan_slots, needs_interpreter,
 
 import dflash.kernels.gdn_reference as gdn_reference_module
 import dflash.kernels.gdn_triton as gdn_triton_module
+from dflash.errors import KernelBoundsError
 from dflash.geometry import require_chain, require_tree, validate_chain
 from dflash.kernels import checks, gdn_verify, gdn_verify_reference
 
@@ -18,9 +19,13 @@ def chain(T: int) -> object:
 
 def run(inputs: dict[str, torch.Tensor], ckpt: torch.Tensor, geometry: object,
         **kw: object) -> torch.Tensor:
+    """gdn_verify into a NaN-poisoned ``out`` (unless the caller passes ``out``)."""
     i = inputs
-    return gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], i["initial_state"], ckpt,
-                      geometry, **kw)  # type: ignore[arg-type]
+    out = kw.pop("out", torch.full_like(i["v"], NAN))
+    o = gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], i["initial_state"], ckpt,
+                   geometry, out=out, **kw)  # type: ignore[arg-type]
+    assert o is out, "the result must be the out= tensor"
+    return o
 
 
 def reference64(inputs: dict[str, torch.Tensor], S: int, geometry: object,
@@ -29,8 +34,10 @@ def reference64(inputs: dict[str, torch.Tensor], S: int, geometry: object,
     B, _, HV, V = i["v"].shape
     K = i["q"].shape[3]
     ckpt = nan_slots(B, S, HV, K, V, torch.float64)
+    out = torch.full_like(i["v"], NAN)
     o = gdn_verify_reference(i["q"], i["k"], i["v"], i["g"], i["beta"], i["initial_state"],
-                             ckpt, geometry, **kw)  # type: ignore[arg-type]
+                             ckpt, geometry, out=out, **kw)  # type: ignore[arg-type]
+    assert o is out
     return o, ckpt
 
 
@@ -95,8 +102,9 @@ def test_checkpoints_equal_sequential_decode_bit_exactly(backend: str) -> None:
     T, HV, K, V = 5, 3, 32, 16
     inputs = gdn_inputs(1, T, 1, HV, K, V, torch.bfloat16, seed=11)
     ckpt = nan_slots(1, T, HV, K, V, torch.float32)
-    snapshot = torch.empty(1, HV, K, V)
+    snapshot = torch.full((1, HV, K, V), NAN)
     o = run(inputs, ckpt, chain(T), snapshot=snapshot, backend=backend)
+    assert torch.equal(snapshot, inputs["initial_state"])
 
     state = inputs["initial_state"].clone()
     for t in range(T):  # decode: one token per call, state updated in place
@@ -119,15 +127,16 @@ def test_remap_in_place_equals_out_of_place(backend: str) -> None:
     second = gdn_inputs(B, T, 1, HV, K, V, torch.float32, seed=4)
     outside = {**second, "initial_state": bank[:, n - 1].clone()}
     bank_copy = bank.clone()
-    snap_out = torch.empty(B, HV, K, V)
+    snap_out = torch.full((B, HV, K, V), NAN)
     o_out = run(outside, bank_copy, chain(T), snapshot=snap_out, backend=backend)
 
     inside = {**second, "initial_state": bank[:, n - 1]}  # a strided view into `bank`
-    snap_in = torch.empty(B, HV, K, V)
+    snap_in = torch.full((B, HV, K, V), NAN)
     o_in = run(inside, bank, chain(T), snapshot=snap_in, backend=backend)
+    assert not o_out.isnan().any() and not bank_copy[:, :T].isnan().any()
     assert torch.equal(o_in, o_out)
     assert torch.equal(bank[:, :T], bank_copy[:, :T])
-    assert torch.equal(snap_in, snap_out)
+    assert torch.equal(snap_out, outside["initial_state"]) and torch.equal(snap_in, snap_out)
 
 
 @needs_interpreter
@@ -143,6 +152,21 @@ def test_strided_initial_state_and_final_state_only() -> None:
     assert rel_rms(o, o_ref) <= 1e-5
     assert rel_rms(ckpt[:, 0], ckpt_ref[:, T - 1]) <= 1e-5
     assert torch.isnan(ckpt[:, 1]).all()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_out_none_allocates_the_same_result(backend: str) -> None:
+    inputs = gdn_inputs(1, 4, 1, 2, 16, 24, torch.bfloat16, seed=8)
+    i = inputs
+    ckpt_a = nan_slots(1, 4, 2, 16, 24, torch.float32)
+    ckpt_b = nan_slots(1, 4, 2, 16, 24, torch.float32)
+    into = run(inputs, ckpt_a, chain(4), backend=backend)
+    fresh = gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], i["initial_state"], ckpt_b,
+                       chain(4), backend=backend)  # type: ignore[arg-type]
+    assert fresh.dtype == torch.bfloat16 and fresh.shape == (1, 4, 2, 24)
+    assert not into.isnan().any() and torch.equal(fresh, into)
+    assert torch.equal(ckpt_a, ckpt_b)
 
 
 def test_auto_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -181,9 +205,10 @@ def test_geometry_refused_before_any_launch(
     monkeypatch.setattr(gdn_module, "gdn_verify_reference", _never)
     inputs = gdn_inputs(1, 3, 1, 1, 16, 16, torch.float32, seed=0)
     ckpt = nan_slots(1, 3, 1, 16, 16, torch.float32)
+    out = torch.full_like(inputs["v"], NAN)
     with pytest.raises(error, match=match):
-        run(inputs, ckpt, geometry)
-    assert torch.isnan(ckpt).all()
+        run(inputs, ckpt, geometry, out=out)
+    assert torch.isnan(ckpt).all() and torch.isnan(out).all()
 
 
 def test_tree_with_final_state_only_refused() -> None:
@@ -218,3 +243,19 @@ def test_bad_arguments_are_named() -> None:
         run(i, ck, geo, scale=float("nan"))
     with pytest.raises(ValueError, match="'snapshot' must have shape"):
         run(i, ck, geo, snapshot=torch.empty(1, 4, 16, 8))
+    v = i["v"]  # out must be a contiguous [B, T, HV, V] tensor in v's dtype, v's device
+    bad_out: list[tuple[object, type[Exception], str]] = [
+        (v.tolist(), TypeError, "'out' must be a torch.Tensor or None"),
+        (torch.empty(1, 3, 4, 8), KernelBoundsError, "'out' must have shape v.shape"),
+        (torch.empty(1, 3, 4, 16, dtype=torch.bfloat16), KernelBoundsError,
+         "'out' must be torch.float32 like the result"),
+        (torch.empty(1, 3, 16, 4).transpose(2, 3), KernelBoundsError, "'out' must be contiguous"),
+        (torch.empty(1, 3, 4, 16, device="meta"), KernelBoundsError, "'out' is on meta"),
+        (v, KernelBoundsError, "'out' must not share memory with 'v'"),
+        (ck.view(-1)[: v.numel()].view(v.shape), KernelBoundsError,
+         "'out' must not share memory with 'checkpoints'"),
+    ]
+    for out, error, match in bad_out:
+        with pytest.raises(error, match=match):
+            run(i, ck, geo, out=out)
+    assert torch.isnan(ck).all(), "a refused call writes nothing"

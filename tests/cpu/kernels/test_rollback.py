@@ -133,13 +133,15 @@ def test_restore_and_remap_continue_exactly_like_decode(backend: str) -> None:
 
     ckpt = torch.full((L, B, T, HV, K, V), NAN)
     cap = torch.full((L, B, Kc - 1 + T, C), NAN)
+    o = torch.full((L, B, T, HV, V), NAN)  # every output NaN-poisoned
+    y = torch.full((L, B, T, C), NAN)
     for l in range(L):
         i = ins[l]
         gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], state0[l], ckpt[l],
-                   require_chain(list(range(-1, T - 1))), backend=backend)  # type: ignore[arg-type]
-        causal_conv1d_capture(xs[l], rows0[l], weight, None, cap[l], backend=backend)  # type: ignore[arg-type]
+                   require_chain(list(range(-1, T - 1))), out=o[l], backend=backend)  # type: ignore[arg-type]
+        causal_conv1d_capture(xs[l], rows0[l], weight, None, cap[l], out=y[l], backend=backend)  # type: ignore[arg-type]
 
-    live, live_rows = state0.clone(), rows0.clone()
+    live, live_rows = torch.full_like(state0, NAN), torch.full_like(rows0, NAN)
     rollback_restore(live, live_rows, ckpt, cap, n, backend=backend)  # type: ignore[arg-type]
     remap_state, remap_rows = slot_views(ckpt, cap, n)
 
@@ -148,11 +150,15 @@ def test_restore_and_remap_continue_exactly_like_decode(backend: str) -> None:
         i = ins[l]
         for t in range(n):
             s = slice(t, t + 1)
+            o_t = torch.full((B, 1, HV, V), NAN)
             gdn_verify(i["q"][:, s], i["k"][:, s], i["v"][:, s], i["g"][:, s], i["beta"][:, s],
-                       dec[l], dec[l].unsqueeze(1), None, final_state_only=True,
+                       dec[l], dec[l].unsqueeze(1), None, final_state_only=True, out=o_t,
                        backend=backend)  # type: ignore[arg-type]
-            step = torch.empty(B, Kc, C)
-            causal_conv1d_capture(xs[l][:, s], dec_rows[l], weight, None, step, backend=backend)  # type: ignore[arg-type]
+            step, y_t = torch.full((B, Kc, C), NAN), torch.full((B, 1, C), NAN)
+            causal_conv1d_capture(xs[l][:, s], dec_rows[l], weight, None, step, out=y_t,  # type: ignore[arg-type]
+                                  backend=backend)
             dec_rows[l] = step[:, 1:]
+            assert torch.equal(o_t, o[l][:, s]) and torch.equal(y_t, y[l][:, s]), f"token {t}"
+    assert not dec.isnan().any() and not dec_rows.isnan().any()
     assert torch.equal(live, dec) and torch.equal(remap_state, dec)
     assert torch.equal(live_rows, dec_rows) and torch.equal(remap_rows, dec_rows)

@@ -1,370 +1,423 @@
-"""DFlash block drafter: shapes, bidirectionality, conditioning, seeding, save/load, errors."""
+"""DFlash drafter: z-lab's config format, the maths of one proposal, the context cache.
+
+The hand-checked examples recompute a 1-layer, 1-head drafter in plain Python floats from
+the written maths (Qwen3 RMSNorm, half-split RoPE at absolute positions, block queries
+over [context ; block] keys, argmax of the LM head) and compare with the module.
+"""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import math
 
-import pydantic
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from dflash.model.drafters import (
-    CheckpointConfigError,
-    CheckpointFileError,
-    DFlashConfig,
-    DFlashDrafter,
-    DraftArgumentError,
-    DrafterCheckpointError,
-    MissingKeysError,
-    TargetMismatchError,
-    TensorShapeError,
-    UnexpectedKeysError,
-    stack_tap_features,
-)
+from dflash.model.drafters import DFlashConfig, DFlashDrafter, DraftArgumentError
+from dflash.model.drafters.dflash_checkpoint import config_from_hf
+from dflash.model.drafters.dflash_config import default_tap_layers
+from dflash.model.drafters.dflash_layers import inverse_frequencies
 
-V, H, N_TARGET_LAYERS = 61, 32, 6
+V, H = 11, 4
 
 
-def target_weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(V, H, generator=gen), torch.randn(V, H, generator=gen)
+def tiny_config(**changes: object) -> DFlashConfig:
+    base = {
+        "hidden_size": H,
+        "vocab_size": V,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 1,
+        "num_key_value_heads": 1,
+        "head_dim": 4,
+        "intermediate_size": 3,
+        "rope_theta": 100.0,
+        "num_target_layers": 4,
+        "mask_token_id": V - 1,
+        "target_layer_ids": (1, 2),
+        "block_size": 3,
+    }
+    base.update(changes)
+    return DFlashConfig.model_validate(base)
 
 
-def config(**changes: object) -> DFlashConfig:
-    base = DFlashConfig.for_target(H, V, N_TARGET_LAYERS)
-    return base.model_copy(update=changes) if changes else base
+def make(cfg: DFlashConfig, seed: int = 0) -> DFlashDrafter:
+    gen = torch.Generator().manual_seed(100 + seed)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, dtype=torch.float64)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen, dtype=torch.float64)
+    drafter = DFlashDrafter.random(cfg, embed, head, seed=seed, dtype=torch.float64)
+    with torch.no_grad():  # non-trivial norm weights, so a wrong norm formula shows
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen, dtype=torch.float64))
+    return drafter
 
 
-def features(rows: int, cfg: DFlashConfig, seed: int = 1) -> torch.Tensor:
-    return torch.randn(rows, cfg.feature_size, generator=torch.Generator().manual_seed(seed))
+# -- plain-Python reference ----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def drafter() -> DFlashDrafter:
-    embed, lm_head = target_weights()
-    return DFlashDrafter.random(config(), embed, lm_head, seed=3)
+def vec(t: torch.Tensor) -> list[float]:
+    return [float(x) for x in t.tolist()]
 
 
-@pytest.mark.parametrize("block_size", [2, 4, 16])
-def test_propose_returns_block_size_minus_one_valid_tokens(
-    drafter: DFlashDrafter, block_size: int
-) -> None:
-    cfg = drafter.config
-    context = list(range(20))
-    out = drafter.propose(context, 7, block_size, features(12, cfg))
-    assert len(out) == block_size - 1
-    assert all(isinstance(t, int) and 0 <= t < V for t in out)
-    hidden = drafter.block_hidden(torch.tensor([7] + [cfg.mask_token_id] * 3), features(5, cfg), 9)
-    assert hidden.shape == (4, H)
-    assert drafter.logits(hidden).shape == (4, V)
+def mat(t: torch.Tensor) -> list[list[float]]:
+    return [[float(x) for x in row] for row in t.tolist()]
 
 
-def test_proposal_is_argmax_of_mask_slot_logits(drafter: DFlashDrafter) -> None:
-    cfg = drafter.config
-    feats = features(8, cfg)
-    block = torch.tensor([11] + [cfg.mask_token_id] * 5)
-    expected = drafter.logits(drafter.block_hidden(block, feats, 10))[1:].argmax(-1).tolist()
-    assert drafter.propose(list(range(10)), 11, 6, feats) == expected
+def matvec(m: list[list[float]], x: list[float]) -> list[float]:
+    return [sum(a * b for a, b in zip(row, x, strict=True)) for row in m]
 
 
-def test_one_forward_per_block(drafter: DFlashDrafter) -> None:
-    calls: list[int] = []
-    hooks = [layer.register_forward_hook(lambda *_: calls.append(1)) for layer in drafter.layers]
-    try:
-        drafter.propose(list(range(10)), 3, 16, features(10, drafter.config))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    assert len(calls) == drafter.config.num_layers
+def rms(x: list[float], w: list[float], eps: float) -> list[float]:
+    r = math.sqrt(sum(v * v for v in x) / len(x) + eps)
+    return [wi * v / r for wi, v in zip(w, x, strict=True)]  # plain weight, not 1 + weight
 
 
-def test_attention_is_bidirectional_within_the_block(drafter: DFlashDrafter) -> None:
-    m = drafter.config.mask_token_id
-    feats = features(6, drafter.config)
-    a = drafter.block_hidden(torch.tensor([4, m, m, m, m]), feats, 6)
-    b = drafter.block_hidden(torch.tensor([4, m, m, m, 9]), feats, 6)  # change the last slot
-    # a causal drafter would leave slots 0..3 unchanged; this one must not
-    for slot in range(4):
-        assert (a[slot] - b[slot]).abs().max() > 1e-4, f"slot {slot} ignores a later slot"
+def rope(x: list[float], pos: int, inv: list[float]) -> list[float]:
+    half = len(x) // 2
+    out = list(x)
+    for i in range(half):  # pairs (i, i + D/2) rotate by pos * inv_freq[i]
+        c, s = math.cos(pos * inv[i]), math.sin(pos * inv[i])
+        out[i] = x[i] * c - x[i + half] * s
+        out[i + half] = x[i + half] * c + x[i] * s
+    return out
 
 
-def test_features_condition_every_slot_and_the_proposals(drafter: DFlashDrafter) -> None:
-    cfg = drafter.config
-    m = cfg.mask_token_id
-    block = torch.tensor([4, m, m, m])
-    a = drafter.block_hidden(block, features(6, cfg, seed=1), 6)
-    b = drafter.block_hidden(block, features(6, cfg, seed=2), 6)
-    assert ((a - b).abs().amax(dim=-1) > 1e-4).all()
-    proposals = {tuple(drafter.propose([1] * 6, 4, 8, features(6, cfg, seed=s))) for s in range(8)}
-    assert len(proposals) > 1, "proposals do not depend on the features"
+def silu(x: float) -> float:
+    return x / (1 + math.exp(-x))
 
 
-def test_positions_are_relative_and_separate_identical_mask_slots(
-    drafter: DFlashDrafter,
-) -> None:
-    m = drafter.config.mask_token_id
-    feats = features(4, drafter.config)
-    block = torch.tensor([4, m, m, m])
-    at_4 = drafter.block_hidden(block, feats, 4)
-    # mask slots hold the same token; only their rotary positions tell them apart
-    assert (at_4[1] - at_4[2]).abs().max() > 1e-4 and (at_4[2] - at_4[3]).abs().max() > 1e-4
-    # attention sees relative positions only: shifting context and block together is a no-op
-    torch.testing.assert_close(drafter.block_hidden(block, feats, 904), at_4, rtol=1e-4, atol=1e-4)
+def reference_proposal(
+    d: DFlashDrafter, feats: torch.Tensor, last: int
+) -> tuple[list[int], list[list[float]], list[list[float]]]:
+    """Tokens, final hidden rows and attention weights of a 1-layer, 1-head drafter."""
+    cfg = d.config
+    sd = {k: v for k, v in d.state_dict().items()}
+    eps = cfg.rms_norm_eps
+    inv = vec(inverse_frequencies(cfg)[0])
+    p = "layers.0."
+    n, b = feats.shape[0], cfg.block_size
+    ctx = [
+        rms(matvec(mat(sd["fc.weight"]), vec(f)), vec(sd["hidden_norm.weight"]), eps) for f in feats
+    ]
+    embed = mat(d._embed_weight)
+    block = [embed[last]] + [embed[cfg.mask_token_id]] * (b - 1)
+    xn = [rms(x, vec(sd[p + "input_layernorm.weight"]), eps) for x in block]
 
+    def key(x: list[float], pos: int) -> list[float]:
+        k = matvec(mat(sd[p + "self_attn.k_proj.weight"]), x)
+        return rope(rms(k, vec(sd[p + "self_attn.k_norm.weight"]), eps), pos, inv)
 
-def test_context_window_uses_only_the_last_rows() -> None:
-    embed, lm_head = target_weights()
-    windowed = DFlashDrafter.random(config(context_window=3), embed, lm_head, seed=5)
-    full = DFlashDrafter.random(config(), embed, lm_head, seed=5)
-    feats = features(9, full.config)
-    m = full.config.mask_token_id
-    block = torch.tensor([2, m, m])
-    got = windowed.block_hidden(block, feats, 9)
-    want = full.block_hidden(block, feats[-3:], 9)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert not torch.equal(got, full.block_hidden(block, feats, 9))
-
-
-def test_random_is_seeded_and_leaves_global_rng_alone() -> None:
-    embed, lm_head = target_weights()
-    state = torch.get_rng_state()
-    a = DFlashDrafter.random(config(), embed, lm_head, seed=7)
-    assert torch.equal(state, torch.get_rng_state())
-    b = DFlashDrafter.random(config(), embed, lm_head, seed=7)
-    c = DFlashDrafter.random(config(), embed, lm_head, seed=8)
-    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
-    assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    assert not torch.equal(sa["fc.weight"], sc["fc.weight"])
-
-
-def test_embedding_and_lm_head_are_shared_not_copied() -> None:
-    embed, lm_head = target_weights()
-    d = DFlashDrafter.random(config(), embed, lm_head, seed=1)
-    names = set(d.state_dict())
-    assert not any("embed" in n or "lm_head" in n for n in names)
-    m = d.config.mask_token_id
-    block = torch.tensor([3, m, m])
-    feats = features(4, d.config)
-    before = d.logits(d.block_hidden(block, feats, 4))
-    with torch.no_grad():
-        lm_head.mul_(2.0)  # the target's tensor, changed in place
-        embed[3].mul_(-1.0)
-    after = d.logits(d.block_hidden(block, feats, 4))
-    assert not torch.allclose(before, after)
-
-
-def test_bfloat16_drafter_runs() -> None:
-    embed, lm_head = target_weights()
-    d = DFlashDrafter.random(config(), embed.bfloat16(), lm_head.bfloat16(), seed=1)
-    assert d.dtype == torch.bfloat16
-    assert len(d.propose(list(range(5)), 1, 4, features(5, d.config))) == 3
-
-
-def test_empty_feature_rows_are_allowed(drafter: DFlashDrafter) -> None:
-    assert len(drafter.propose([], 1, 4, features(0, drafter.config))) == 3
-
-
-def test_stack_tap_features_orders_by_tap_layers() -> None:
-    hidden = {layer: torch.full((1, 3, 2), float(layer)) for layer in (0, 2, 4)}
-    out = stack_tap_features(hidden, (4, 0))
-    assert out.shape == (3, 4)
-    assert out[0].tolist() == [4.0, 4.0, 0.0, 0.0]
-    with pytest.raises(DraftArgumentError, match=r"lacks tap layers \[5\]"):
-        stack_tap_features(hidden, (0, 5))
-
-
-# -- save / load ----------------------------------------------------------------------------
-
-
-def test_save_load_round_trip_gives_identical_proposals(
-    drafter: DFlashDrafter, tmp_path: Path
-) -> None:
-    embed, lm_head = target_weights()
-    drafter.save_pretrained(tmp_path)
-    loaded = DFlashDrafter.from_pretrained(tmp_path, embed, lm_head)
-    assert loaded.config == drafter.config
-    cfg = drafter.config
-    for block_size in (2, 4, 16):
-        for seed in range(3):
-            feats = features(10, cfg, seed=seed)
-            assert loaded.propose(list(range(10)), 5, block_size, feats) == drafter.propose(
-                list(range(10)), 5, block_size, feats
+    keys = [key(c, i) for i, c in enumerate(ctx)] + [key(x, n + j) for j, x in enumerate(xn)]
+    vals = [matvec(mat(sd[p + "self_attn.v_proj.weight"]), x) for x in ctx + xn]
+    hidden, weights = [], []
+    for j, x in enumerate(xn):
+        q = matvec(mat(sd[p + "self_attn.q_proj.weight"]), x)
+        q = rope(rms(q, vec(sd[p + "self_attn.q_norm.weight"]), eps), n + j, inv)
+        scores = [sum(a * c for a, c in zip(q, k, strict=True)) / math.sqrt(len(q)) for k in keys]
+        top = max(scores)
+        e = [math.exp(s - top) for s in scores]
+        w = [v / sum(e) for v in e]  # every key visible (full-attention layer, no mask)
+        weights.append(w)
+        o = [sum(wi * v[c] for wi, v in zip(w, vals, strict=True)) for c in range(len(q))]
+        h1 = [
+            a + c
+            for a, c in zip(
+                block[j], matvec(mat(sd[p + "self_attn.o_proj.weight"]), o), strict=True
             )
-    sa, sb = drafter.state_dict(), loaded.state_dict()
-    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+        ]
+        m = rms(h1, vec(sd[p + "post_attention_layernorm.weight"]), eps)
+        gate = matvec(mat(sd[p + "mlp.gate_proj.weight"]), m)
+        up = matvec(mat(sd[p + "mlp.up_proj.weight"]), m)
+        act = [silu(g) * u for g, u in zip(gate, up, strict=True)]
+        h2 = [
+            a + c for a, c in zip(h1, matvec(mat(sd[p + "mlp.down_proj.weight"]), act), strict=True)
+        ]
+        hidden.append(rms(h2, vec(sd["norm.weight"]), eps))
+    head = mat(d._lm_head_weight)
+    tokens = []
+    for h in hidden[1:]:
+        logits = matvec(head, h)
+        tokens.append(max(range(len(logits)), key=logits.__getitem__))
+    return tokens, hidden, weights
 
 
-def _saved(tmp_path: Path) -> Path:
-    embed, lm_head = target_weights()
-    DFlashDrafter.random(config(), embed, lm_head, seed=2).save_pretrained(tmp_path)
-    return tmp_path
+def test_one_proposal_matches_the_hand_computed_maths() -> None:
+    d = make(tiny_config())
+    feats = torch.randn(
+        5, d.config.feature_size, generator=torch.Generator().manual_seed(3), dtype=torch.float64
+    )
+    tokens, hidden, _ = reference_proposal(d, feats, last=4)
+    assert d.propose([1, 2, 3, 4, 5], 4, 3, feats) == tokens
+    got = d.uncached_hidden(feats, 4, 3)
+    torch.testing.assert_close(
+        got, torch.tensor(hidden, dtype=torch.float64), rtol=1e-5, atol=1e-5
+    )  # cos/sin tables are float32
 
 
-def _load(path: Path) -> DFlashDrafter:
-    embed, lm_head = target_weights()
-    return DFlashDrafter.from_pretrained(path, embed, lm_head)
-
-
-def test_load_missing_directory_and_files(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointFileError, match="is not a directory"):
-        _load(tmp_path / "nope")
-    with pytest.raises(CheckpointFileError, match=r"has no config\.json"):
-        _load(tmp_path)
-    (_saved(tmp_path) / "model.safetensors").unlink()
-    with pytest.raises(CheckpointFileError, match=r"has no model\.safetensors"):
-        _load(tmp_path)
-
-
-def test_load_bad_config(tmp_path: Path) -> None:
-    path = _saved(tmp_path) / "config.json"
-    path.write_text("{not json")
-    with pytest.raises(CheckpointConfigError, match="not readable JSON"):
-        _load(tmp_path)
-    raw = json.loads(config().model_dump_json())
-    raw["num_kv_heads"] = 3
-    path.write_text(json.dumps(raw))
-    with pytest.raises(CheckpointConfigError, match=r"'num_heads' \(2\).*'num_kv_heads' \(3\)"):
-        _load(tmp_path)
-    raw = json.loads(config().model_dump_json())
-    raw["hidden_size"] = -4
-    raw["surprise"] = 1
-    path.write_text(json.dumps(raw))
-    with pytest.raises(CheckpointConfigError) as err:
-        _load(tmp_path)
-    assert "hidden_size" in str(err.value) and "-4" in str(err.value)
-    assert "surprise" in str(err.value)
-    raw = json.loads(config().model_dump_json())
-    del raw["vocab_size"]
-    path.write_text(json.dumps(raw))
-    with pytest.raises(CheckpointConfigError, match=r"vocab_size: Field required$"):
-        _load(tmp_path)
-
-
-def test_load_config_that_disagrees_with_target(tmp_path: Path) -> None:
-    path = _saved(tmp_path) / "config.json"
-    raw = json.loads(path.read_text())
-    raw["vocab_size"] = V + 1
-    path.write_text(json.dumps(raw))
-    with pytest.raises(TargetMismatchError, match=rf"'embed_weight' has shape \[{V}, {H}\]"):
-        _load(tmp_path)
-
-
-def _rewrite(tmp_path: Path, change: dict[str, torch.Tensor | None]) -> None:
-    path = tmp_path / "model.safetensors"
-    tensors = load_file(str(path))
-    for key, value in change.items():
-        if value is None:
-            del tensors[key]
-        else:
-            tensors[key] = value
-    save_file(tensors, str(path))
-
-
-def test_load_missing_keys(tmp_path: Path) -> None:
-    _rewrite(_saved(tmp_path), {"layers.1.mlp.up_proj.weight": None})
-    with pytest.raises(
-        MissingKeysError, match=r"missing tensors \['layers.1.mlp.up_proj.weight'\]"
-    ):
-        _load(tmp_path)
-
-
-def test_load_unexpected_keys(tmp_path: Path) -> None:
-    _rewrite(_saved(tmp_path), {"layers.9.extra.weight": torch.zeros(2)})
-    with pytest.raises(
-        UnexpectedKeysError, match=r"unexpected tensors \['layers.9.extra.weight'\]"
-    ):
-        _load(tmp_path)
-
-
-def test_load_wrong_shape(tmp_path: Path) -> None:
-    _rewrite(_saved(tmp_path), {"fc.weight": torch.zeros(H, 7)})
-    with pytest.raises(TensorShapeError) as err:
-        _load(tmp_path)
-    assert err.value.key == "fc.weight"
-    assert err.value.found == (H, 7) and err.value.expected == (H, 3 * H)
-    assert f"'fc.weight' has shape [{H}, 7], the config implies [{H}, {3 * H}]" in str(err.value)
-
-
-def test_load_integer_tensor(tmp_path: Path) -> None:
-    _rewrite(_saved(tmp_path), {"norm.weight": torch.zeros(H, dtype=torch.int32)})
-    with pytest.raises(DrafterCheckpointError, match=r"'norm.weight' has dtype torch.int32"):
-        _load(tmp_path)
-
-
-@pytest.mark.parametrize("keep", [0.5, 0.99])
-def test_load_truncated_file(tmp_path: Path, keep: float) -> None:
-    path = _saved(tmp_path) / "model.safetensors"
-    data = path.read_bytes()
-    path.write_bytes(data[: int(len(data) * keep)])
-    with pytest.raises(CheckpointFileError, match="unreadable safetensors file"):
-        _load(tmp_path)
-
-
-def test_load_garbage_file(tmp_path: Path) -> None:
-    (_saved(tmp_path) / "model.safetensors").write_bytes(b"\xff" * 64)
-    with pytest.raises(CheckpointFileError, match="unreadable safetensors file"):
-        _load(tmp_path)
-
-
-# -- bad arguments ----------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("block_size", [1, 0, -3, True, 2.0, "4"])
-def test_bad_block_size(drafter: DFlashDrafter, block_size: object) -> None:
-    with pytest.raises(
-        DraftArgumentError, match=rf"'block_size' must be an int >= 2 \(got {block_size!r}\)"
-    ):
-        drafter.propose([1, 2], 1, block_size, features(2, drafter.config))  # type: ignore[arg-type]  # deliberately bad
-
-
-@pytest.mark.parametrize("last", [-1, V, V + 10])
-def test_bad_last_token(drafter: DFlashDrafter, last: int) -> None:
-    with pytest.raises(DraftArgumentError, match=rf"'last' .*\(got {last}\)"):
-        drafter.propose([1, 2], last, 4, features(2, drafter.config))
-
-
-def test_bad_features(drafter: DFlashDrafter) -> None:
-    width = drafter.config.feature_size
-    with pytest.raises(DraftArgumentError, match=r"'features' is required .*\(got None\)"):
-        drafter.propose([1, 2], 1, 4, None)
-    with pytest.raises(DraftArgumentError, match=rf"shape \[T, {width}\] \(got \[2, 5\]\)"):
-        drafter.propose([1, 2], 1, 4, torch.zeros(2, 5))
-    with pytest.raises(DraftArgumentError, match="3 rows, more than the 2 context tokens"):
-        drafter.propose([1, 2], 1, 4, torch.zeros(3, width))
-    with pytest.raises(DraftArgumentError, match="must be floating point"):
-        drafter.propose([1, 2], 1, 4, torch.zeros(2, width, dtype=torch.long))
-
-
-def test_bad_seed_and_target_weights() -> None:
-    embed, lm_head = target_weights()
-    with pytest.raises(DraftArgumentError, match=r"'seed' must be an int >= 0 \(got -1\)"):
-        DFlashDrafter.random(config(), embed, lm_head, seed=-1)
-    with pytest.raises(TargetMismatchError, match=r"'lm_head_weight' has shape \[61, 31\]"):
-        DFlashDrafter.random(config(), embed, lm_head[:, :31], seed=0)
+def test_positions_matter_context_at_0_to_n_minus_1_block_from_n() -> None:
+    """Shifting every position changes the result (RoPE is relative only for q·k, but the
+    context keys and block queries sit at different offsets, so a wrong offset shows)."""
+    d = make(tiny_config())
+    feats = torch.randn(
+        4, d.config.feature_size, generator=torch.Generator().manual_seed(5), dtype=torch.float64
+    )
+    _, hidden, _ = reference_proposal(d, feats, last=2)
+    ref = torch.tensor(hidden, dtype=torch.float64)
+    ctx = d.project_context(feats[None])
+    n, b = 4, 3
+    x = d.embed(d.block_ids(2, b))
+    for ctx_shift, q_shift in ((0, 1), (1, 0)):  # off by one on either side
+        pos = torch.arange(n)[None] + ctx_shift
+        kv = d.context_kv(ctx, pos)
+        out = d.run_block(x, torch.arange(n, n + b)[None] + q_shift, kv, pos)[0]
+        assert not torch.allclose(out, ref, atol=1e-6)
+    pos = torch.arange(n)[None]
+    out = d.run_block(x, torch.arange(n, n + b)[None], d.context_kv(ctx, pos), pos)[0]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)  # cos/sin tables are float32
 
 
 @pytest.mark.parametrize(
-    ("changes", "needle"),
+    ("layer_type", "is_causal", "window", "expected"),
     [
-        ({"num_kv_heads": 3}, "'num_kv_heads' (3)"),
-        ({"mask_token_id": V}, f"'mask_token_id' must be < vocab_size={V} (got {V})"),
-        ({"tap_layers": (1, 1)}, "'tap_layers' must be distinct (got [1, 1])"),
-        ({"tap_layers": (2, -1)}, "'tap_layers'[1] must be >= 0 (got -1)"),
-        ({"tap_layers": ()}, "tap_layers"),
-        ({"head_dim": 7}, "'head_dim' must be even"),
-        ({"num_layers": 0}, "num_layers"),
+        # block queries at positions 3, 4, 5 over keys at positions 0..5
+        ("full_attention", None, None, [[1, 1, 1, 1, 1, 1]] * 3),
+        (
+            "sliding_attention",
+            None,
+            2,
+            [[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1]],
+        ),
+        ("sliding_attention", None, 9, [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [1] * 6]),
+        (
+            "sliding_attention",
+            False,
+            2,
+            [[0, 0, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1]],
+        ),
     ],
 )
-def test_config_validation_names_field_and_value(changes: dict[str, object], needle: str) -> None:
-    raw = json.loads(config().model_dump_json())
-    raw.update(changes)
-    with pytest.raises(pydantic.ValidationError) as err:
-        DFlashConfig.model_validate(raw)
-    assert needle in str(err.value)
+def test_attention_pattern_with_uniform_weights(
+    layer_type: str, is_causal: bool | None, window: int | None, expected: list[list[int]]
+) -> None:
+    """With zero queries every visible key gets weight 1/|visible| (computed by hand), so
+    the output is the mean of the visible values: this pins down the mask semantics."""
+    cfg = tiny_config(layer_types=(layer_type,), sliding_window=window, is_causal=is_causal)
+    d = make(cfg)
+    with torch.no_grad():
+        d.layers[0].self_attn.q_proj.weight.zero_()
+    attn = d.layers[0].self_attn
+    gen = torch.Generator().manual_seed(9)
+    ctx_rows = torch.randn(1, 3, H, generator=gen, dtype=torch.float64)
+    blk_rows = torch.randn(1, 3, H, generator=gen, dtype=torch.float64)
+    ctx_pos, q_pos = torch.arange(3)[None], torch.arange(3, 6)[None]
+    cos_c, sin_c = d.rotary(ctx_pos, torch.float64)
+    k_ctx, v_ctx = attn.keys_values(ctx_rows, cos_c, sin_c)
+    cos_q, sin_q = d.rotary(q_pos, torch.float64)
+    from dflash.model.drafters.dflash_layers import visibility
+
+    k_pos = torch.cat([ctx_pos, q_pos], 1)
+    vis = visibility(q_pos, k_pos, causal=cfg.layer_causal(0), window=cfg.layer_window(0))
+    out = attn(blk_rows, k_ctx, v_ctx, cos_q, sin_q, vis)
+    values = torch.cat([v_ctx[0, 0], attn.v_proj(blk_rows)[0]], 0)  # [6, D]
+    for j, row in enumerate(expected):
+        w = torch.tensor(row, dtype=torch.float64) / sum(row)  # the hand-computed weights
+        want = attn.o_proj(w @ values)
+        torch.testing.assert_close(
+            out[0, j], want, rtol=1e-5, atol=1e-5
+        )  # cos/sin tables are float32
 
 
-def test_config_is_frozen() -> None:
-    with pytest.raises(pydantic.ValidationError):
-        config().hidden_size = 4
+# -- config format -------------------------------------------------------------------------
+
+
+def test_default_taps_follow_z_labs_rule() -> None:
+    assert default_tap_layers(36, 5) == (1, 9, 17, 25, 33)  # z-lab/Qwen3-8B-DFlash-b16
+    assert default_tap_layers(64, 5) == (1, 16, 31, 46, 61)  # z-lab/Qwen3.5-27B-DFlash
+    assert default_tap_layers(6, 1) == (3,)
+    assert default_tap_layers(6, 2) == (1, 3)
+
+
+def test_saved_config_is_a_qwen3_config(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from transformers import Qwen3Config
+
+    root = Path(str(tmp_path))
+    cfg = tiny_config(layer_types=("sliding_attention",), sliding_window=8)
+    make(cfg).save_pretrained(root)
+    hf = Qwen3Config.from_pretrained(root)
+    assert hf.model_type == "qwen3" and hf.architectures == ["DFlashDraftModel"]
+    assert (hf.hidden_size, hf.num_hidden_layers, hf.num_attention_heads) == (H, 1, 1)
+    assert (hf.num_key_value_heads, hf.head_dim, hf.intermediate_size) == (1, 4, 3)
+    assert hf.vocab_size == V and hf.block_size == 3 and hf.num_target_layers == 4
+    assert hf.dflash_config == {"mask_token_id": V - 1, "target_layer_ids": [1, 2]}
+    assert hf.layer_types == ["sliding_attention"] and hf.sliding_window == 8
+    assert hf.rope_parameters["rope_theta"] == 100.0
+    import json
+
+    raw = json.loads((root / "config.json").read_text())
+    assert raw["torch_dtype"] == "bfloat16"
+    assert config_from_hf(raw) == cfg  # the format round-trips
+
+
+def test_z_lab_config_without_taps_gets_the_default_taps() -> None:
+    raw = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "num_hidden_layers": 5,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 12288,
+        "vocab_size": 151936,
+        "num_target_layers": 36,
+        "block_size": 16,
+        "rope_theta": 1000000,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 151643,
+        "dflash_config": {"mask_token_id": 151669},
+    }
+    cfg = config_from_hf(raw)
+    assert cfg.target_layer_ids == (1, 9, 17, 25, 33) and cfg.mask_token_id == 151669
+    assert cfg.layer_causal(0) is False and cfg.layer_window(0) is None
+
+
+def test_rope_parameters_style_and_yarn() -> None:
+    cfg = tiny_config(
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    )
+    inv, scale = inverse_frequencies(cfg)
+    base = 1.0 / (100.0 ** (torch.arange(0, 4, 2, dtype=torch.float32) / 4))
+    assert scale == pytest.approx(0.1 * math.log(4.0) + 1.0)
+    assert float(inv[0]) == pytest.approx(float(base[0]))  # fastest pair extrapolated
+    # by hand: correction dims floor(-0.50) -> 0 and ceil(1.01) = 2, so pair 1 sits half-way
+    # on the ramp: 0.5 * (0.1 / 4) + 0.5 * 0.1 = 0.0625
+    assert float(inv[1]) == pytest.approx(0.5 * float(base[1]) / 4.0 + 0.5 * float(base[1]))
+
+
+# -- the context cache ---------------------------------------------------------------------
+
+
+def run_steps(
+    d: DFlashDrafter, feats: torch.Tensor, tokens: list[int], commits: list[int], block: int
+) -> list[tuple[list[int], list[int]]]:
+    out, n = [], commits[0]
+    given = d.propose(tokens[:n], tokens[n], block, feats[:n])
+    out.append((given, d.propose_uncached(feats[:n], tokens[n], block)))
+    for c in commits[1:]:
+        new = feats[n : n + c]
+        n += c
+        out.append(
+            (
+                d.propose(tokens[:n], tokens[n], block, new),
+                d.propose_uncached(feats[:n], tokens[n], block),
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 3}],
+)
+def test_cached_and_uncached_context_give_the_same_drafts(changes: dict[str, object]) -> None:
+    cfg = tiny_config(num_hidden_layers=2, vocab_size=V, **changes)
+    d = make(cfg, seed=1)
+    gen = torch.Generator().manual_seed(7)
+    total = 40
+    feats = torch.randn(total, cfg.feature_size, generator=gen, dtype=torch.float64) * 3
+    tokens = torch.randint(0, V - 1, (total + 1,), generator=gen).tolist()
+    commits = [5, 1, 3, 2, 1, 4, 3, 1, 2, 3, 1, 4]
+    drafts = run_steps(d, feats, tokens, commits, cfg.block_size)
+    assert all(cached == uncached for cached, uncached in drafts)
+    assert len({tuple(c) for c, _ in drafts}) > 1, "drafts do not depend on the context"
+    n = sum(commits)
+    torch.testing.assert_close(
+        d._draft_hidden(tokens[n], 3), d.uncached_hidden(feats[:n], tokens[n], 3)
+    )
+
+
+def test_context_rows_are_projected_once() -> None:
+    """Cost: each committed row goes through fc (and K/V) once, never the whole context."""
+    d = make(tiny_config(), seed=2)
+    feats = torch.randn(30, d.config.feature_size, dtype=torch.float64)
+    tokens = list(range(31))
+    tokens = [t % (V - 1) for t in tokens]
+    n = 6
+    d.propose(tokens[:n], tokens[n], 3, feats[:n])
+    for c in (2, 1, 3, 4):
+        d.propose(tokens[: n + c], tokens[n + c], 3, feats[n : n + c])
+        n += c
+    assert d.rows_projected == n == d.cached_length
+
+
+def test_shorter_or_new_context_crops_the_cache() -> None:
+    d, fresh = make(tiny_config(), seed=3), make(tiny_config(), seed=3)
+    feats = torch.randn(12, d.config.feature_size, dtype=torch.float64)
+    toks = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4]
+    d.propose(toks[:10], toks[10], 3, feats[:10])
+    # a shorter context whose last rows are given again (a re-proposal)
+    assert d.propose(toks[:7], toks[7], 3, feats[5:7]) == fresh.propose(
+        toks[:7], toks[7], 3, feats[:7]
+    )
+    # a new prompt: all of its rows given, the cache starts over
+    other = torch.randn(4, d.config.feature_size, dtype=torch.float64)
+    assert d.propose([9, 9, 9, 9], 1, 3, other) == d.propose_uncached(other, 1, 3)
+    assert d.cached_length == 4
+
+
+def test_missing_or_inconsistent_rows_are_refused() -> None:
+    d = make(tiny_config())
+    feats = torch.randn(8, d.config.feature_size, dtype=torch.float64)
+    with pytest.raises(
+        DraftArgumentError, match=r"needs the first 4 tokens cached, but it holds 0"
+    ):
+        d.propose([1, 2, 3, 4, 5, 6], 1, 3, feats[:2])
+    d.propose([1, 2, 3, 4], 1, 3, feats[:4])
+    with pytest.raises(DraftArgumentError, match=r"differs from the cached context at position 2"):
+        d.propose([1, 2, 7, 4, 5], 1, 3, feats[4:5])
+    d.reset()
+    assert d.cached_length == 0
+
+
+def test_bad_features_and_arguments() -> None:
+    d = make(tiny_config())
+    width = d.config.feature_size
+    with pytest.raises(DraftArgumentError, match=r"'features' is required .*\(got None\)"):
+        d.propose([1, 2], 1, 3, None)
+    with pytest.raises(DraftArgumentError, match=rf"shape \[T, {width}\] \(got \[2, 5\]\)"):
+        d.propose([1, 2], 1, 3, torch.zeros(2, 5))
+    with pytest.raises(DraftArgumentError, match=r"3 rows, more than the 2 context tokens"):
+        d.propose([1, 2], 1, 3, torch.zeros(3, width))
+    with pytest.raises(DraftArgumentError, match=r"floating point"):
+        d.propose([1, 2], 1, 3, torch.zeros(2, width, dtype=torch.long))
+    with pytest.raises(DraftArgumentError, match=r"'last' must be < vocab_size"):
+        d.propose([1, 2], V, 3, torch.zeros(2, width))
+    with pytest.raises(DraftArgumentError, match=r"'block_size' must be an int >= 2"):
+        d.propose([1, 2], 1, 1, torch.zeros(2, width))
+
+
+def test_empty_context_drafts_from_the_block_alone() -> None:
+    d = make(tiny_config())
+    out = d.propose([], 2, 3, torch.zeros(0, d.config.feature_size, dtype=torch.float64))
+    assert len(out) == 2 and out == d.propose_uncached(
+        torch.zeros(0, d.config.feature_size, dtype=torch.float64), 2, 3
+    )
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"num_attention_heads": 3, "num_key_value_heads": 2}, "must be a multiple of"),
+        ({"head_dim": 3}, "must be even"),
+        ({"target_layer_ids": (1, 1)}, "must be distinct"),
+        ({"target_layer_ids": (4,)}, r"must be in \[0, num_target_layers=4\) \(got 4\)"),
+        ({"layer_types": ("sliding_attention",)}, "'sliding_window' is required"),
+        ({"layer_types": ("full_attention",) * 2}, "must have num_hidden_layers=1 entries"),
+        ({"rope_scaling": {"rope_type": "ntk"}}, "rope_type must be one of"),
+    ],
+)
+def test_bad_configs_are_rejected(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**changes)

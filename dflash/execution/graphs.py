@@ -1,0 +1,129 @@
+"""CUDA graphs of the target's decode, verify and replay forwards, one per shard.
+
+A shard's forward is host bookkeeping (``TargetModel.begin_layers`` / ``end_layers``:
+checks, cache lengths) around device work (``compute_layers``, plus the embedding on the
+first shard and the LM head on the last) that reads every runtime value — positions, the
+KV length — from device tensors and never synchronises with the host. That device work
+is what is captured: a graph per shard and per *key* ``(mode, T, live_slot)``; the live
+slot is part of the key because after a remap the verify reads its initial state from
+that checkpoint slot (a different address). Inputs are copied into a static buffer
+before each replay; outputs are the graph's own tensors, valid until its next replay.
+
+Policy: the first forward of each ``(mode, T)`` runs eagerly (it compiles the Triton
+kernels and warms the allocator); the next forward of a key captures the graph and
+replays it; later ones replay. A capture that fails (an operation that is not
+capture-safe) leaves that key eager for the target's lifetime and is recorded in
+:attr:`ShardGraphs.failures`. Graphs hold the addresses of the caches they were captured
+on: :meth:`ShardGraphs.reset` forgets them when capture storage is rebuilt. Every graph
+has its own memory pool, so no graph's intermediates can overwrite another's outputs.
+
+The prefill, the capture gate's step (which inspects storage between shards), the
+self-test and fault injection never run inside a graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dflash.model import TargetModel
+
+#: hidden states (or the last shard's), logits (last shard, when asked) and tap outputs
+ShardOutput = tuple[Tensor, Tensor | None, dict[int, Tensor]]
+#: ``compute(x, on_layer)``: the device work of one shard's forward
+ShardCompute = Callable[[Tensor, Callable[[int], None] | None], ShardOutput]
+GraphKey = tuple[str, int, int | None, bool]  # mode, T, live slot, logits wanted
+#: ``capture(work) -> (replay, outputs)``: record ``work()`` once; ``replay()`` runs it
+Capture = Callable[[Callable[[], ShardOutput]], tuple[Callable[[], None], ShardOutput]]
+
+
+def cuda_capture(work: Callable[[], ShardOutput]) -> tuple[Callable[[], None], ShardOutput]:
+    """Capture ``work`` in a CUDA graph with its own memory pool (nothing runs yet)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = work()
+    return graph.replay, outputs
+
+
+@dataclass
+class _Captured:
+    replay: Callable[[], None]
+    static_in: Tensor
+    outputs: ShardOutput
+
+
+class ShardGraphs:
+    """The CUDA graphs of one shard (see the module docstring).
+
+    ``capture`` records a shard's device work; the default is :func:`cuda_capture` (tests
+    substitute a stand-in to exercise the bookkeeping on CPU).
+    """
+
+    def __init__(self, device: torch.device, capture: Capture = cuda_capture) -> None:
+        self.device = device
+        self._capture_work = capture
+        self._graphs: dict[GraphKey, _Captured] = {}
+        self._warm: set[tuple[str, int]] = set()
+        self._eager_only: set[GraphKey] = set()
+        self.failures: list[str] = []
+        self.captures = 0
+        self.replays = 0
+
+    def run(
+        self,
+        key: GraphKey,
+        x: Tensor,
+        compute: ShardCompute,
+        on_layer: Callable[[int], None] | None,
+    ) -> ShardOutput:
+        """The shard's forward on input ``x``: replayed, captured then replayed, or eager."""
+        captured = self._graphs.get(key)
+        if captured is None:
+            warm = (key[0], key[1])
+            if warm not in self._warm or key in self._eager_only:
+                self._warm.add(warm)
+                return compute(x, on_layer)
+            made = self._capture(key, x, compute)
+            if made is None:
+                return compute(x, on_layer)
+            captured = made
+        captured.static_in.copy_(x)
+        captured.replay()
+        self.replays += 1
+        return captured.outputs
+
+    def _capture(self, key: GraphKey, x: Tensor, compute: ShardCompute) -> _Captured | None:
+        static_in = x.clone()
+        try:
+            replay, outputs = self._capture_work(lambda: compute(static_in, None))
+        except Exception as exc:  # not capture-safe: this key stays eager
+            self._eager_only.add(key)
+            self.failures.append(f"{key}: {type(exc).__name__}: {exc}")
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return None
+        captured = _Captured(replay, static_in, outputs)
+        self._graphs[key] = captured
+        self.captures += 1
+        return captured
+
+    def reset(self) -> None:
+        """Forget every graph (the storage they were captured on was replaced)."""
+        self._graphs.clear()
+        self._eager_only.clear()
+
+
+def graphs_supported(model: TargetModel, devices: list[torch.device]) -> str | None:
+    """None when the model's forwards can be captured on ``devices``, else the reason."""
+    if not all(d.type == "cuda" for d in devices):
+        return "CUDA graphs need every shard on a CUDA device"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if model.kernel_backend == "reference":
+        return "the torch reference kernels read host values (kernel_backend 'reference')"
+    if model.config.sparse_layer_ids:
+        return "mixture-of-experts layers route tokens on the host"
+    return None

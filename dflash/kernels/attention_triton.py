@@ -1,0 +1,192 @@
+"""Triton kernel: causal decode/verify attention whose rows do not depend on T.
+
+Pass 1, one program per (key split, batch x KV head, 16-row tile): the ``G * T`` query
+rows of one KV head (``G = H // HKV`` query heads per KV head, row ``r = t * G + g``)
+travel in FIXED 16-row tiles (masked). The key range ``0 .. S_max - 1`` is cut into
+splits of :data:`SPLIT_KEYS` keys (a constant), each walked in ascending ``BLOCK_N``
+blocks aligned to the absolute key index, with an online softmax in float32. A program
+writes, per row, the running max ``m``, the sum ``l`` and the unnormalised output of its
+split to a float32 workspace. Pass 2, one program per query row, combines the splits the
+row can see (``0 .. (start + t) // SPLIT_KEYS``) in ascending order (log-sum-exp); the
+splits it cannot see are read as exact zeros (masked loads), never as workspace bytes.
+
+Why a row's bits do not depend on T: the splits and blocks are fixed by absolute key
+index; a block that holds no key visible to a row leaves that row's ``m``, ``l`` and
+output exactly unchanged (its scores are ``-inf``: ``p = 0`` and the rescale factor is
+forced to exactly 1), so the extra blocks a longer call walks for its later rows are
+neutral for the earlier ones; and pass 2 reads exactly the same splits for the row.
+
+``T`` and the strides that change with it are never specialised (``do_not_specialize``),
+so every ``T`` runs the same binary. The grid depends on shapes only (``S_max``, ``T``,
+heads): programs whose split starts past the tile's last visible key exit at once.
+``start`` is read from device memory, so the launch can be captured in a CUDA graph.
+Keys at or past ``start + t_last + 1`` (and past ``S_max``) are never loaded, so
+unwritten cache rows may hold anything.
+
+Tile products go through :func:`dflash.kernels.linear_triton.mma` (``tl.dot`` on the GPU,
+a row-order-independent emulation under the interpreter).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dflash.kernels.checks import INTERPRET
+from dflash.kernels.linear_triton import mma
+
+#: query rows per tile (the smallest MMA width), fixed so the layout never depends on T
+BLOCK_M = 16
+#: keys per block of the inner loop
+BLOCK_N = 64
+#: keys per split: a constant, so a row's split boundaries never depend on T or the length
+SPLIT_KEYS = 128
+#: the score of a masked key (a constexpr: Triton kernels read only constexpr globals)
+NEG_INF = tl.constexpr(float("-inf"))
+LOG2E = 1.4426950408889634
+
+
+@triton.jit(do_not_specialize=["T", "s_qb", "s_yb"])  # type: ignore[untyped-decorator]  # triton ships no types
+def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
+    q, k, v, start, ws_m, ws_l, ws_o, y,     # q [B,T,H,D]; k, v [B,HKV,S,D]; start [B]
+    qk_scale,                                # softmax scale * log2(e)
+    T, S_max,
+    s_qb, s_qt, s_qh, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, s_yb, s_yt, s_yh,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr,
+    F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
+):
+    G = H // HKV
+    i_s = tl.program_id(0).to(tl.int64)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_r = tl.program_id(2).to(tl.int64)
+    i_b, i_hk = i_bh // HKV, i_bh % HKV
+    st = tl.load(start + i_b).to(tl.int64)
+
+    o_r = i_r * BLOCK_M + tl.arange(0, BLOCK_M)      # row r = t * G + g of this KV head
+    m_r = o_r < G * T
+    o_t = o_r // G
+    o_h = i_hk * G + o_r % G
+    pos = st + o_t                                   # absolute position of each row
+    t_last = (tl.minimum(i_r * BLOCK_M + BLOCK_M, G * T) - 1) // G
+    k_lo = i_s * SPLIT
+    k_hi = tl.minimum(tl.minimum(k_lo + SPLIT, st + t_last + 1), S_max)
+    if k_lo < k_hi:   # else no row of this tile sees a key of this split: nothing to do
+        o_d = tl.arange(0, BD)
+        m_d = o_d < D
+        p_q = q + i_b * s_qb + o_t[:, None] * s_qt + o_h[:, None] * s_qh + o_d[None, :]
+        b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0)   # [BLOCK_M, BD]
+        b_m = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
+        b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+        b_o = tl.zeros([BLOCK_M, BD], dtype=tl.float32)
+        p_k0 = k + i_b * s_kb + i_hk * s_kh + o_d[None, :]
+        p_v0 = v + i_b * s_vb + i_hk * s_vh + o_d[None, :]
+        # a fixed trip count (blocks past k_hi load nothing and are neutral, see above)
+        for j in range(0, SPLIT // BLOCK_N):
+            o_n = k_lo + j * BLOCK_N + tl.arange(0, BLOCK_N)
+            m_kv = (o_n < k_hi)[:, None] & m_d[None, :]
+            b_k = tl.load(p_k0 + o_n[:, None] * s_ks, mask=m_kv, other=0)   # [BLOCK_N, BD]
+            b_v = tl.load(p_v0 + o_n[:, None] * s_vs, mask=m_kv, other=0)
+            b_s = mma(b_q, tl.trans(b_k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
+                      F32_DOT, EMULATE)
+            visible = o_n[None, :] <= pos[:, None]
+            b_s = tl.where(visible, b_s * qk_scale, NEG_INF)
+            b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+            # all-masked so far: subtract 0, not -inf (exp2(-inf - -inf) would be NaN)
+            b_m_use = tl.where(b_m_new == NEG_INF, 0.0, b_m_new)
+            # a block that does not raise the max rescales by exactly 1
+            b_alpha = tl.where(b_m_new == b_m, 1.0, tl.math.exp2(b_m - b_m_use))
+            b_p = tl.math.exp2(b_s - b_m_use[:, None])
+            b_l = b_l * b_alpha + tl.sum(b_p, 1)
+            b_o = mma(b_p.to(b_v.dtype), b_v, b_o * b_alpha[:, None], F32_DOT, EMULATE)
+            b_m = b_m_new
+        if NS == 1:   # one split: normalise and write the output directly
+            p_y = y + i_b * s_yb + o_t[:, None] * s_yt + o_h[:, None] * s_yh + o_d[None, :]
+            b_y = b_o / b_l[:, None]
+            tl.store(p_y, b_y.to(y.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+        else:
+            row = (i_b * T + o_t) * H + o_h            # [BLOCK_M] row ids of the workspace
+            tl.store(ws_m + row * NS + i_s, b_m, mask=m_r)
+            tl.store(ws_l + row * NS + i_s, b_l, mask=m_r)
+            p_o = ws_o + (row[:, None] * NS + i_s) * D + o_d[None, :]
+            tl.store(p_o, b_o, mask=m_r[:, None] & m_d[None, :])
+
+
+@triton.jit(do_not_specialize=["T", "s_yb"])  # type: ignore[untyped-decorator]  # triton ships no types
+def attention_combine_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
+    start, ws_m, ws_l, ws_o, y, T, s_yb, s_yt, s_yh,
+    H: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, SPLIT: tl.constexpr,
+    BS: tl.constexpr, BD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)              # (b * T + t) * H + h
+    i_h = row % H
+    i_t = (row // H) % T
+    i_b = row // (H * T)
+    pos = tl.load(start + i_b).to(tl.int64) + i_t
+    n_valid = tl.minimum(pos // SPLIT + 1, NS)       # splits holding a key <= pos
+    o_s = tl.arange(0, BS)
+    # finite: split 0 holds key 0 <= pos
+    b_max = tl.max(tl.load(ws_m + row * NS + o_s, mask=o_s < n_valid, other=NEG_INF), 0)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    b_l = tl.zeros([BD], dtype=tl.float32)          # the same sum in every lane
+    b_o = tl.zeros([BD], dtype=tl.float32)
+    for s in range(0, NS):                           # ascending split order, fixed
+        ok = s < n_valid                             # the other splits add exact zeros
+        b_w = tl.math.exp2(tl.load(ws_m + row * NS + s, mask=ok, other=NEG_INF) - b_max)
+        b_l += b_w * tl.load(ws_l + row * NS + s, mask=ok, other=0)
+        # a full-block mask (a block & a scalar is not a boolean mask for every triton)
+        m_ds = o_d < tl.where(ok, D, 0)
+        b_o += b_w * tl.load(ws_o + (row * NS + s) * D + o_d, mask=m_ds, other=0)
+    b_y = b_o / b_l
+    p_y = y + i_b * s_yb + i_t * s_yt + i_h * s_yh + o_d
+    tl.store(p_y, b_y.to(y.dtype.element_ty), mask=m_d)
+
+
+def launch_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
+    scale: float, out: torch.Tensor | None, *, num_warps: int = 4, num_stages: int = 2,
+    split_keys: int = SPLIT_KEYS, block_n: int = BLOCK_N,
+) -> torch.Tensor:
+    """Launch both passes on validated inputs; returns ``out`` (``[B, T, H, D]``).
+
+    ``split_keys`` / ``block_n`` override :data:`SPLIT_KEYS` / :data:`BLOCK_N` (tests of
+    the split boundaries at small sizes, benchmark sweeps); ``block_n`` must divide
+    ``split_keys``. Results are M-invariant for any fixed pair, not across pairs.
+    """
+    if split_keys % block_n != 0:
+        raise ValueError(f"'block_n'={block_n} must divide 'split_keys'={split_keys}")
+    B, T, H, D = q.shape
+    HKV, S_max = k_cache.shape[1], k_cache.shape[2]
+    G = H // HKV
+    if out is None:
+        out = torch.empty_like(q)
+    NS = triton.cdiv(S_max, split_keys)
+    BD = max(16, triton.next_power_of_2(D))
+    if NS > 1:
+        rows = B * T * H
+        ws_m = torch.empty(rows, NS, dtype=torch.float32, device=q.device)
+        ws_l = torch.empty(rows, NS, dtype=torch.float32, device=q.device)
+        ws_o = torch.empty(rows, NS, D, dtype=torch.float32, device=q.device)
+    else:
+        ws_m = ws_l = ws_o = out
+    grid = (NS, B * HKV, triton.cdiv(G * T, BLOCK_M))
+    attention_split_kernel[grid](
+        q, k_cache, v_cache, start, ws_m, ws_l, ws_o, out,
+        scale * LOG2E, T, S_max,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        H=H, HKV=HKV, D=D, NS=NS, SPLIT=split_keys, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        BD=BD, F32_DOT=q.dtype == torch.float32, EMULATE=INTERPRET,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if NS > 1:
+        attention_combine_kernel[(B * T * H,)](
+            start, ws_m, ws_l, ws_o, out, T, out.stride(0), out.stride(1), out.stride(2),
+            H=H, D=D, NS=NS, SPLIT=split_keys, BS=triton.next_power_of_2(NS), BD=BD,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,470 @@
+"""``train_drafter``: train a DFlash drafter for a frozen target (GPU, or CPU for small runs).
+
+Recipe (the DFlash paper's, as SpecForge implements it): teacher sequences (the target's
+own greedy responses to data prompts, or raw data), each step a batch of sequences whose
+tap features the frozen target computes without gradients, ``anchors`` random anchored
+blocks per sequence trained in one forward (:mod:`objective`), position-decayed
+cross-entropy, AdamW with linear warm-up then cosine decay to 0, gradient clipping, bf16
+autocast on CUDA (float32 master weights).
+
+Outputs under ``out``: the drafter in z-lab's format (``config.json`` +
+``model.safetensors``), ``train_log.json`` (loss curve, held-out τ per evaluation), and
+``checkpoints/step-NNNNNN/`` (the drafter in z-lab's format plus ``trainer_state.json`` and
+``trainer_state.safetensors``: float32 master weights and AdamW moments as plain tensors,
+nothing pickled), from which ``resume=True`` continues.  τ is the mean accepted length
+per step (bonus token included) of real speculative decoding (:func:`dflash.execution.
+generate`) with the drafter on held-out prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash.model import TargetModel
+from dflash.model.drafters import DFlashConfig, DFlashDrafter, PromptLookupDrafter
+from dflash.training.data import (
+    DataError,
+    Encoder,
+    TrainingSet,
+    data_set,
+    read_documents,
+    teacher_set,
+    windows,
+)
+from dflash.training.objective import block_loss, default_gamma, sample_anchors
+
+TEACHER_MODES = ("generate", "data")
+STATE_JSON, STATE_TENSORS = "trainer_state.json", "trainer_state.safetensors"
+TEACHER_FILE = "teacher_tokens.npy"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run needs (``dflash train-drafter`` fills it from flags)."""
+
+    model: str  # checkpoint directory or a built-in name ("tiny", "nine-b-shape")
+    data: tuple[str, ...]
+    out: str
+    eval_data: tuple[str, ...] = ()
+    steps: int = 1000
+    batch_size: int = 16
+    seq_len: int = 256
+    lr: float = 6e-4
+    warmup: int = 0  # steps; 0: 4 % of the run
+    block_size: int = 16
+    num_layers: int = 1
+    anchors: int = 32  # anchored blocks per sequence per step
+    gamma: float | None = None  # None: default_gamma(block_size)
+    teacher: str = "generate"
+    teacher_samples: int = 0  # sequences in the teacher pool; 0: min(steps*batch, 4096)
+    prompt_len: int = 0  # teacher prompt tokens; 0: seq_len // 4
+    teacher_batch: int = 128
+    eval_every: int = 0  # 0: 10 evaluations over the run
+    eval_prompts: int = 8
+    eval_tokens: int = 64
+    save_every: int = 0  # 0: every evaluation
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    mask_token_id: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "bfloat16"  # target dtype and autocast dtype on CUDA; float32 on CPU
+    resume: bool = False
+    progress: bool = True
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    steps: int
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def final_loss(self) -> float:
+        return self.losses[-1][1] if self.losses else math.nan
+
+
+def lr_at(step: int, cfg: TrainConfig, warmup: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay from ``lr`` to 0."""
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    span = max(1, cfg.steps - warmup)
+    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / span)))
+
+
+def _check(cfg: TrainConfig) -> None:
+    positive = {
+        "steps": cfg.steps,
+        "batch_size": cfg.batch_size,
+        "seq_len": cfg.seq_len,
+        "num_layers": cfg.num_layers,
+        "anchors": cfg.anchors,
+        "eval_prompts": cfg.eval_prompts,
+        "eval_tokens": cfg.eval_tokens,
+        "teacher_batch": cfg.teacher_batch,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise DataError(f"'{name}' must be >= 1 (got {value})")
+    for name, value in (
+        ("warmup", cfg.warmup),
+        ("eval_every", cfg.eval_every),
+        ("save_every", cfg.save_every),
+        ("teacher_samples", cfg.teacher_samples),
+        ("prompt_len", cfg.prompt_len),
+    ):
+        if value < 0:
+            raise DataError(f"'{name}' must be >= 0 (got {value})")
+    if cfg.block_size < 2:
+        raise DataError(f"'block_size' must be >= 2 (got {cfg.block_size})")
+    if not cfg.lr > 0:
+        raise DataError(f"'lr' must be > 0 (got {cfg.lr})")
+    if cfg.gamma is not None and not cfg.gamma > 0:
+        raise DataError(f"'gamma' must be > 0 (got {cfg.gamma})")
+    if cfg.teacher not in TEACHER_MODES:
+        raise DataError(f"'teacher' must be one of {list(TEACHER_MODES)} (got {cfg.teacher!r})")
+    if cfg.dtype not in ("bfloat16", "float32"):
+        raise DataError(f"'dtype' must be bfloat16 or float32 (got {cfg.dtype!r})")
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise DataError(f"'device' {cfg.device!r} is not available (no CUDA)")
+    if not (cfg.device == "cpu" or cfg.device.startswith("cuda")):
+        raise DataError(f"'device' must be cpu or cuda[:N] (got {cfg.device!r})")
+    if not cfg.data:
+        raise DataError("'data' must name at least one file or directory")
+
+
+def load_target(cfg: TrainConfig) -> TargetModel:
+    """The frozen target (no gradients, eval mode) on the training device."""
+    from dflash.execution.session import build_model
+
+    dtype = torch.float32 if cfg.device == "cpu" or cfg.dtype == "float32" else torch.bfloat16
+    model = build_model(cfg.model, seed=0, dtype=dtype, device=cfg.device)
+    return model.eval().requires_grad_(False)
+
+
+def drafter_config(cfg: TrainConfig, model: TargetModel) -> DFlashConfig:
+    """A drafter with the target's attention shape and z-lab's default taps."""
+    tc = model.config
+    return DFlashConfig.for_target(
+        hidden_size=tc.hidden_size,
+        vocab_size=tc.vocab_size,
+        num_target_layers=tc.num_hidden_layers,
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads,
+        head_dim=tc.head_dim,
+        intermediate_size=tc.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        block_size=cfg.block_size,
+        mask_token_id=cfg.mask_token_id,
+        rms_norm_eps=tc.rms_norm_eps,
+        rope_theta=tc.rope_theta,
+        max_position_embeddings=tc.max_position_embeddings,
+    )
+
+
+def _features(
+    model: TargetModel, ids: torch.Tensor, taps: Sequence[int], caches: Any
+) -> torch.Tensor:
+    """[N, S, len(taps)*H] tap hidden states of the frozen target (no gradients)."""
+    with torch.no_grad():
+        _, tapped = model(ids, caches, "prefill", taps=taps)
+    return torch.cat([tapped[t] for t in taps], dim=-1)
+
+
+def evaluate(
+    model: TargetModel, drafter: DFlashDrafter, prompts: Sequence[list[int]], tokens: int
+) -> dict[str, float]:
+    """τ (mean accepted length per step, bonus included) of real speculative decoding."""
+    from dflash.execution import generate, plan_shards
+
+    plan = plan_shards(model.config.num_hidden_layers, str(model.embed_tokens.weight.device))
+    steps = accepted = 0
+    for prompt in prompts:
+        drafter.reset()
+        r = generate(
+            model,
+            drafter,
+            prompt,
+            plan=plan,
+            max_new_tokens=tokens,
+            block_size=drafter.config.block_size,
+        )
+        steps += r.steps
+        accepted += r.accepted_tokens
+    return {
+        "tau": (accepted + steps) / steps if steps else 0.0,
+        "acceptance_rate": accepted / (steps * (drafter.config.block_size - 1)) if steps else 0.0,
+        "steps": float(steps),
+    }
+
+
+def prompt_lookup_tau(
+    model: TargetModel, prompts: Sequence[list[int]], tokens: int, block_size: int
+) -> float:
+    from dflash.execution import generate, plan_shards
+
+    plan = plan_shards(model.config.num_hidden_layers, str(model.embed_tokens.weight.device))
+    steps = accepted = 0
+    for prompt in prompts:
+        r = generate(
+            model,
+            PromptLookupDrafter(),
+            prompt,
+            plan=plan,
+            max_new_tokens=tokens,
+            block_size=block_size,
+        )
+        steps += r.steps
+        accepted += r.accepted_tokens
+    return (accepted + steps) / steps if steps else 0.0
+
+
+def _eval_drafter(trained: DFlashDrafter, model: TargetModel) -> DFlashDrafter:
+    """A copy in the target's dtype, rounded through bf16 as the saved checkpoint is."""
+    embed, head = model.embed_tokens.weight, model.lm_head.weight
+    copy = DFlashDrafter.random(trained.config, embed, head, seed=0)
+    with torch.no_grad():
+        for name, param in copy.state_dict().items():
+            param.copy_(trained.state_dict()[name].to(torch.bfloat16))
+    return copy
+
+
+class _Progress:
+    def __init__(self, total: int, stream: TextIO, enabled: bool) -> None:
+        self.total, self.stream, self.enabled = total, stream, enabled
+        self.tty = enabled and stream.isatty()
+        self.every = max(1, total // 20)
+
+    def update(self, step: int, loss: float, tok_s: float, lr: float) -> None:
+        if not self.enabled:
+            return
+        text = f"step {step}/{self.total}  loss {loss:.4f}  {tok_s:,.0f} tokens/s  lr {lr:.2e}"
+        if self.tty:
+            width = 30
+            filled = width * step // max(1, self.total)
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}   ")
+            self.stream.flush()
+        elif step % self.every == 0 or step == self.total:
+            self.stream.write(f"dflash train-drafter: {text}\n")
+            self.stream.flush()
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            self.stream.write(("\n" if self.tty else "") + f"dflash train-drafter: {text}\n")
+            self.stream.flush()
+
+
+def _save_state(
+    directory: Path,
+    drafter: DFlashDrafter,
+    opt: torch.optim.AdamW,
+    step: int,
+    log: dict[str, Any],
+) -> None:
+    tmp = directory.with_name(directory.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    drafter.save_pretrained(tmp)
+    tensors: dict[str, torch.Tensor] = {}
+    names = {id(p): n for n, p in drafter.named_parameters()}
+    for name, param in drafter.named_parameters():
+        tensors[f"param.{name}"] = param.detach().float().cpu().contiguous()
+    for group in opt.param_groups:
+        for param in group["params"]:
+            state = opt.state.get(param)
+            if not state:
+                continue
+            name = names[id(param)]
+            tensors[f"exp_avg.{name}"] = state["exp_avg"].detach().float().cpu().contiguous()
+            tensors[f"exp_avg_sq.{name}"] = state["exp_avg_sq"].detach().float().cpu().contiguous()
+            tensors[f"step.{name}"] = torch.as_tensor(float(state["step"])).reshape(1)
+    save_file(tensors, str(tmp / STATE_TENSORS))
+    (tmp / STATE_JSON).write_text(json.dumps({"step": step, "log": log}, indent=2) + "\n")
+    if directory.exists():
+        shutil.rmtree(directory)
+    tmp.rename(directory)
+
+
+def _load_state(
+    directory: Path, drafter: DFlashDrafter, opt: torch.optim.AdamW
+) -> tuple[int, dict[str, Any]]:
+    meta = json.loads((directory / STATE_JSON).read_text())
+    tensors = load_file(str(directory / STATE_TENSORS))
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            param.copy_(tensors[f"param.{name}"])
+    for name, param in drafter.named_parameters():
+        if f"exp_avg.{name}" in tensors:
+            opt.state[param] = {
+                "step": torch.tensor(float(tensors[f"step.{name}"][0])),
+                "exp_avg": tensors[f"exp_avg.{name}"].to(param.device),
+                "exp_avg_sq": tensors[f"exp_avg_sq.{name}"].to(param.device),
+            }
+    return int(meta["step"]), dict(meta["log"])
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    found = sorted((out / "checkpoints").glob("step-[0-9]*"))
+    found = [p for p in found if not p.name.endswith(".tmp") and (p / STATE_JSON).is_file()]
+    return found[-1] if found else None
+
+
+def _training_set(
+    cfg: TrainConfig,
+    model: TargetModel,
+    docs: list[np.ndarray],
+    out: Path,
+    note: Callable[[str], None],
+) -> TrainingSet:
+    meta_path = out / (TEACHER_FILE + ".json")
+    if cfg.resume and (out / TEACHER_FILE).is_file() and meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        return TrainingSet(
+            np.load(out / TEACHER_FILE, allow_pickle=False), int(meta["label_start"])
+        )
+    count = cfg.teacher_samples or min(cfg.steps * cfg.batch_size, 4096)
+    if cfg.teacher == "data":
+        made = data_set(docs, seq_len=cfg.seq_len, count=count, seed=cfg.seed)
+    else:
+        prompt_len = cfg.prompt_len or max(1, cfg.seq_len // 4)
+        t0 = time.perf_counter()
+        made = teacher_set(
+            model,
+            docs,
+            seq_len=cfg.seq_len,
+            prompt_len=prompt_len,
+            count=count,
+            seed=cfg.seed,
+            batch=cfg.teacher_batch,
+        )
+        note(
+            f"generated {count} teacher responses of {cfg.seq_len - prompt_len} tokens "
+            f"in {time.perf_counter() - t0:.1f} s"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    np.save(out / TEACHER_FILE, made.tokens, allow_pickle=False)
+    meta_path.write_text(json.dumps({"label_start": made.label_start}) + "\n")
+    return made
+
+
+def train_drafter(cfg: TrainConfig, *, stream: TextIO | None = None) -> TrainResult:
+    """Train a DFlash drafter as the module doc describes; returns the curves."""
+    _check(cfg)
+    out = Path(cfg.out)
+    progress = _Progress(cfg.steps, stream or sys.stderr, cfg.progress)
+    torch.manual_seed(cfg.seed)
+    model = load_target(cfg)
+    model_dir = Path(cfg.model) if Path(cfg.model).is_dir() else None
+    encoder = Encoder(model_dir, model.config.vocab_size)
+    docs = read_documents(cfg.data, encoder, model.config.vocab_size)
+    if cfg.eval_data:
+        eval_docs = read_documents(cfg.eval_data, encoder, model.config.vocab_size)
+    else:  # hold out the last document(s), about a tenth of the tokens
+        if len(docs) >= 2:
+            eval_docs, docs = docs[-max(1, len(docs) // 10) :], docs[: -max(1, len(docs) // 10)]
+        else:
+            cut = int(docs[0].size * 0.9)
+            eval_docs, docs = [docs[0][cut:]], [docs[0][:cut]]
+    prompt_len = cfg.prompt_len or max(1, cfg.seq_len // 4)
+    eval_prompts = [
+        list(map(int, w)) for w in windows(eval_docs, prompt_len, cfg.eval_prompts, cfg.seed + 1)
+    ]
+    config = drafter_config(cfg, model)
+    embed, head = model.embed_tokens.weight, model.lm_head.weight
+    drafter = DFlashDrafter.random(config, embed, head, cfg.seed, dtype=torch.float32)
+    drafter.train().requires_grad_(True)
+    opt = torch.optim.AdamW(
+        drafter.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+    )
+    warmup = cfg.warmup or max(1, cfg.steps // 25)
+    eval_every = cfg.eval_every or max(1, cfg.steps // 10)
+    save_every = cfg.save_every or eval_every
+    gamma = cfg.gamma or default_gamma(cfg.block_size)
+    log: dict[str, Any] = {
+        "config": asdict(cfg),
+        "drafter": config.to_hf_dict(),
+        "gamma": gamma,
+        "loss": [],
+        "eval": [],
+    }
+    start = 0
+    if cfg.resume:
+        last = latest_checkpoint(out)
+        if last is None:
+            raise DataError(f"--resume: no checkpoint under {str(out / 'checkpoints')!r}")
+        start, log = _load_state(last, drafter, opt)
+        log.setdefault("resumed_at", []).append(start)
+        progress.note(f"resumed from {last} (step {start})")
+    t0 = time.perf_counter()
+    train = _training_set(cfg, model, docs, out, progress.note)
+    timing = log.setdefault("seconds", {"teacher": 0.0, "train": 0.0, "eval": 0.0})
+    timing["teacher"] += time.perf_counter() - t0
+    if "prompt_lookup_tau" not in log:
+        log["prompt_lookup_tau"] = prompt_lookup_tau(
+            model, eval_prompts, cfg.eval_tokens, cfg.block_size
+        )
+    caches = model.new_caches(max_len=cfg.seq_len, max_draft=1, batch=cfg.batch_size)
+    cuda = cfg.device.startswith("cuda")
+    autocast = torch.autocast(
+        "cuda", dtype=torch.bfloat16, enabled=cuda and cfg.dtype == "bfloat16"
+    )
+    t_last, tokens_since = time.perf_counter(), 0
+    for step in range(start, cfg.steps):
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        rows = torch.randint(0, train.tokens.shape[0], (cfg.batch_size,), generator=gen)
+        ids = torch.as_tensor(train.tokens[rows.numpy()], device=cfg.device)
+        anchors = sample_anchors(
+            train.label_start, cfg.seq_len, cfg.block_size, cfg.anchors, cfg.batch_size, gen
+        )
+        feats = _features(model, ids, config.target_layer_ids, caches)
+        lr = lr_at(step, cfg, warmup)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        with autocast:
+            result = block_loss(drafter, ids, feats, anchors, gamma)
+        opt.zero_grad(set_to_none=True)
+        result.loss.backward()  # type: ignore[no-untyped-call]  # torch's stub is untyped
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        opt.step()
+        loss = float(result.loss.detach())
+        log["loss"].append([step + 1, loss, result.accuracy])
+        tokens_since += cfg.batch_size * cfg.seq_len
+        now = time.perf_counter()
+        progress.update(step + 1, loss, tokens_since / max(now - t_last, 1e-9), lr)
+        timing["train"] += now - t_last
+        if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
+            t_eval = time.perf_counter()
+            drafter.eval()
+            scores = evaluate(model, _eval_drafter(drafter, model), eval_prompts, cfg.eval_tokens)
+            drafter.train()
+            timing["eval"] += time.perf_counter() - t_eval
+            log["eval"].append({"step": step + 1, "loss": loss, **scores})
+            progress.note(
+                f"step {step + 1}: held-out tau {scores['tau']:.3f} "
+                f"(prompt-lookup {log['prompt_lookup_tau']:.3f})"
+            )
+        if (step + 1) % save_every == 0 or step + 1 == cfg.steps:
+            ckpt = out / "checkpoints" / f"step-{step + 1:06d}"
+            _save_state(ckpt, drafter, opt, step + 1, log)
+            for old in sorted((out / "checkpoints").glob("step-[0-9]*"))[:-2]:
+                shutil.rmtree(old)
+        t_last, tokens_since = time.perf_counter(), 0
+    drafter.eval().requires_grad_(False)
+    drafter.save_pretrained(out)
+    (out / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")
+    return TrainResult(
+        out, cfg.steps, [(int(s), float(v)) for s, v, _ in log["loss"]], list(log["eval"])
+    )

@@ -1,0 +1,5 @@
+import sys
+
+from mutation.runner import main
+
+sys.exit(main())

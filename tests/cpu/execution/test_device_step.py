@@ -1,0 +1,128 @@
+"""The device-resident step on CPU: acceptance computed on the device, the device copy of
+the position, KV capacity, and the graph switch (CUDA graphs themselves: tests/gpu)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from dflash.execution import (
+    ExecutionError,
+    RollbackPolicy,
+    ShardedTarget,
+    SpecDecoder,
+    plan_shards,
+)
+from dflash.execution.engine import greedy_acceptance, leading_accepted
+from dflash.execution.graphs import ShardGraphs, ShardOutput
+from dflash.model import TargetModel
+from dflash.model.drafters import SyntheticDrafter
+
+
+def test_device_acceptance_equals_the_host_rule() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        b = rng.randrange(2, 17)
+        vocab = rng.choice([2, 3, 50])
+        logits = torch.randn(b, vocab)
+        t = logits.argmax(-1).tolist()
+        # drafts that follow the target for a random prefix, then guess
+        k = rng.randrange(0, b)
+        d = [rng.randrange(vocab)] + [
+            t[i] if i < k else rng.randrange(vocab) for i in range(b - 1)
+        ]
+        got_t, count = greedy_acceptance(logits, torch.tensor(d))
+        assert got_t.tolist() == t
+        assert count.shape == (1,) and int(count) == leading_accepted(d, t)
+        assert 1 + k <= int(count) <= b
+
+
+@pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap"])
+def test_device_position_follows_every_step(
+    tiny: TargetModel, greedy: Callable[..., list[int]], prompts: dict[str, list[int]], mode: str
+) -> None:
+    oracle = greedy("digits", 24)
+    drafter = SyntheticDrafter(prompts["digits"] + oracle, 0.6, tiny.config.vocab_size, seed=1)
+    target = ShardedTarget(tiny, plan_shards(6, "cpu,cpu", "2,4"), max_len=48, max_draft=4)
+    engine = SpecDecoder(target, drafter, block_size=4, policy=RollbackPolicy(mode=mode))
+    out = [engine.prefill(prompts["digits"])]
+    while len(out) < 16:
+        out.extend(engine.step())
+        for shard in target.shards:
+            pool = shard.caches.pool
+            assert pool.position.tolist() == [pool.length] == [engine.committed]
+    assert out[:16] == oracle[:16]
+
+
+def test_kv_capacity_exhaustion_is_a_clear_error_before_the_verify(
+    tiny: TargetModel, greedy: Callable[..., list[int]], prompts: dict[str, list[int]]
+) -> None:
+    prompt = prompts["digits"]  # 6 tokens
+    oracle = greedy("digits", 24)
+    drafter = SyntheticDrafter(prompt + oracle, 1.0, tiny.config.vocab_size, seed=1)
+    target = ShardedTarget(tiny, plan_shards(6), max_len=len(prompt) + 6, max_draft=4)
+    engine = SpecDecoder(target, drafter, block_size=4, policy=RollbackPolicy(mode="remap"))
+    engine.prefill(prompt)
+    engine.step()  # all 4 accepted: committed 10, a verify of 4 needs 14 > 12
+    with pytest.raises(ExecutionError, match=r"capacity exhausted.*needs 14 positions.*max_len=12"):
+        engine.step()
+    assert engine.committed == 10 and engine.life.phase.value == "clean"  # nothing ran
+
+
+def test_graphs_are_refused_with_the_reason_on_cpu(tiny: TargetModel) -> None:
+    plan = plan_shards(6)
+    with pytest.raises(ValueError, match="'graphs'=True but CUDA graphs need every shard"):
+        ShardedTarget(tiny, plan, max_len=16, max_draft=4, graphs=True)
+    auto = ShardedTarget(tiny, plan, max_len=16, max_draft=4)
+    assert auto.graphs is None and auto.graphs_off_reason is not None
+
+
+def _stand_in_capture(
+    work: Callable[[], ShardOutput],
+) -> tuple[Callable[[], None], ShardOutput]:
+    """A CPU stand-in for a CUDA graph: the capture call does the work once (a real capture
+    records it and the first replay runs it); every later replay does it again and writes
+    the results into the captured output tensors, as a graph replay does."""
+    outputs = work()
+    fresh = [True]
+
+    def replay() -> None:
+        if fresh[0]:
+            fresh[0] = False
+            return
+        hidden, logits, taps = work()
+        outputs[0].copy_(hidden)
+        if logits is not None:
+            assert outputs[1] is not None
+            outputs[1].copy_(logits)
+        for k, v in taps.items():
+            outputs[2][k].copy_(v)
+
+    return replay, outputs
+
+
+@pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap"])
+def test_graph_path_bookkeeping_on_cpu_stand_in(
+    tiny: TargetModel, greedy: Callable[..., list[int]], prompts: dict[str, list[int]], mode: str
+) -> None:
+    """Warm-up, capture and replay per (mode, T, live slot), static inputs, outputs reused
+    across replays, host bookkeeping around the device work: with the stand-in, the graph
+    path decodes the same greedy tokens, and storage rebuilds drop the graphs."""
+    oracle = greedy("repeat", 40)
+    drafter = SyntheticDrafter(prompts["repeat"] + oracle, 0.6, tiny.config.vocab_size, seed=2)
+    target = ShardedTarget(tiny, plan_shards(6, "cpu,cpu", "3,3"), max_len=64, max_draft=4)
+    target.graphs = [ShardGraphs(s.device, capture=_stand_in_capture) for s in target.shards]
+    engine = SpecDecoder(target, drafter, block_size=4, policy=RollbackPolicy(mode=mode))
+    out = [engine.prefill(prompts["repeat"])]
+    while len(out) < 20:
+        out.extend(engine.step())
+    engine.rebuild_storage()
+    while len(out) < 36:
+        out.extend(engine.step())
+    assert out[:36] == oracle[:36]
+    for g in target.graphs:
+        assert g.captures >= 2 and g.replays >= 4 and not g.failures, (g.captures, g.replays)
+    assert engine.counts["replay_after_failure"] == 0

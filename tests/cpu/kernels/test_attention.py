@@ -1,0 +1,231 @@
+"""Decode/verify attention: Triton (interpreter) against the reference, row invariance in
+T on both backends (across block and split boundaries, GQA), unread cache rows,
+NaN-poisoned outputs, a hand-checked example and argument checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kernels_support import NAN, needs_interpreter, rel_rms
+
+from dflash.kernels import decode_attention, decode_attention_reference
+from dflash.kernels.attention_triton import launch_decode_attention
+
+TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+BACKENDS = [
+    "reference",
+    pytest.param("triton", marks=needs_interpreter),
+]
+
+
+def _qkv(B: int, T: int, H: int, HKV: int, D: int, S: int, dtype: torch.dtype,
+         seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, T, H, D, generator=gen) * 2).to(dtype)
+    k = torch.randn(B, HKV, S, D, generator=gen).to(dtype)
+    v = torch.randn(B, HKV, S, D, generator=gen).to(dtype)
+    return q, k, v
+
+
+def _poison_after(cache: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """A copy of ``cache`` whose rows past ``last[b]`` hold NaN (unwritten rows)."""
+    out = cache.clone()
+    for b, n in enumerate(last.tolist()):
+        out[b, :, n + 1 :] = NAN
+    return out
+
+
+def _call(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          start: torch.Tensor, split: int | None) -> torch.Tensor:
+    out = torch.full_like(q, NAN)
+    if split is None:
+        return decode_attention(q, k, v, start, out=out, backend=backend)  # type: ignore[arg-type]  # backend from parametrize
+    return launch_decode_attention(q, k, v, start, q.shape[-1] ** -0.5, out,
+                                   split_keys=split, block_n=16)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("H", "HKV", "D"), [(4, 2, 32), (2, 2, 64)])
+def test_triton_matches_reference(H: int, HKV: int, D: int, dtype: torch.dtype) -> None:
+    B, T, S = 2, 5, 70
+    q, k, v = _qkv(B, T, H, HKV, D, S, dtype, seed=D + H)
+    start = torch.tensor([0, 41])
+    got = _call("triton", q, k, v, start, None)
+    assert torch.isfinite(got).all()
+    ref = decode_attention_reference(q.double(), k.double(), v.double(), start)
+    assert rel_rms(got, ref) <= TOL[dtype]
+
+
+@needs_interpreter
+def test_triton_matches_reference_over_several_splits() -> None:
+    """S_max = 300: three key splits of 128, rows on both sides of the boundaries."""
+    B, T, H, HKV, D, S = 2, 9, 4, 2, 32, 300
+    q, k, v = _qkv(B, T, H, HKV, D, S, torch.float32, seed=11)
+    start = torch.tensor([122, 250])
+    got = _call("triton", q, k, v, start, None)
+    ref = decode_attention_reference(q.double(), k.double(), v.double(), start)
+    assert rel_rms(got, ref) <= TOL[torch.float32]
+
+
+def _check_rows_match_single_calls(
+    backend: str, dtype: torch.dtype, H: int, HKV: int, D: int, S: int,
+    start0: int, Ts: list[int], split: int | None,
+) -> None:
+    """Row t of a T-row call at ``start0`` equals the T=1 call at ``start0 + t`` bit for
+    bit; the single call sees NaN in every cache row past its own position, the T-row
+    call NaN past its last row (so no unwritten row can be read)."""
+    T_max = max(Ts)
+    q, k, v = _qkv(1, T_max, H, HKV, D, S, dtype, seed=start0 + H)
+    start = torch.tensor([start0])
+    alone = []
+    for t in range(T_max):
+        pos = start + t
+        alone.append(_call(backend, q[:, t : t + 1], _poison_after(k, pos),
+                           _poison_after(v, pos), pos, split)[:, 0])
+    for T in Ts:
+        last = start + T - 1
+        got = _call(backend, q[:, :T], _poison_after(k, last), _poison_after(v, last),
+                    start, split)
+        for t in range(T):
+            assert torch.equal(got[:, t], alone[t]), f"T={T} row {t}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_do_not_depend_on_T_gqa_across_splits(backend: str) -> None:
+    """GQA (H=4, HKV=2), positions 120..136 across the 128-key split boundary and the
+    64-key block boundaries of the default sizes."""
+    _check_rows_match_single_calls(backend, torch.bfloat16, 4, 2, 32, 300, 120,
+                                   [1, 8, 9, 17], None)
+
+
+@pytest.mark.parametrize(
+    ("backend", "dtype"),
+    [("reference", torch.float32), ("reference", torch.float16),
+     pytest.param("triton", torch.float32, marks=needs_interpreter)],
+)
+def test_rows_do_not_depend_on_T_from_start_zero(backend: str, dtype: torch.dtype) -> None:
+    """H = HKV, start 0, every T = 1..17; the Triton path with 16-key blocks and splits,
+    so rows cross block and split boundaries and share row tiles."""
+    _check_rows_match_single_calls(backend, dtype, 1, 1, 16, 40, 0, list(range(1, 18)),
+                                   None if backend == "reference" else 16)
+
+
+@needs_interpreter
+def test_rows_do_not_depend_on_T_small_splits_gqa() -> None:
+    """float16, G = 4 query heads per KV head: 17 rows x 4 heads = 68 rows, five 16-row
+    tiles; positions 13..29 across 32-key splits and 16-key blocks."""
+    _check_rows_match_single_calls("triton", torch.float16, 8, 2, 32, 70, 13, [5, 17], 32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hand_checked_two_keys(backend: str) -> None:
+    """scale 1, q = [1, 0], k0 = [0, 0], k1 = [ln 3, 0]: row 0 (position 0) sees k0 only
+    -> v0; row 1 sees both with softmax weights [1/4, 3/4] -> v0/4 + 3 v1/4."""
+    q = torch.tensor([[1.0, 0.0], [1.0, 0.0]]).view(1, 2, 1, 2)
+    k = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0], [NAN, NAN]]).view(1, 1, 3, 2)
+    v = torch.tensor([[4.0, 0.0], [0.0, 8.0], [NAN, NAN]]).view(1, 1, 3, 2)
+    out = torch.full_like(q, NAN)
+    got = decode_attention(q, k, v, torch.tensor([0]), scale=1.0, out=out,
+                           backend=backend)  # type: ignore[arg-type]  # backend from parametrize
+    expect = torch.tensor([[4.0, 0.0], [1.0, 6.0]]).view(1, 2, 1, 2)
+    assert torch.allclose(got, expect, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_cache_views(backend: str) -> None:
+    """k/v given as views of a stacked [L, B, HKV, S, D] cache, out a view of a wider
+    buffer: same values as contiguous copies."""
+    q, k, v = _qkv(1, 3, 2, 1, 32, 40, torch.float32, seed=5)
+    stack_k = torch.stack([k, k * 0 + NAN])
+    stack_v = torch.stack([v, v * 0 + NAN])
+    start = torch.tensor([20])
+    buf = torch.full((1, 3, 2, 48), NAN)
+    got = decode_attention(q, stack_k[0], stack_v[0], start, out=buf[..., :32],
+                           backend=backend)  # type: ignore[arg-type]  # backend from parametrize
+    ref = decode_attention_reference(q.double(), k.double(), v.double(), start)
+    assert rel_rms(got, ref) <= 1e-6
+    assert torch.isnan(buf[..., 32:]).all()
+
+
+def _bad_args() -> list[tuple[dict[str, object], type, str]]:
+    return [
+        ({"q": [1.0]}, TypeError, "'q' must be a torch.Tensor"),
+        ({"q": torch.ones(1, 2, 4)}, ValueError, "'q' must have 4 dimensions"),
+        ({"q": torch.ones(1, 2, 4, 8, dtype=torch.int32)}, ValueError, "'q' must be a floating"),
+        ({"q": torch.ones(1, 0, 4, 8)}, ValueError, "'q' must have B, T, H, D >= 1"),
+        ({"k_cache": torch.ones(1, 2, 16, 4)}, ValueError, "'k_cache' must have shape"),
+        ({"k_cache": torch.ones(1, 3, 16, 8), "v_cache": torch.ones(1, 3, 16, 8)},
+         ValueError, "heads H=4 must be a positive multiple of k_cache's HKV=3"),
+        ({"k_cache": torch.ones(1, 2, 1, 8), "v_cache": torch.ones(1, 2, 1, 8)},
+         ValueError, "capacity S_max=1 must be >= T=2"),
+        ({"v_cache": torch.ones(1, 2, 15, 8)}, ValueError, "'v_cache' must have shape"),
+        ({"v_cache": torch.ones(1, 2, 16, 8, dtype=torch.float16)}, ValueError,
+         "'v_cache' must be torch.float32"),
+        ({"start": 3}, TypeError, "'start' must be a torch.Tensor"),
+        ({"start": torch.tensor([1.0])}, ValueError, "'start' must be an int32/int64"),
+        ({"start": torch.tensor([1, 2])}, ValueError, "'start' must be an int32/int64 tensor"),
+        ({"start": torch.tensor([1], device="meta")}, ValueError, "'start' is on meta"),
+        ({"scale": float("inf")}, ValueError, "'scale' must be a finite number"),
+        ({"scale": True}, ValueError, "'scale' must be a finite number"),
+        ({"out": torch.ones(1, 2, 4, 7)}, ValueError, "'out' must have shape"),
+        ({"out": torch.ones(1, 2, 4, 8, dtype=torch.float64)}, ValueError, "'out' must be"),
+        ({"backend": "cuda"}, ValueError, "'backend' must be"),
+        # reference only: start is read on the host
+        ({"start": torch.tensor([-1])}, ValueError, r"'start' must satisfy 0 <= start\[b\]"),
+        ({"start": torch.tensor([15])}, ValueError, r"start\[b\] \+ T <= S_max = 16"),
+    ]
+
+
+@pytest.mark.parametrize(("kwargs", "exc", "match"), _bad_args())
+def test_bad_arguments_are_named(kwargs: dict[str, object], exc: type, match: str) -> None:
+    args: dict[str, object] = {
+        "q": torch.ones(1, 2, 4, 8), "k_cache": torch.ones(1, 2, 16, 8),
+        "v_cache": torch.ones(1, 2, 16, 8), "start": torch.tensor([3]), "scale": None,
+        "out": None, "backend": "reference",
+    }
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        decode_attention(args["q"], args["k_cache"], args["v_cache"], args["start"],  # type: ignore[arg-type]  # bad values on purpose
+                         scale=args["scale"], out=args["out"],  # type: ignore[arg-type]  # as above
+                         backend=args["backend"])  # type: ignore[arg-type]  # as above
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"q": torch.ones(1, 2, 4, 8, dtype=torch.float64),
+          "k_cache": torch.ones(1, 2, 16, 8, dtype=torch.float64),
+          "v_cache": torch.ones(1, 2, 16, 8, dtype=torch.float64)},
+         "'q' dtype must be float16, bfloat16 or float32"),
+        ({"q": torch.ones(1, 2, 4, 300), "k_cache": torch.ones(1, 2, 16, 300),
+          "v_cache": torch.ones(1, 2, 16, 300)}, "head dim D must be <= 256"),
+        ({"k_cache": torch.ones(1, 2, 8, 16).transpose(2, 3)},
+         "'k_cache' must be contiguous along D"),
+    ],
+)
+def test_triton_only_limits(kwargs: dict[str, object], match: str) -> None:
+    args: dict[str, object] = {
+        "q": torch.ones(1, 2, 4, 8), "k_cache": torch.ones(1, 2, 16, 8),
+        "v_cache": torch.ones(1, 2, 16, 8),
+    }
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        decode_attention(args["q"], args["k_cache"], args["v_cache"], torch.tensor([0]),  # type: ignore[arg-type]  # bad values on purpose
+                         backend="triton")
+
+
+@needs_interpreter
+def test_start_past_the_capacity_never_reads_past_the_cache() -> None:
+    """The Triton path cannot check ``start`` without a host sync; with start + T past
+    S_max it must still read no row at or past S_max. The cache is a view of a longer
+    buffer whose rows past S_max hold NaN, so reading one would show."""
+    q, k, v = _qkv(1, 2, 2, 2, 16, 40, torch.float32, seed=6)
+    k[:, :, 20:] = NAN
+    v[:, :, 20:] = NAN
+    got = decode_attention(q, k[:, :, :20], v[:, :, :20], torch.tensor([19]),
+                           backend="triton")
+    assert torch.isfinite(got).all()

@@ -1,0 +1,172 @@
+"""``dflash train-drafter`` on the tiny target: the loss falls, the checkpoint is z-lab's
+format, loads, and decodes losslessly; ``--resume`` continues exactly where it stopped."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash.cli import main
+from dflash.execution import RollbackPolicy, generate, plan_shards
+from dflash.model import TargetModel, greedy_generate
+from dflash.model.drafters import DFlashDrafter, make_drafter
+from dflash.training import TrainConfig, train_drafter
+
+SMALL = [
+    "--seq-len",
+    "24",
+    "--prompt-len",
+    "8",
+    "--block-size",
+    "4",
+    "--anchors",
+    "6",
+    "--batch-size",
+    "4",
+    "--teacher-samples",
+    "8",
+    "--eval-prompts",
+    "1",
+    "--eval-tokens",
+    "8",
+    "--device",
+    "cpu",
+    "--no-progress",
+]
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "tokens.npy"
+    rng = np.random.default_rng(0)
+    np.save(path, rng.integers(0, 255, 600).astype(np.int64))
+    return path
+
+
+def test_train_drafter_command(tokens: Path, tmp_path: Path) -> None:
+    out = tmp_path / "drafter"
+    code = main(
+        [
+            "train-drafter",
+            "--model",
+            "tiny",
+            "--data",
+            str(tokens),
+            "--out",
+            str(out),
+            "--steps",
+            "20",
+            "--lr",
+            "3e-3",
+            "--eval-every",
+            "20",
+            *SMALL,
+        ]
+    )
+    assert code == 0
+    log = json.loads((out / "train_log.json").read_text())
+    losses = [loss for _, loss, _ in log["loss"]]
+    assert len(losses) == 20
+    assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.1, losses
+    assert [e["step"] for e in log["eval"]] == [20] and log["eval"][0]["tau"] >= 1.0
+    assert log["prompt_lookup_tau"] >= 1.0
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
+    assert config["dflash_config"]["target_layer_ids"] == [3]  # z-lab's 1-layer default
+    assert {t.dtype for t in load_file(str(out / "model.safetensors")).values()} == {torch.bfloat16}
+    tiny = TargetModel.tiny_default(seed=0)
+    drafter = make_drafter(str(out), tiny)
+    assert isinstance(drafter, DFlashDrafter)
+    prompt = [3, 14, 15, 92, 65, 35, 8, 9]
+    result = generate(
+        tiny,
+        drafter,
+        prompt,
+        plan=plan_shards(6, "cpu", None),
+        max_new_tokens=8,
+        block_size=4,
+        policy=RollbackPolicy(mode="checkpoint"),
+    )
+    assert result.tokens == greedy_generate(tiny, prompt, 8)
+
+
+def test_resume_continues_exactly(tokens: Path, tmp_path: Path) -> None:
+    def cfg(out: Path, resume: bool = False) -> TrainConfig:
+        return TrainConfig(
+            model="tiny",
+            data=(str(tokens),),
+            out=str(out),
+            steps=8,
+            batch_size=2,
+            seq_len=16,
+            prompt_len=4,
+            block_size=4,
+            anchors=4,
+            teacher="data",
+            teacher_samples=8,
+            eval_every=8,
+            save_every=5,
+            eval_prompts=1,
+            eval_tokens=4,
+            device="cpu",
+            progress=False,
+            resume=resume,
+        )
+
+    straight = tmp_path / "straight"
+    train_drafter(cfg(straight))
+    broken = tmp_path / "broken"
+    train_drafter(cfg(broken))
+    shutil.rmtree(broken / "checkpoints" / "step-000008")  # as if stopped after step 5
+    (broken / "model.safetensors").unlink()
+    result = train_drafter(cfg(broken, resume=True))
+    assert [s for s, _ in result.losses] == list(range(1, 9))
+    log = json.loads((broken / "train_log.json").read_text())
+    assert log["resumed_at"] == [5]  # only steps 6..8 ran again
+    a = load_file(str(straight / "checkpoints" / "step-000008" / "trainer_state.safetensors"))
+    b = load_file(str(broken / "checkpoints" / "step-000008" / "trainer_state.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_unusable_arguments_exit_2(
+    tokens: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        [
+            "train-drafter",
+            "--model",
+            "tiny",
+            "--data",
+            str(tmp_path / "none.npy"),
+            "--out",
+            str(tmp_path / "o"),
+            "--steps",
+            "2",
+            *SMALL,
+        ]
+    )
+    assert code == 2
+    assert "does not exist" in capsys.readouterr().err
+    code = main(
+        [
+            "train-drafter",
+            "--model",
+            "tiny",
+            "--data",
+            str(tokens),
+            "--out",
+            str(tmp_path / "o"),
+            "--steps",
+            "2",
+            *SMALL[:-1],
+            "--resume",
+        ]
+    )
+    assert code == 2
+    assert "--resume: no checkpoint" in capsys.readouterr().err

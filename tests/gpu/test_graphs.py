@@ -1,0 +1,292 @@
+"""GPU: CUDA-graph replay of the decode, verify and replay forwards, against eager and
+against plain greedy decoding.
+
+1. graphs vs eager, every rollback mode, one GPU: the same tokens, and after every step
+   the same bytes in every cache tensor (KV, live state, conv window, checkpoint slots,
+   captured conv rows, snapshot); the graphs were really captured and replayed;
+2. ``rebuild_storage`` mid-run: graphs are captured again on the new storage, tokens stay
+   greedy;
+3. a fault injected at every rollback phase (two shards on one GPU, graphs on): only
+   greedy tokens, fast rollback continues; a failing recovery poisons, ``resume`` recovers;
+4. KV capacity exhaustion: a clear error before any forward (graph or not) runs;
+5. the 9B-shaped seeded bf16 model, 1,024-token prompt, 1,024 generated tokens: plain greedy
+   (graphed) and every mode give one SHA-256; float16 and float32 on an 8-layer model of
+   the same widths (256-token prompt, 256 tokens).
+
+Memory: ~18 GB (9B bf16) + ~9 GB (8-layer f32). Prints a summary (run with ``-s``).
+Run: ``python -m pytest tests/gpu/test_graphs.py -q -s``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from dflash.execution import (  # noqa: E402 - after the CUDA skip
+    ROLLBACK_MODES,
+    ExecutionError,
+    FaultInjector,
+    FaultPhase,
+    PoisonedError,
+    RollbackPolicy,
+    RollbackStatus,
+    ShardedTarget,
+    SpecDecoder,
+    generate,
+    plan_shards,
+    reference_greedy,
+    token_sha256,
+)
+from dflash.model import HybridConfig, TargetModel, greedy_generate  # noqa: E402
+from dflash.model.drafters import SyntheticDrafter  # noqa: E402
+
+BLOCK = 16
+ACCEPTANCE = 0.6
+LONG_PROMPT, LONG_TOKENS = 1024, 1024
+SMALL_PROMPT, SMALL_TOKENS = 256, 256
+ROWS: list[str] = []
+
+
+@pytest.fixture(scope="module")
+def model() -> Iterator[TargetModel]:
+    m = TargetModel.seeded(
+        HybridConfig.nine_b_shape(), seed=0, dtype=torch.bfloat16, device="cuda:0"
+    )
+    yield m
+    del m
+    torch.cuda.empty_cache()
+
+
+def _prompt(vocab: int, n: int, seed: int = 1234) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def _engine(
+    model: TargetModel,
+    prompt: list[int],
+    oracle: list[int],
+    mode: str,
+    *,
+    graphs: bool,
+    devices: str = "cuda:0",
+    split: str | None = None,
+    max_new: int = 96,
+    faults: FaultInjector | None = None,
+) -> SpecDecoder:
+    plan = plan_shards(model.config.num_hidden_layers, devices, split)
+    target = ShardedTarget(
+        model, plan, max_len=len(prompt) + max_new + BLOCK + 1, max_draft=BLOCK, graphs=graphs
+    )
+    drafter = SyntheticDrafter(prompt + oracle, ACCEPTANCE, model.config.vocab_size, seed=7)
+    return SpecDecoder(
+        target, drafter, block_size=BLOCK, policy=RollbackPolicy(mode=mode), faults=faults
+    )
+
+
+def _storage(engine: SpecDecoder) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for s in engine.target.shards:
+        kv, pool = s.caches.kv, s.caches.pool
+        for name in ("k", "v"):
+            out.append((f"shard {s.index} kv.{name}", getattr(kv, name)))
+        for name in ("state", "conv", "checkpoints", "captured", "snapshot", "position"):
+            out.append((f"shard {s.index} pool.{name}", getattr(pool, name)))
+    return out
+
+
+def _graph_stats(engine: SpecDecoder) -> tuple[int, int, list[str]]:
+    graphs = engine.target.graphs
+    assert graphs is not None, engine.target.graphs_off_reason
+    return (
+        sum(g.captures for g in graphs),
+        sum(g.replays for g in graphs),
+        [f for g in graphs for f in g.failures],
+    )
+
+
+@torch.inference_mode()
+def test_graphs_equal_eager_tokens_and_storage_in_every_mode(model: TargetModel) -> None:
+    prompt = _prompt(model.config.vocab_size, 128)
+    n = 64
+    oracle = reference_greedy(model, plan_shards(32, "cuda:0"), prompt, n + BLOCK)
+    eager_oracle = reference_greedy(model, plan_shards(32, "cuda:0"), prompt, n, graphs=False)
+    assert eager_oracle == oracle[:n], "graphed plain greedy differs from eager plain greedy"
+    assert greedy_generate(model, prompt, 16) == oracle[:16], "one-shard greedy_generate"
+    for mode in ROLLBACK_MODES:
+        eager = _engine(model, prompt, oracle, mode, graphs=False)
+        graphed = _engine(model, prompt, oracle, mode, graphs=True)
+        out_e, out_g = [eager.prefill(prompt)], [graphed.prefill(prompt)]
+        step = 0
+        while len(out_g) < n:
+            out_e.extend(eager.step())
+            out_g.extend(graphed.step())
+            assert out_g == out_e, f"{mode}: tokens differ at step {step}"
+            for (name, a), (_, b) in zip(_storage(eager), _storage(graphed), strict=True):
+                torch.testing.assert_close(
+                    b, a, rtol=0, atol=0, equal_nan=True, msg=f"{mode} step {step}: {name}"
+                )
+            step += 1
+        assert out_g[:n] == oracle[:n], f"{mode}: not plain greedy"
+        captures, replays, failures = _graph_stats(graphed)
+        ROWS.append(f"graphs vs eager {mode}: {step} steps, {captures} captures, "
+                    f"{replays} replays, failures {failures}")
+        assert not failures, failures
+        assert captures >= 1 and replays >= step - 3, (captures, replays, step)
+        if mode != "replay":
+            assert graphed.counts["fast"] == step - 1  # only the gate step replays
+        print("\n" + ROWS[-1])
+
+
+@torch.inference_mode()
+def test_graphs_are_captured_again_after_rebuild_storage(model: TargetModel) -> None:
+    prompt = _prompt(model.config.vocab_size, 64, seed=5)
+    oracle = reference_greedy(model, plan_shards(32, "cuda:0"), prompt, 80 + BLOCK)
+    for mode in ("checkpoint", "remap"):
+        engine = _engine(model, prompt, oracle, mode, graphs=True)
+        out = [engine.prefill(prompt)]
+        while len(out) < 32:
+            out.extend(engine.step())
+        before, _, _ = _graph_stats(engine)
+        engine.rebuild_storage()
+        assert engine.gate.report.verdict == "not_run"
+        while len(out) < 80:
+            out.extend(engine.step())
+        after, _, failures = _graph_stats(engine)
+        assert out[:80] == oracle[:80], mode
+        assert after > before and not failures, (before, after, failures)
+        assert engine.status is RollbackStatus.EFFECTIVE
+
+
+@pytest.mark.parametrize("mode", ["checkpoint", "remap"])
+@pytest.mark.parametrize("phase", [p for p in FaultPhase if p is not FaultPhase.DURING_RECOVERY])
+@torch.inference_mode()
+def test_fault_at_every_phase_with_graphs_emits_only_greedy_tokens(
+    model: TargetModel, mode: str, phase: FaultPhase
+) -> None:
+    prompt = _prompt(model.config.vocab_size, 32, seed=9)
+    n = 40
+    oracle = reference_greedy(model, plan_shards(32, "cuda:0"), prompt, n + BLOCK)
+    faults = FaultInjector(phase=phase, steps=frozenset({2, 4}), shard=1)
+    engine = _engine(
+        model, prompt, oracle, mode, graphs=True, devices="cuda:0,cuda:0", split="16,16",
+        max_new=n, faults=faults,
+    )
+    out = [engine.prefill(prompt)]
+    while len(out) < n:
+        out.extend(engine.step())
+    assert out[:n] == oracle[:n]
+    assert [s for s, _ in faults.fired] == [2, 4]
+    paths = [r.path for r in engine.records]
+    assert paths[2] == paths[4] == "replay_after_failure", paths
+    assert engine.counts["poison_events"] == (0 if phase is FaultPhase.BEFORE_RESTORE else 2)
+    assert engine.status is RollbackStatus.EFFECTIVE
+    assert not _graph_stats(engine)[2]
+
+
+@torch.inference_mode()
+def test_failed_recovery_with_graphs_poisons_then_resume_recovers(model: TargetModel) -> None:
+    prompt = _prompt(model.config.vocab_size, 32, seed=11)
+    n = 40
+    oracle = reference_greedy(model, plan_shards(32, "cuda:0"), prompt, n + BLOCK)
+
+    class Twice(FaultInjector):
+        """The fast rollback of step 2 fails, and so does its recovery."""
+
+        def fire(self, phase: FaultPhase, step: int, shard: int | None = None) -> None:
+            wanted = {(FaultPhase.AFTER_RESTORE, 2), (FaultPhase.DURING_RECOVERY, 2)}
+            if (phase, step) in wanted and (step, phase) not in self.fired:
+                self.phase = phase
+                super().fire(phase, step, shard)
+
+    engine = _engine(model, prompt, oracle, "checkpoint", graphs=True, max_new=n, faults=Twice())
+    out = [engine.prefill(prompt)]
+    out.extend(engine.step())
+    out.extend(engine.step())
+    with pytest.raises(PoisonedError, match="stays poisoned"):
+        engine.step()
+    assert engine.status is RollbackStatus.POISONED
+    forwards = engine.target_forwards
+    with pytest.raises(PoisonedError, match="verify refused"):
+        engine.step()
+    assert engine.target_forwards == forwards  # no forward ran while poisoned
+    out.extend(engine.resume())
+    while len(out) < n:
+        out.extend(engine.step())
+    assert out[:n] == oracle[:n]
+
+
+@torch.inference_mode()
+def test_kv_capacity_exhaustion_is_refused_before_any_replay(model: TargetModel) -> None:
+    prompt = _prompt(model.config.vocab_size, 32, seed=13)
+    oracle = reference_greedy(model, plan_shards(32, "cuda:0"), prompt, 64)
+    plan = plan_shards(32, "cuda:0")
+    target = ShardedTarget(model, plan, max_len=len(prompt) + 40, max_draft=BLOCK, graphs=True)
+    drafter = SyntheticDrafter(prompt + oracle, 0.0, model.config.vocab_size, seed=1)
+    engine = SpecDecoder(target, drafter, block_size=BLOCK, policy=RollbackPolicy(mode="remap"))
+    out = [engine.prefill(prompt)]
+    with pytest.raises(ExecutionError, match="KV cache capacity exhausted"):
+        while True:  # each step commits one token; the 26th verify would pass max_len
+            out.extend(engine.step())
+    assert engine.committed + BLOCK > target.max_len >= engine.committed
+    assert engine.life.phase.value == "clean"
+    assert out == oracle[: len(out)]
+    torch.cuda.synchronize()  # no replay went out of bounds (that would fault here)
+
+
+def _all_modes_sha(
+    model: TargetModel, prompt_len: int, n: int, label: str
+) -> None:
+    prompt = _prompt(model.config.vocab_size, prompt_len)
+    plan = plan_shards(model.config.num_hidden_layers, "cuda:0")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    oracle = reference_greedy(model, plan, prompt, n + BLOCK)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    want = token_sha256(oracle[:n])
+    distinct = len(set(oracle[:n]))
+    ROWS.append(f"{label} plain greedy: sha {want} ({distinct} distinct tokens), "
+                f"{(n + BLOCK) / wall:.1f} tok/s incl. prefill and captures")
+    print("\n" + ROWS[-1])
+    drafter = SyntheticDrafter(prompt + oracle, ACCEPTANCE, model.config.vocab_size, seed=7)
+    for mode in ROLLBACK_MODES:
+        r = generate(
+            model, drafter, prompt, plan=plan, max_new_tokens=n, block_size=BLOCK,
+            policy=RollbackPolicy(mode=mode),
+        )
+        pairs = zip(r.tokens, oracle, strict=False)
+        diff = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+        ROWS.append(f"{label} {mode}: sha {r.sha256} steps {r.steps} accept "
+                    f"{r.acceptance_rate:.3f} {r.timings.tokens_per_s:.1f} tok/s "
+                    f"fast/replay/fail {r.rollback.fast}/{r.rollback.replay}/"
+                    f"{r.rollback.replay_after_failure} first difference {diff}")
+        print(ROWS[-1])
+        assert r.sha256 == want, f"{label} {mode}: first difference at token {diff}"
+        assert r.rollback.replay_after_failure == 0
+
+
+def test_nine_b_bf16_1024_tokens_every_mode_is_plain_greedy(model: TargetModel) -> None:
+    _all_modes_sha(model, LONG_PROMPT, LONG_TOKENS, "9B bf16")
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "float32"])
+def test_smaller_shape_float16_float32_every_mode_is_plain_greedy(dtype_name: str) -> None:
+    nine = HybridConfig.nine_b_shape()
+    layout = nine.layer_types[:8]  # 3 recurrent + 1 attention, twice
+    config = HybridConfig(**{**nine.model_dump(), "layer_types": layout})
+    dtype = {"float16": torch.float16, "float32": torch.float32}[dtype_name]
+    m = TargetModel.seeded(config, seed=0, dtype=dtype, device="cuda:0")
+    try:
+        _all_modes_sha(m, SMALL_PROMPT, SMALL_TOKENS, f"8-layer {dtype_name}")
+    finally:
+        del m
+        torch.cuda.empty_cache()
+    print("\n".join(["", "summary:", *ROWS]))

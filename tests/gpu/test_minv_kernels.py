@@ -1,0 +1,131 @@
+"""M-invariant linear and attention at the Qwen3.5-9B decode shapes on a GPU (skipped
+without CUDA): rows bitwise independent of the row count, close to cuBLAS / SDPA, and
+the attention replayed from a CUDA graph with ``start`` changed on the device.
+
+Run: ``python -m pytest tests/gpu/test_minv_kernels.py -q``
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash.kernels import decode_attention, linear
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+NAN = float("nan")
+HIDDEN = 4096
+#: (N, K) of every projection of the 9B shape: GDN in_proj_qkv / q_proj (gated), in_proj_z
+#: / out_proj / o_proj / down's output side, in_proj_a / in_proj_b, k_proj / v_proj,
+#: MLP gate / up, MLP down, LM head.
+LINEAR_SHAPES = [
+    (8192, HIDDEN), (4096, HIDDEN), (32, HIDDEN), (1024, HIDDEN), (12288, HIDDEN),
+    (4096, 12288), (248320, HIDDEN),
+]
+H, HKV, D, CONTEXT, S_MAX = 16, 4, 256, 1024, 2048
+
+
+def rel_rms(got: torch.Tensor, ref: torch.Tensor) -> float:
+    g, r = got.double(), ref.double()
+    if not torch.isfinite(g).all():
+        return float("inf")
+    return float((g - r).norm() / r.norm())
+
+
+def _weights(N: int, K: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(16, K, generator=gen, device="cuda").to(dtype)
+    w = (torch.randn(N, K, generator=gen, device="cuda") / K**0.5).to(dtype)
+    b = torch.randn(N, generator=gen, device="cuda").to(dtype)
+    return x, w, b
+
+
+@pytest.mark.parametrize(("N", "K"), LINEAR_SHAPES)
+def test_linear_rows_do_not_depend_on_M(N: int, K: int) -> None:
+    x, w, _ = _weights(N, K, torch.bfloat16, seed=N + K)
+    out16 = torch.full((16, N), NAN, dtype=torch.bfloat16, device="cuda")
+    full = linear(x, w, out=out16)
+    for M in (1, 3, 4, 7, 16):
+        for first in {0, 16 - M}:   # the rows at the front and at the back of the call
+            got = linear(x[first : first + M], w)
+            assert torch.equal(got, full[first : first + M]), f"M={M} rows {first}.."
+    ref = x.float() @ w.float().T
+    assert rel_rms(full, ref) <= 1e-2
+    assert rel_rms(full, F.linear(x, w)) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize(("N", "K"), [(4096, 12288), (1024, HIDDEN)])
+def test_linear_other_dtypes_with_bias(N: int, K: int, dtype: torch.dtype) -> None:
+    x, w, b = _weights(N, K, dtype, seed=3)
+    full = linear(x, w, b)
+    for M in (1, 4, 16):
+        assert torch.equal(linear(x[:M], w, b), full[:M]), f"M={M}"
+    tol = 2e-3 if dtype == torch.float16 else 1e-5
+    assert rel_rms(full, x.double() @ w.double().T + b.double()) <= tol
+
+
+def _attention_inputs(T: int, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(1, T, H, D, generator=gen, device="cuda").bfloat16()
+    k = torch.randn(1, HKV, S_MAX, D, generator=gen, device="cuda").bfloat16()
+    v = torch.randn(1, HKV, S_MAX, D, generator=gen, device="cuda").bfloat16()
+    return q, k, v
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    T = q.shape[1]
+    L = start + T
+    kk = k[:, :, :L].repeat_interleave(H // HKV, dim=1)
+    vv = v[:, :, :L].repeat_interleave(H // HKV, dim=1)
+    pos = start + torch.arange(T, device="cuda")
+    mask = torch.arange(L, device="cuda")[None, :] <= pos[:, None]
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, attn_mask=mask)
+    return o.transpose(1, 2)
+
+
+def test_attention_rows_do_not_depend_on_T() -> None:
+    q, k, v = _attention_inputs(16, seed=1)
+    k[:, :, CONTEXT + 16 :] = NAN   # unwritten rows: never read
+    v[:, :, CONTEXT + 16 :] = NAN
+    start = torch.tensor([CONTEXT], device="cuda")
+    alone = [decode_attention(q[:, t : t + 1], k, v, start + t)[:, 0] for t in range(16)]
+    for T in range(1, 17):
+        out = torch.full((1, T, H, D), NAN, dtype=torch.bfloat16, device="cuda")
+        got = decode_attention(q[:, :T], k, v, start, out=out)
+        for t in range(T):
+            assert torch.equal(got[:, t], alone[t]), f"T={T} row {t}"
+        assert rel_rms(got, _sdpa(q[:, :T], k, v, CONTEXT)) <= 1e-2
+
+
+def test_attention_graph_replay_reads_start_on_the_device() -> None:
+    q, k, v = _attention_inputs(16, seed=2)
+    start = torch.tensor([CONTEXT], device="cuda")
+    out = torch.full((1, 16, H, D), NAN, dtype=torch.bfloat16, device="cuda")
+    decode_attention(q, k, v, start, out=out)   # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, k, v, start, out=out)
+    for s in (CONTEXT, 7, 300, S_MAX - 16):
+        start.fill_(s)
+        out.fill_(NAN)
+        graph.replay()
+        assert torch.equal(out, decode_attention(q, k, v, start)), f"start={s}"
+        assert rel_rms(out, _sdpa(q, k, v, s)) <= 1e-2
+
+
+def test_linear_graph_replay() -> None:
+    x, w, b = _weights(4096, 12288, torch.bfloat16, seed=4)
+    out = torch.full((4, 4096), NAN, dtype=torch.bfloat16, device="cuda")
+    xs = x[:4].clone()
+    linear(xs, w, b, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        linear(xs, w, b, out=out)
+    xs.copy_(x[4:8])
+    out.fill_(NAN)
+    graph.replay()
+    assert torch.equal(out, linear(x[4:8], w, b))

@@ -38,6 +38,7 @@ GEOMETRY_TESTS = (
     "tests/cpu/geometry/test_reference_cases.py",
     "tests/cpu/geometry/test_exhaustive_equivalence.py::test_validator_matches_spec_small_bound",
     "tests/cpu/geometry/test_hostile_inputs.py",
+    "tests/cpu/geometry/test_mutant_kills.py",
     "tests/cpu/geometry/test_properties.py",
     "tests/cpu/geometry/test_fuzz_harness.py",
     "tests/cpu/geometry/test_symbolic_proof.py",

@@ -2,9 +2,11 @@
 
 Runs configuration A, then each B configuration, then A again — each as ``--warmup``
 unmeasured runs followed by ``--runs`` measured ones — and reports medians, the speed-up of
-every B over A (against the mean of the A1 and A2 medians) and the A1/A2 drift. Every run's
-tokens are compared with target-only greedy decoding; a speed-up is reported only when
-every run is correct.
+every B over A (against the mean of the A1 and A2 medians) and the A1/A2 drift. Then plain
+target-only greedy decoding of the same tokens (same shards, devices and CUDA-graph setting)
+is timed with the same warm-up and runs, and every configuration's speed-up over its median
+is reported too. Every run's tokens are compared with target-only greedy decoding; a
+speed-up is reported only when every run is correct.
 
 Output: the table goes to stderr. Without ``--out`` the JSON report goes to stdout and no
 file is written; ``--out PATH`` writes the JSON to PATH and a PNG plot beside it (PATH with
@@ -69,6 +71,7 @@ class Phase(BaseModel):
     acceptance_rate: float
     checkpoint_bytes: int
     capture_verdict: str
+    speedup_vs_greedy: float | None = None  # median tokens/s over greedy_tokens_per_s
 
 
 class BenchReport(BaseModel):
@@ -82,6 +85,10 @@ class BenchReport(BaseModel):
     speedup: dict[
         str, float | None
     ]  # B mode -> median tokens/s over mean(A1, A2); None if incorrect
+    greedy_tokens_per_s: float  # median of the plain target-only greedy runs
+    greedy_runs: list[float]  # each measured greedy run's tokens/s
+    # mode -> median tokens/s (A: mean of A1, A2) over greedy_tokens_per_s; None if incorrect
+    speedup_vs_greedy: dict[str, float | None]
     note: str
 
 
@@ -163,24 +170,34 @@ def _phase(name: str, mode: str, results: list[Any], oracle_sha: str) -> Phase:
 def table(report: BenchReport) -> str:
     head = (
         f"{'phase':<6} {'mode':<11} {'tok/s (median)':>15} {'fwd/step':>9} {'accept':>7} "
-        f"{'fwd/eff':>8} {'fast/replay/fail':>17} {'ckpt MiB':>9} correct"
+        f"{'fwd/eff':>8} {'fast/replay/fail':>17} {'ckpt MiB':>9} {'vs greedy':>9} correct"
     )
     lines = [head, "-" * len(head)]
     for ph in report.phases:
         last = ph.runs[-1]
         eff_value = last.effective_forwards_per_step
         eff = "-" if eff_value is None else f"{eff_value:.2f}"
+        vs = "-" if ph.speedup_vs_greedy is None else f"{ph.speedup_vs_greedy:.2f}x"
         lines.append(
             f"{ph.name:<6} {ph.mode:<11} {ph.median_tokens_per_s:>15.2f} "
             f"{ph.target_forwards_per_step:>9.2f} {ph.acceptance_rate:>7.3f} "
             f"{eff:>8} "
             f"{f'{last.fast}/{last.replay}/{last.replay_after_failure}':>17} "
-            f"{ph.checkpoint_bytes / 2**20:>9.1f} {all(r.correct for r in ph.runs)}"
+            f"{ph.checkpoint_bytes / 2**20:>9.1f} {vs:>9} {all(r.correct for r in ph.runs)}"
         )
     lines.append(f"A1/A2 drift: {report.drift_a:.1%}")
+    lines.append(
+        f"plain target-only greedy: {report.greedy_tokens_per_s:.2f} tok/s "
+        f"(median of {len(report.greedy_runs)})"
+    )
     for mode, s in report.speedup.items():
         lines.append(
             f"speed-up {mode} vs A: "
+            + ("not reported (a run was incorrect)" if s is None else f"{s:.2f}x")
+        )
+    for mode, s in report.speedup_vs_greedy.items():
+        lines.append(
+            f"speed-up {mode} vs plain greedy: "
             + ("not reported (a run was incorrect)" if s is None else f"{s:.2f}x")
         )
     return "\n".join(lines)
@@ -286,7 +303,7 @@ def _bench(
     from dflash.execution.oracle import reference_greedy
     from dflash.execution.policy import RollbackPolicy
     from dflash.execution.results import token_sha256
-    from dflash.execution.run import generate
+    from dflash.execution.run import generate, timed_greedy
 
     model, plan, prompt, drafter = ready.model, ready.plan, ready.prompt, ready.drafter
     dtype, devices, acceptance = ready.dtype, ready.devices, ready.acceptance
@@ -294,6 +311,9 @@ def _bench(
     graphs = False if getattr(args, "no_graphs", False) else None
     if oracle is None:
         oracle = reference_greedy(model, plan, prompt, args.max_new_tokens, graphs=graphs)
+    oracle = oracle[: args.max_new_tokens]
+    if args.eos_id is not None and args.eos_id in oracle:  # the runs stop there too
+        oracle = oracle[: oracle.index(args.eos_id) + 1]
     oracle_sha = token_sha256(oracle)
 
     def measure(mode: RollbackMode, name: str) -> Phase:
@@ -330,12 +350,40 @@ def _bench(
             )
         return phase
 
+    def measure_greedy() -> tuple[list[float], bool]:
+        """Plain greedy decoding of the runs' tokens: measured rates, all runs correct."""
+        rates, ok = [], True
+        for i in range(args.warmup + args.runs):
+            g = timed_greedy(model, plan, prompt, len(oracle), graphs=graphs)
+            if g.tokens_per_s is None:  # unreachable: A1 already refused an EOS from the prefill
+                raise ExecutionError("the greedy baseline has no decode step to time")
+            print(
+                f"dflash bench: plain greedy run {i + 1}/{args.warmup + args.runs}: "
+                f"{g.tokens_per_s:.2f} tok/s",
+                file=sys.stderr,
+            )
+            ok = ok and g.tokens == oracle
+            if i >= args.warmup:
+                rates.append(g.tokens_per_s)
+        return rates, ok
+
     phases = [measure(mode_a, "A1")]
     phases += [measure(m, f"B{i + 1}") for i, m in enumerate(modes_b)]
     phases.append(measure(mode_a, "A2"))
-    correct = all(r.correct for p in phases for r in p.runs)
+    greedy_runs, greedy_ok = measure_greedy()
+    greedy_rate = statistics.median(greedy_runs)
+    # a greedy run that differs from the oracle makes the whole comparison incorrect
+    correct = greedy_ok and all(r.correct for p in phases for r in p.runs)
     a1, a2 = phases[0].median_tokens_per_s, phases[-1].median_tokens_per_s
     a_mean = (a1 + a2) / 2
+
+    def vs_greedy(rate: float) -> float | None:
+        return rate / greedy_rate if correct and greedy_rate else None
+
+    phases = [
+        p.model_copy(update={"speedup_vs_greedy": vs_greedy(p.median_tokens_per_s)})
+        for p in phases
+    ]
     report = BenchReport(
         setup={
             "model": args.model,
@@ -358,6 +406,12 @@ def _bench(
         speedup={
             p.mode: (p.median_tokens_per_s / a_mean if correct and a_mean else None)
             for p in phases[1:-1]
+        },
+        greedy_tokens_per_s=greedy_rate,
+        greedy_runs=greedy_runs,
+        speedup_vs_greedy={
+            mode_a: vs_greedy(a_mean),
+            **{p.mode: vs_greedy(p.median_tokens_per_s) for p in phases[1:-1]},
         },
         note=(
             "synthetic drafter: acceptance chosen by configuration, not measured"

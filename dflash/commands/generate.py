@@ -4,7 +4,10 @@ Text in, text out: with a model that has a ``tokenizer.json``, ``--prompt`` is t
 and the generated text is printed on stdout as it is committed (``GenerationResult.text``
 holds it, without a final EOS token). A model without a tokenizer refuses a text prompt
 unless ``--bytes`` asks for the text's UTF-8 bytes as ids (output bytes are then decoded
-the same way; ids >= 256 show as U+FFFD); otherwise stdout gets the token ids. Generation
+the same way; ids >= 256 show as U+FFFD); otherwise stdout gets the token ids. After the
+speculative decode the same number of tokens is decoded with plain target-only greedy (same
+shards, devices and CUDA-graph setting, decode timed the same way) and the speed-up over
+it is reported (``speedup_vs_greedy``); ``--no-baseline`` skips that. Generation
 stops at the model's EOS id (``generation_config.json``, else ``config.json``) unless
 ``--eos-id`` names another. ``--json`` prints exactly one JSON object (the
 ``GenerationResult``) on stdout and nothing else there; progress and the summary table go
@@ -163,7 +166,14 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--check-parity",
         action="store_true",
-        help="also run target-only greedy decoding and compare token for token",
+        help="compare the tokens with target-only greedy decoding, token for token (the "
+        "greedy baseline's run; one of its own with --no-baseline)",
+    )
+    p.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip the plain target-only greedy decode that measures the speed-up "
+        "(timings.greedy_tokens_per_s and speedup_vs_greedy are then null)",
     )
     p.add_argument(
         "--json",
@@ -250,6 +260,7 @@ def summary_table(r: GenerationResult) -> str:
         ("text", text_row(r)),
         ("prefill", f"{r.timings.prefill_s:.3f} s"),
         ("decode", decode_row(r)),
+        ("speed-up vs plain greedy", speedup_row(r)),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
@@ -266,6 +277,15 @@ def decode_row(r: GenerationResult) -> str:
     if rate is None:
         return f"{r.timings.decode_s:.3f} s (no decode step: the only token came from prefill)"
     return f"{r.timings.decode_s:.3f} s, {rate:.1f} tokens/s"
+
+
+def speedup_row(r: GenerationResult) -> str:
+    greedy = r.timings.greedy_tokens_per_s
+    if r.speedup_vs_greedy is not None and greedy is not None:
+        return f"{r.speedup_vs_greedy:.2f}x (greedy {greedy:.1f} tokens/s)"
+    if greedy is None and r.timings.greedy_decode_s is None:
+        return "not measured (--no-baseline)"
+    return "none (no decode step: the only token came from prefill)"
 
 
 def synthetic_acceptance(args: argparse.Namespace) -> float:
@@ -573,6 +593,7 @@ def execute(
             eos_id=ready.eos_id,
             on_progress=on_progress,
             graphs=False if getattr(args, "no_graphs", False) else None,
+            baseline=not getattr(args, "no_baseline", False),
         )
     finally:
         bar.close()

@@ -8,7 +8,7 @@ decode, verify and replay forward runs on M-invariant kernels (specs/rollback.md
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -24,16 +24,21 @@ def reference_greedy(
     n: int,
     *,
     graphs: bool | None = None,
+    on_prefill: Callable[[], None] | None = None,
 ) -> list[int]:
     """The ``n`` target-only greedy tokens after ``prompt``, one token per forward.
 
     ``graphs``: replay each decode forward from a CUDA graph (None: wherever supported).
+    ``on_prefill``: called once the prefill's token is known, before the first decode
+    forward (where a caller starts timing the decode).
     """
     if n <= 0:
         return []
     target = ShardedTarget(model, plan, max_len=len(prompt) + n, max_draft=1, graphs=graphs)
     logits, _ = target.forward(list(prompt), "prefill", 0)
     out = [int(logits[-1].argmax())]
+    if on_prefill is not None:
+        on_prefill()
     committed = len(prompt)
     while len(out) < n:
         logits, _ = target.forward([out[-1]], "decode", committed)

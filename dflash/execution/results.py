@@ -87,11 +87,17 @@ class Timings(_Frozen):
     ``tokens_per_s`` is the tokens the decode steps produced (all returned tokens but the
     first, which comes from the prefill's logits) over ``decode_s``; null when no decode
     step ran (``max_new_tokens`` 1, or EOS straight from the prefill).
+
+    ``greedy_decode_s`` / ``greedy_tokens_per_s``: the plain target-only greedy baseline
+    measured in the same run (same prompt, token count, shards, devices and CUDA-graph
+    setting; decode after its prefill, counted the same way); null when it was not run.
     """
 
     prefill_s: float
     decode_s: float
     tokens_per_s: float | None
+    greedy_decode_s: float | None = None
+    greedy_tokens_per_s: float | None = None
 
 
 class GenerationResult(_Frozen):
@@ -121,3 +127,5 @@ class GenerationResult(_Frozen):
     accepted_tokens: int = 0
     parity_sha256: str | None = None  # the oracle's SHA-256 when --check-parity ran
     text: str | None = None  # decoded new text (final EOS left out) when there is a tokenizer
+    # timings.tokens_per_s / timings.greedy_tokens_per_s; null when either is null
+    speedup_vs_greedy: float | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +24,42 @@ def _sync(plan: ShardPlan) -> None:
             torch.cuda.synchronize(d)
 
 
+def decode_rate(n_tokens: int, decode_s: float) -> float | None:
+    """Tokens/s of the decode steps: every token but the first (the prefill's) over the
+    decode time; None when no decode step ran."""
+    return (n_tokens - 1) / decode_s if n_tokens > 1 and decode_s > 0 else None
+
+
+@dataclass(frozen=True)
+class GreedyRun:
+    """One plain target-only greedy decode, timed like :func:`generate` times its own."""
+
+    tokens: list[int]
+    decode_s: float  # device-synchronised seconds after the prefill's token
+    tokens_per_s: float | None  # :func:`decode_rate` of the tokens over ``decode_s``
+
+
+def timed_greedy(
+    model: TargetModel,
+    plan: ShardPlan,
+    prompt: Sequence[int],
+    n: int,
+    *,
+    graphs: bool | None = None,
+) -> GreedyRun:
+    """:func:`reference_greedy` of ``n`` tokens, its decode (after the prefill) timed."""
+    marks: list[float] = []
+
+    def prefilled() -> None:
+        _sync(plan)
+        marks.append(time.perf_counter())
+
+    tokens = reference_greedy(model, plan, prompt, n, graphs=graphs, on_prefill=prefilled)
+    _sync(plan)
+    decode_s = time.perf_counter() - marks[0] if marks else 0.0
+    return GreedyRun(tokens, decode_s, decode_rate(len(tokens), decode_s))
+
+
 def generate(
     model: TargetModel,
     drafter: Drafter,
@@ -38,12 +75,17 @@ def generate(
     faults: FaultInjector | None = None,
     on_progress: Callable[[int, SpecDecoder], None] | None = None,
     graphs: bool | None = None,
+    baseline: bool = False,
 ) -> GenerationResult:
     """Speculative greedy decoding of ``max_new_tokens`` tokens after ``prompt``.
 
     ``oracle_tokens``: target-only greedy tokens already computed with the same settings
     (reused by ``check_parity`` instead of decoding them again). ``graphs``: CUDA graphs
-    for the decode-time forwards (None: wherever supported; False: eager).
+    for the decode-time forwards (None: wherever supported; False: eager). ``baseline``:
+    afterwards decode the same number of tokens with plain target-only greedy
+    (:func:`timed_greedy`, same shards and ``graphs``) and report its rate and the
+    speed-up over it; ``check_parity`` then compares against that same run unless
+    ``oracle_tokens`` are given.
     """
     if (
         isinstance(max_new_tokens, bool)
@@ -78,20 +120,22 @@ def generate(
     if eos_id is not None and eos_id in out[:max_new_tokens]:
         out, stop = out[: out.index(eos_id) + 1], "eos"
     tokens = out[:max_new_tokens]
+    ref = None if oracle_tokens is None else list(oracle_tokens)
+    greedy: GreedyRun | None = None
+    if baseline or (check_parity and ref is None):  # one greedy decode serves both
+        greedy = timed_greedy(model, plan, prompt, len(tokens), graphs=graphs)
+        ref = greedy.tokens if ref is None else ref
     parity: bool | None = None
     parity_sha: str | None = None
-    if check_parity:
-        ref = (
-            list(oracle_tokens)
-            if oracle_tokens is not None
-            else reference_greedy(model, plan, prompt, len(tokens), graphs=graphs)
-        )
+    if check_parity and ref is not None:  # ref is set whenever check_parity is
         parity = ref[: len(tokens)] == tokens
         parity_sha = token_sha256(ref[: len(tokens)])
     steps = len(engine.records)
     drafted = steps * (block_size - 1)
     accepted = sum(r.accept_n - 1 for r in engine.records)
     decode_s = t2 - t1
+    rate = decode_rate(len(tokens), decode_s)
+    greedy_rate = greedy.tokens_per_s if baseline and greedy is not None else None
     effective = [r for r in engine.records if r.status_before is RollbackStatus.EFFECTIVE]
     return GenerationResult(
         tokens=tokens,
@@ -115,7 +159,9 @@ def generate(
         timings=Timings(
             prefill_s=t1 - t0,
             decode_s=decode_s,
-            tokens_per_s=(len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else None,
+            tokens_per_s=rate,
+            greedy_decode_s=greedy.decode_s if baseline and greedy is not None else None,
+            greedy_tokens_per_s=greedy_rate,
         ),
         prompt_len=len(prompt),
         block_size=block_size,
@@ -130,4 +176,7 @@ def generate(
         drafted_tokens=drafted,
         accepted_tokens=accepted,
         parity_sha256=parity_sha,
+        speedup_vs_greedy=(
+            rate / greedy_rate if rate is not None and greedy_rate is not None else None
+        ),
     )

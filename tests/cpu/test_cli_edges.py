@@ -12,7 +12,10 @@ import pytest
 from dflash.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST = ["--max-new-tokens", "6", "--block-size", "4", "--devices", "cpu", "--no-progress"]
+FAST = [  # the seeded tiny model (the default model is the embedded trained pair)
+    "--model", "tiny", "--max-new-tokens", "6", "--block-size", "4", "--devices", "cpu",
+    "--no-progress",
+]
 BENCH = [
     "bench",
     "--devices",

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
 from dflash.cli import main
 from dflash.execution import token_sha256
 
-FAST = ["--max-new-tokens", "8", "--block-size", "4", "--no-progress", "--devices", "cpu"]
+FAST = [  # the seeded tiny model (the default model is the embedded trained pair)
+    "--model", "tiny", "--max-new-tokens", "8", "--block-size", "4", "--no-progress",
+    "--devices", "cpu",
+]
 SECTION5 = {
     "tokens",
     "sha256",
@@ -49,7 +53,13 @@ def test_json_result_has_the_section_5_contract(capsys: pytest.CaptureFixture[st
     assert result["rollback"]["requested"] == "checkpoint"
     assert result["rollback"]["status"] == "effective"
     assert result["capture"]["verdict"] == "validated"
-    assert set(result["timings"]) == {"prefill_s", "decode_s", "tokens_per_s"}
+    assert set(result["timings"]) == {
+        "prefill_s",
+        "decode_s",
+        "tokens_per_s",
+        "greedy_decode_s",
+        "greedy_tokens_per_s",
+    }
     assert result["parity"] is True
     assert result["checkpoint_bytes"] > 0
     assert "status requested" in err  # reported at start: requested, not "on"
@@ -186,3 +196,73 @@ def test_a_failure_while_decoding_exits_3_without_a_traceback(
     out, err = capsys.readouterr()
     assert out == ""
     assert "failed: PoisonedError: device lost" in err and "Traceback" not in err
+
+
+def _count_greedy(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
+    """Record every plain-greedy decode that ``generate`` runs (its keyword arguments)."""
+    import dflash.execution.run as run_module
+
+    calls: list[dict[str, object]] = []
+    real = run_module.reference_greedy
+
+    def counting(*args: Any, **kwargs: Any) -> list[int]:
+        calls.append({"n": args[3], **kwargs})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "reference_greedy", counting)
+    return calls
+
+
+def test_greedy_baseline_is_measured_in_the_same_run(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _count_greedy(monkeypatch)
+    result, err = _json_run(capsys, "--check-parity", "--no-graphs")
+    # one greedy decode of the same token count serves the baseline and the parity check,
+    # with the speculative run's CUDA-graph setting
+    assert [(c["n"], c["graphs"]) for c in calls] == [(len(result["tokens"]), False)]
+    assert result["parity"] is True
+    t = result["timings"]
+    assert t["greedy_decode_s"] > 0
+    assert t["greedy_tokens_per_s"] == (len(result["tokens"]) - 1) / t["greedy_decode_s"]
+    assert result["speedup_vs_greedy"] == t["tokens_per_s"] / t["greedy_tokens_per_s"]
+    speedup, greedy = result["speedup_vs_greedy"], t["greedy_tokens_per_s"]
+    assert f"speed-up vs plain greedy  {speedup:.2f}x (greedy {greedy:.1f} tokens/s)" in err
+
+
+def test_no_baseline_nulls_the_fields_and_parity_still_decodes_once(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _count_greedy(monkeypatch)
+    result, err = _json_run(capsys, "--no-baseline")
+    assert calls == [] and result["parity"] is None
+    assert result["timings"]["greedy_tokens_per_s"] is None
+    assert result["timings"]["greedy_decode_s"] is None
+    assert result["speedup_vs_greedy"] is None
+    assert "speed-up vs plain greedy  not measured (--no-baseline)" in err
+    result, _ = _json_run(capsys, "--no-baseline", "--check-parity")
+    assert len(calls) == 1 and result["parity"] is True
+    assert result["timings"]["greedy_tokens_per_s"] is None
+    assert result["speedup_vs_greedy"] is None
+
+
+def test_synthetic_drafter_reuses_its_oracle_but_times_a_real_greedy_decode(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _count_greedy(monkeypatch)  # the drafter's own oracle run is not counted here
+    synthetic = ("--draft", "synthetic", "--acceptance", "1.0", "--check-parity")
+    result, _ = _json_run(capsys, *synthetic, "--no-baseline")
+    assert calls == [] and result["parity"] is True  # parity from the drafter's oracle
+    result, _ = _json_run(capsys, *synthetic)
+    assert len(calls) == 1 and result["parity"] is True
+    t = result["timings"]
+    assert result["speedup_vs_greedy"] == t["tokens_per_s"] / t["greedy_tokens_per_s"]
+
+
+def test_one_token_has_no_speedup(capsys: pytest.CaptureFixture[str]) -> None:
+    result, err = _json_run(capsys, "--max-new-tokens", "1")
+    assert result["timings"]["tokens_per_s"] is None
+    assert result["timings"]["greedy_decode_s"] is not None  # the baseline ran (prefill only)
+    assert result["timings"]["greedy_tokens_per_s"] is None
+    assert result["speedup_vs_greedy"] is None
+    assert "speed-up vs plain greedy  none (no decode step" in err

@@ -11,7 +11,10 @@ import pytest
 from dflash.cli import main
 from dflash.model import ConfigError, HybridConfig
 
-FAST = ["--max-new-tokens", "4", "--block-size", "4", "--devices", "cpu", "--no-progress"]
+FAST = [  # the seeded tiny model (the default model is the embedded trained pair)
+    "--model", "tiny", "--max-new-tokens", "4", "--block-size", "4", "--devices", "cpu",
+    "--no-progress",
+]
 
 
 def _config(**changes: Any) -> dict[str, Any]:

@@ -13,7 +13,10 @@ from dflash.cli import main
 from dflash.commands.generate import ByteText, TextPrinter
 from dflash.model.tokenizer import TextTokenizer
 
-FAST = ["--max-new-tokens", "10", "--block-size", "4", "--devices", "cpu", "--no-progress"]
+FAST = [  # the seeded tiny model (the default model is the embedded trained pair)
+    "--model", "tiny", "--max-new-tokens", "10", "--block-size", "4", "--devices", "cpu",
+    "--no-progress",
+]
 PROMPT = "for i in"
 VOCAB = 300
 TRAINING_TEXT = [

@@ -160,7 +160,10 @@ def test_capture_gate_refuses_with_a_typed_error() -> None:
 
 # -- the CLI: exit 2 (bad input), 3 (decoding failed), 4 (internal error), --debug -------------
 
-FAST = ["--max-new-tokens", "4", "--block-size", "4", "--no-progress", "--devices", "cpu"]
+FAST = [  # the seeded tiny model (the default model is the embedded trained pair)
+    "--model", "tiny", "--max-new-tokens", "4", "--block-size", "4", "--no-progress",
+    "--devices", "cpu",
+]
 
 
 def _raise(exc: BaseException) -> object:

@@ -32,7 +32,19 @@ ARGS = [
 ]
 
 
-def test_aba_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_aba_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dflash.execution.run as run_module
+
+    greedy_calls: list[object] = []  # timed plain-greedy decodes (the oracle comes from
+    real_greedy = run_module.reference_greedy  # the synthetic drafter, not counted here)
+
+    def counting(*args: Any, **kwargs: Any) -> list[int]:
+        greedy_calls.append(kwargs["graphs"])
+        return real_greedy(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "reference_greedy", counting)
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     code = main(
         [*ARGS, "--a", "replay", "--b", "remap", "--out", str(out), "--plot", str(png), "--json"]
@@ -57,6 +69,16 @@ def test_aba_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     a_mean = (m_a1 + m_a2) / 2
     assert report["speedup"] == {"remap": pytest.approx(m_b1 / a_mean, rel=1e-12)}
     assert report["drift_a"] == pytest.approx(abs(m_a1 - m_a2) / a_mean, rel=1e-12, abs=1e-15)
+    # plain greedy: the same warm-up and runs as each phase, graphs as in the B runs
+    assert greedy_calls == [None, None]
+    greedy = report["greedy_tokens_per_s"]
+    assert len(report["greedy_runs"]) == 2 and all(r > 0 for r in report["greedy_runs"])
+    assert greedy == pytest.approx(sum(report["greedy_runs"]) / 2)
+    for phase in report["phases"]:
+        assert phase["speedup_vs_greedy"] == phase["median_tokens_per_s"] / greedy
+    assert report["speedup_vs_greedy"] == {"replay": a_mean / greedy, "remap": m_b1 / greedy}
+    assert "vs greedy" in err and f"{m_b1 / greedy:.2f}x" in err
+    assert f"plain target-only greedy: {greedy:.2f} tok/s (median of 2)" in err
     assert "synthetic" in report["note"]
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "A1/A2 drift" in err
@@ -95,3 +117,24 @@ def test_missing_matplotlib_is_a_clear_message(
 def test_bad_mode_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*ARGS, "--b", "checkpoint,fast"]) == 2
     assert "--b must be one of replay, checkpoint, remap (got 'fast')" in capsys.readouterr().err
+
+
+def test_a_wrong_greedy_run_withholds_the_speedups(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dflash.execution.run as run_module
+
+    real_greedy = run_module.reference_greedy
+
+    def wrong_last_token(*args: Any, **kwargs: Any) -> list[int]:
+        tokens = real_greedy(*args, **kwargs)
+        return [*tokens[:-1], tokens[-1] + 1]
+
+    monkeypatch.setattr(run_module, "reference_greedy", wrong_last_token)
+    assert main([*ARGS, "--runs", "1", "--b", "remap"]) == 1
+    stdout, err = capsys.readouterr()
+    report = json.loads(stdout)
+    assert report["correct"] is False
+    assert report["speedup_vs_greedy"] == {"replay": None, "remap": None}
+    assert all(p["speedup_vs_greedy"] is None for p in report["phases"])
+    assert "speed-up remap vs plain greedy: not reported (a run was incorrect)" in err

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dflash.execution import ROLLBACK_MODES, RollbackConfigError, RollbackPolicy, RollbackStatus
-from dflash.execution.policy import ENV_VAR, parse_mode
+from dflash.execution.policy import DEFAULT_MODE, ENV_VAR, parse_mode
 
 
 def test_modes_and_environment_variable() -> None:
@@ -53,13 +53,14 @@ def test_policy_is_frozen_and_strict() -> None:
 
 
 def test_resolve_precedence_and_sources() -> None:
-    env = {ENV_VAR: "checkpoint"}
-    assert RollbackPolicy.resolve("remap", environ=env).mode == "remap"  # CLI first
-    assert RollbackPolicy.resolve(None, environ=env).mode == "checkpoint"  # then environment
-    assert RollbackPolicy.resolve(None, environ={}).mode == "replay"  # then the default
-    assert RollbackPolicy.resolve(None, environ={ENV_VAR: ""}).mode == "replay"  # empty: unset
-    assert RollbackPolicy.resolve(None, environ={"OTHER": "remap"}).mode == "replay"
-    assert RollbackPolicy.resolve(None, environ={}) == RollbackPolicy()
+    env = {ENV_VAR: "remap"}
+    assert RollbackPolicy.resolve("replay", environ=env).mode == "replay"  # CLI first
+    assert RollbackPolicy.resolve(None, environ=env).mode == "remap"  # then environment
+    assert RollbackPolicy.resolve(None, environ={}).mode == "checkpoint"  # then the default
+    assert DEFAULT_MODE == "checkpoint"
+    assert RollbackPolicy.resolve(None, environ={ENV_VAR: ""}).mode == "checkpoint"  # unset
+    assert RollbackPolicy.resolve(None, environ={"OTHER": "remap"}).mode == "checkpoint"
+    assert RollbackPolicy.resolve(None, environ={}) == RollbackPolicy(mode=DEFAULT_MODE)
     with pytest.raises(RollbackConfigError, match=r"^--rollback must be one of .*'nope'"):
         RollbackPolicy.resolve("nope", environ=env)
     with pytest.raises(RollbackConfigError,
@@ -72,4 +73,4 @@ def test_resolve_reads_the_process_environment_by_default(
     monkeypatch.setenv(ENV_VAR, "remap")
     assert RollbackPolicy.resolve().mode == "remap"
     monkeypatch.delenv(ENV_VAR)
-    assert RollbackPolicy.resolve().mode == "replay"
+    assert RollbackPolicy.resolve().mode == "checkpoint"

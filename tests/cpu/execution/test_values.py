@@ -23,7 +23,7 @@ from dflash.execution.session import SessionError, per_slot_probability
 
 
 def test_policy_precedence_cli_then_environment_then_default() -> None:
-    assert RollbackPolicy.resolve(None, environ={}).mode == "replay"
+    assert RollbackPolicy.resolve(None, environ={}).mode == "checkpoint"
     assert RollbackPolicy.resolve(None, environ={"DFLASH_ROLLBACK": " Remap "}).mode == "remap"
     env = {"DFLASH_ROLLBACK": "remap"}
     assert RollbackPolicy.resolve("checkpoint", environ=env).mode == "checkpoint"

@@ -106,8 +106,8 @@ class Recipe:
     linear_value_head_dim: int = 64
     max_position_embeddings: int = 8192
     rope_theta: float = 10000.0
-    # target training
-    steps: int = 2000
+    # target training (the shipped pair: these defaults, two device calls; BENCHMARKS.md)
+    steps: int = 1000
     batch_size: int = 16
     seq_len: int = 1024
     lr: float = 2e-3
@@ -119,17 +119,19 @@ class Recipe:
     eval_windows: int = 32  # held-out windows for the curve (the final eval uses all)
     final_eval_max_tokens: int = 2_000_000
     # drafter (dflash train-drafter)
-    drafter_steps: int = 2000
+    drafter_steps: int = 1500
     drafter_batch_size: int = 16
     drafter_seq_len: int = 512
     drafter_lr: float = 1e-3
     drafter_warmup: int = 100
     drafter_block_size: int = 16
     drafter_num_layers: int = 2
-    drafter_eval_every: int = 500
-    drafter_eval_prompts: int = 16
+    drafter_eval_every: int = 750
+    drafter_eval_prompts: int = 8
     drafter_eval_tokens: int = 128  # generated per held-out prompt when measuring τ
     drafter_teacher: str = "generate"  # train on the target's own greedy responses
+    drafter_teacher_samples: int = 2048  # teacher responses generated once, then reused
+    drafter_anchors: int = 48  # anchored blocks per sequence per step
 
 
 TINY = Recipe(
@@ -163,6 +165,8 @@ TINY = Recipe(
     drafter_num_layers=1,
     drafter_eval_every=8,
     drafter_eval_prompts=2,
+    drafter_teacher_samples=16,
+    drafter_anchors=8,
     drafter_eval_tokens=16,
     drafter_teacher="data",  # the smoke run skips generating teacher responses
 )
@@ -582,6 +586,8 @@ def drafter_command(
         "--eval-prompts", str(recipe.drafter_eval_prompts),
         "--eval-tokens", str(recipe.drafter_eval_tokens),
         "--teacher", recipe.drafter_teacher,
+        "--teacher-samples", str(recipe.drafter_teacher_samples),
+        "--anchors", str(recipe.drafter_anchors),
         "--seed", str(recipe.seed),
         "--device", "cuda" if device.startswith("cuda") else "cpu",
         "--dtype", "bfloat16" if device.startswith("cuda") else "float32",

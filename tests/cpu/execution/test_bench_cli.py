@@ -131,9 +131,10 @@ def test_a_wrong_greedy_run_withholds_the_speedups(
         return [*tokens[:-1], tokens[-1] + 1]
 
     monkeypatch.setattr(run_module, "reference_greedy", wrong_last_token)
-    assert main([*ARGS, "--runs", "1", "--b", "remap"]) == 1
+    assert main([*ARGS, "--runs", "1", "--warmup", "1", "--b", "remap"]) == 1
     stdout, err = capsys.readouterr()
     report = json.loads(stdout)
+    assert len(report["greedy_runs"]) == 1  # the warm-up run is not measured
     assert report["correct"] is False
     assert report["speedup_vs_greedy"] == {"replay": None, "remap": None}
     assert all(p["speedup_vs_greedy"] is None for p in report["phases"])

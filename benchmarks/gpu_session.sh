@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_session.sh cli     # dflash generate on two GPUs, every drafter
 #   bash benchmarks/gpu_session.sh minv    # M-invariant linear/attention: GPU tests + kernel table
 #   bash benchmarks/gpu_session.sh parity  # plain greedy vs every rollback mode (CLI, --check-parity)
+#   bash benchmarks/gpu_session.sh graphs  # tests/gpu/test_graphs.py (graphs vs eager, 9B 1,024-token parity)
+#   bash benchmarks/gpu_session.sh profile # benchmarks/profile_step.py: wall vs GPU time, graphs off/on
 #   bash benchmarks/gpu_session.sh drafter # the default pair's drafter stage (scripts/build_default.py)
 # Expects the wheels the device lacks (pydantic and its deps, fla-core) under .whl/.
 set -uo pipefail
@@ -32,7 +34,7 @@ for phase in "$@"; do
       python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
       ;;
     bench)
-      dflash bench --model nine-b-shape --draft synthetic --acceptance 0.874 --block-size 16 \
+      timeout "${BENCH_TIMEOUT:-600}" python3 -m dflash.cli bench --model nine-b-shape --draft synthetic --acceptance 0.874 --block-size 16 \
         --prompt-len 1024 --max-new-tokens 256 --a replay --b checkpoint,remap \
         --warmup 1 --runs 3 --out "$OUT/bench_9b.json" --plot "$OUT/bench_9b.png" \
         2>&1 | tee "$OUT/bench_9b.log"
@@ -65,6 +67,14 @@ print(' parity', d['parity'], 'sha', d['sha256'], 'status', r['status'], \
         | tee "$OUT/minv_tests.log"
       python3 benchmarks/minv_kernels.py --out "$OUT/minv_kernels.json" 2>&1 \
         | tee "$OUT/minv_kernels.log"
+      ;;
+    graphs)
+      timeout "${GRAPHS_TIMEOUT:-600}" python3 -m pytest tests/gpu/test_graphs.py -q -s \
+        -p no:cacheprovider --durations=0 2>&1 | tee "$OUT/graphs_tests.log"
+      ;;
+    profile)
+      timeout "${PROFILE_TIMEOUT:-600}" python3 benchmarks/profile_step.py \
+        --json "$OUT/profile_step.json" 2>&1 | tee "$OUT/profile_step.log"
       ;;
     parity)
       # every rollback mode against plain one-token-per-forward greedy, bitwise (--check-parity)

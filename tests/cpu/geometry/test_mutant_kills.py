@@ -37,3 +37,71 @@ def test_too_large_message_says_whether_n_actual_was_given() -> None:
     assert given.message == "'n_actual' must be at most MAX_SLOTS=1024 (got 1025)"
     assert defaulted.message == ("'n_actual' (default: len(parents)) must be at most "
                                  "MAX_SLOTS=1024 (got 1025)")
+
+
+def test_messages_shorten_values_to_40_characters() -> None:
+    from dflash.geometry import Rejection, validate_chain
+
+    verdict = validate_chain([-1, "x" * 100])
+    assert isinstance(verdict, Rejection)
+    shown = "'" + "x" * 17 + "..." + "x" * 18 + "'"  # exactly 40 characters
+    assert len(shown) == 40
+    assert verdict.message == f"'parents' slot 1 must be an int (got str {shown})"
+
+
+@pytest.mark.parametrize(("value", "shown"), [
+    (2**127, str(2**127)),  # 128 bits: still printed in full
+    (-(2**128) + 1, str(-(2**128) + 1)),  # 128 bits
+    (2**128, "an int of 129 bits"),
+    (-(2**200), "an int of 201 bits"),
+])
+def test_huge_ints_are_described_by_their_size_past_128_bits(value: int, shown: str) -> None:
+    from dflash.geometry import Rejection, validate_chain
+
+    verdict = validate_chain([-1, value])
+    assert isinstance(verdict, Rejection)
+    assert verdict.message == f"'parents' slot 1 must be in [-1, n_actual=2) (got {shown})"
+
+
+class LyingLength(list):  # type: ignore[type-arg]  # a list claiming one entry more than it has
+    def __len__(self) -> int:
+        return super().__len__() + 1
+
+
+def test_a_container_yielding_fewer_entries_than_its_length_is_null() -> None:
+    from dflash.geometry import Rejection, RejectReason, validate_chain, validate_tree
+
+    for validate in (validate_chain, validate_tree):
+        verdict = validate(LyingLength([-1, 0]))
+        assert isinstance(verdict, Rejection) and verdict.reason is RejectReason.NULL
+        assert verdict.message == "'parents' yielded 2 entries where its length said 3"
+
+
+@pytest.mark.parametrize(("data", "kind"), [(None, "NoneType"), ("abcd", "str"), (5, "int")])
+def test_decoder_names_non_buffers(data: object, kind: str) -> None:
+    from dflash.geometry import Rejection, decode_int32_le
+
+    verdict = decode_int32_le(data)
+    assert isinstance(verdict, Rejection)
+    assert verdict.message == f"int32 buffer must be bytes-like (got {kind})"
+
+
+def test_a_user_sequence_with_tolist_but_no_dtype_is_read_as_a_sequence() -> None:
+    from collections.abc import Sequence
+    from typing import Any
+
+    from dflash.geometry import ChainGeometry, validate_chain
+
+    class Listish(Sequence):  # type: ignore[type-arg]  # no slicing, a tolist that lies
+        def __len__(self) -> int:
+            return 3
+
+        def __getitem__(self, i: Any) -> Any:
+            if isinstance(i, slice):
+                raise TypeError("no slices")
+            return [-1, 0, 1][i]
+
+        def tolist(self) -> list[int]:
+            return [7, 7, 7]
+
+    assert isinstance(validate_chain(Listish()), ChainGeometry)

@@ -1,0 +1,190 @@
+"""The graph path after slot remaps, on CPU, through a replay that behaves like a CUDA graph.
+
+The stand-in of ``test_device_step.py`` re-runs the shard's Python on every replay, so it
+recomputes every view and host value afresh. A CUDA graph does not: it replays the
+recorded kernels against the addresses and scalars of the capture. :func:`recorded_capture`
+does the same on CPU: it records every ATen operation (``TorchDispatchMode``) and every
+Triton launch (the interpreter) of the captured work, and a replay re-issues exactly those
+operations on the very tensors of the capture — inputs, views into the caches (the live
+checkpoint slot), intermediates and outputs — with the scalars of the capture. A graph key
+that did not pin everything its work baked in (the live slot above all) decodes wrong
+tokens here, as it would on a GPU.
+
+Runs the model's Triton kernels, so it needs ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from dflash.execution import RollbackPolicy, ShardedTarget, SpecDecoder, plan_shards
+from dflash.execution.graphs import GraphKey, ShardCompute, ShardGraphs, ShardOutput
+from dflash.kernels.checks import INTERPRET
+from dflash.model import HybridConfig, TargetModel, greedy_generate
+from dflash.model.drafters import SyntheticDrafter
+
+pytestmark = pytest.mark.skipif(
+    not INTERPRET, reason="the model's Triton kernels on CPU need TRITON_INTERPRET=1"
+)
+
+Op = tuple[Any, ...]
+
+
+class _Recorder(TorchDispatchMode):
+    """Runs and records every ATen operation (not those inside a Triton launch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[Op] = []
+        self.inside_launch = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]  # torch's hook
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.inside_launch:
+            self.ops.append(("aten", func, args, kwargs, out))
+        return out
+
+
+_RECORDING: list[_Recorder] = []
+
+
+@pytest.fixture
+def record_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Record the Triton launches made while a capture records (interpreter only)."""
+    import triton.runtime.interpreter as interpreter
+
+    original = interpreter.InterpretedFunction.run
+
+    def run(self: Any, *args: Any, grid: Any, warmup: Any, **kwargs: Any) -> Any:
+        rec = _RECORDING[-1] if _RECORDING else None
+        if rec is None or warmup:
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        rec.inside_launch += 1
+        try:
+            result = original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        finally:
+            rec.inside_launch -= 1
+        rec.ops.append(("triton", lambda: original(self, *args, grid=grid, warmup=False,
+                                                   **kwargs)))
+        return result
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", run)
+    yield
+
+
+def _reissue(op: Op) -> None:
+    if op[0] == "triton":
+        op[1]()
+        return
+    _, func, args, kwargs, out = op
+    result = func(*args, **kwargs)
+    if func._schema.is_mutable:  # in place / out=: it wrote the capture's tensors
+        return
+    inputs = {
+        t.untyped_storage().data_ptr()
+        for t in tree_flatten((args, kwargs))[0]
+        if isinstance(t, torch.Tensor)
+    }
+    for mine, fresh in zip(tree_flatten(out)[0], tree_flatten(result)[0], strict=True):
+        if isinstance(mine, torch.Tensor) and mine.untyped_storage().data_ptr() not in inputs:
+            mine.copy_(fresh)  # a fresh result lands where the capture's result lives
+
+
+def recorded_capture(
+    work: Callable[[], ShardOutput],
+) -> tuple[Callable[[], None], ShardOutput]:
+    """Capture ``work`` the way a CUDA graph does (see the module docstring).
+
+    The capture runs ``work`` once while recording (a CUDA capture records it and the
+    first replay runs it), so the first replay does nothing; later ones re-issue the
+    recorded operations.
+    """
+    rec = _Recorder()
+    _RECORDING.append(rec)
+    try:
+        with rec:
+            outputs = work()
+    finally:
+        _RECORDING.pop()
+    first = [True]
+
+    def replay() -> None:
+        if first[0]:
+            first[0] = False
+            return
+        for op in rec.ops:
+            _reissue(op)
+
+    return replay, outputs
+
+
+PROMPT = [11, 12, 11, 12, 11, 12, 11, 12, 40]
+BLOCK = 5
+
+
+@pytest.fixture(scope="module")
+def oracle() -> list[int]:
+    return greedy_generate(TargetModel.tiny_default(seed=0), PROMPT, 48)
+
+
+def _decode(
+    oracle: list[int], mode: str, n: int, graphs: type[ShardGraphs] = ShardGraphs
+) -> tuple[list[int], list[int | None], list[ShardGraphs]]:
+    model = TargetModel.seeded(HybridConfig.tiny_default(), seed=0)
+    model.kernel_backend = "triton"
+    target = ShardedTarget(model, plan_shards(6), max_len=len(PROMPT) + n + BLOCK + 1,
+                           max_draft=BLOCK)
+    target.graphs = [graphs(s.device, capture=recorded_capture) for s in target.shards]
+    drafter = SyntheticDrafter(PROMPT + oracle, 0.8, model.config.vocab_size, seed=3)
+    engine = SpecDecoder(target, drafter, block_size=BLOCK, policy=RollbackPolicy(mode=mode))
+    out, slots = [engine.prefill(PROMPT)], []
+    while len(out) < n:
+        out.extend(engine.step())
+        slots.append(target.shards[0].caches.pool.live_slot)
+        if out != oracle[: len(out)]:
+            break
+    return out[:n], slots, target.graphs
+
+
+@pytest.mark.usefixtures("record_launches")
+def test_remap_through_recorded_graphs_is_plain_greedy(oracle: list[int]) -> None:
+    """Commits of several lengths: a verify graph per live slot, captured on the slot it
+    reads, replayed on it; the tokens are plain greedy's."""
+    out, slots, graphs = _decode(oracle, "remap", 40)
+    assert out == oracle[:40]
+    assert len({s for s in slots if s is not None}) >= 3, slots  # several slots were live
+    g = graphs[0]
+    assert g.captures >= 3 and g.replays >= 3 and not g.failures, (g.captures, g.replays)
+
+
+class _SlotBlindGraphs(ShardGraphs):
+    """A deliberately wrong key: one verify graph for every live slot."""
+
+    def run(
+        self,
+        key: GraphKey,
+        x: torch.Tensor,
+        compute: ShardCompute,
+        on_layer: Callable[[int], None] | None,
+    ) -> ShardOutput:
+        return super().run((key[0], key[1], None, key[3]), x, compute, on_layer)
+
+
+@pytest.mark.usefixtures("record_launches")
+def test_recorded_graphs_catch_a_key_without_the_live_slot(oracle: list[int]) -> None:
+    """The recorded replay is faithful enough to fail a graph that reads the slot it was
+    captured on after the live state moved to another slot."""
+    from dflash.model.drafters.errors import OracleMismatchError
+
+    try:
+        out, _, _ = _decode(oracle, "remap", 40, graphs=_SlotBlindGraphs)
+    except OracleMismatchError:
+        return
+    assert out != oracle[:40]

@@ -105,3 +105,34 @@ def test_a_user_sequence_with_tolist_but_no_dtype_is_read_as_a_sequence() -> Non
             return [7, 7, 7]
 
     assert isinstance(validate_chain(Listish()), ChainGeometry)
+
+
+def test_accepted_flags_equality_and_dicts_of_each_kind() -> None:
+    from dflash.geometry import Rejection, validate_chain, validate_tree
+
+    chain, tree, rejection = validate_chain([-1, 0]), validate_tree([-1, 0]), validate_chain([0])
+    assert chain.accepted is True and tree.accepted is True
+    assert isinstance(rejection, Rejection) and rejection.accepted is False
+    assert chain != tree and tree != chain and chain == validate_chain((-1, 0))
+    assert chain != validate_chain([-1]) and tree != validate_tree([-1])
+    assert chain.to_dict() == {"accepted": True, "kind": "chain", "n_actual": 2,
+                               "parents": [-1, 0]}
+    assert tree.to_dict() == {"accepted": True, "kind": "tree", "n_actual": 2,
+                              "parents": [-1, 0]}
+    assert verdict_from_json(chain.to_json()) == chain
+    assert verdict_from_json(tree.to_json()) == tree
+
+
+def test_is_ancestor_agrees_with_the_mask_and_the_parent_walk() -> None:
+    from dflash.geometry import TreeGeometry, validate_tree
+
+    parents = [-1, 0, 0, 1, 3, 2]
+    tree = validate_tree(parents)
+    assert isinstance(tree, TreeGeometry)
+    mask = tree.ancestor_mask()
+    for s in range(len(parents)):
+        line = {s}
+        while parents[min(line)] != -1:
+            line.add(parents[min(line)])
+        for a in range(len(parents)):
+            assert tree.is_ancestor(a, s) is (a in line) is mask[s][a], (a, s)

@@ -64,7 +64,8 @@ TARGETS: dict[str, tuple[str, ...]] = {
 }
 #: ``--quick``: the first, fastest tests of each list (the CI subset runs these)
 QUICK: dict[str, tuple[str, ...]] = {
-    path: tests[:2] if path.startswith("dflash/geometry") else tests[:1]
+    path: (GEOMETRY_TESTS[0], GEOMETRY_TESTS[2], GEOMETRY_TESTS[3], GEOMETRY_TESTS[1])
+    if path.startswith("dflash/geometry") else tests[:1]
     for path, tests in TARGETS.items()
 }
 PRELOAD = ("torch", "numpy", "hypothesis", "z3", "pydantic", "pytest")

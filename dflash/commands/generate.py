@@ -246,7 +246,12 @@ def summary_table(r: GenerationResult) -> str:
         (
             "rollback",
             f"requested {r.rollback.requested}, status {r.rollback.status.value} "
-            f"(at start {r.rollback.status_at_start.value})",
+            f"(at start {r.rollback.status_at_start.value})"
+            + (
+                ""
+                if r.rollback.fast_unavailable_reason is None
+                else f"; fast rollback unavailable: {r.rollback.fast_unavailable_reason}"
+            ),
         ),
         (
             "rollbacks",
@@ -606,6 +611,9 @@ def run(args: argparse.Namespace) -> int:
     try:  # everything that depends only on the arguments: exit 2 when unusable
         policy = RollbackPolicy.resolve(getattr(args, "rollback", None), environ=os.environ)
         ready = prepare(args)
+        from dflash.execution.run import check_positions
+
+        check_positions(ready.model, len(ready.prompt), args.max_new_tokens, args.block_size)
     except usage_errors() as exc:
         report_error(args, f"dflash generate: error: {exc}", exc)
         return 2
@@ -616,6 +624,14 @@ def run(args: argparse.Namespace) -> int:
         result = execute(args, policy, ready, progress=not args.no_progress)
     except decoding_failures() as exc:  # a failure while decoding: exit 3, no traceback
         report_error(args, f"dflash generate: failed: {type(exc).__name__}: {exc}", exc)
+        return 3
+    except RuntimeError as exc:  # out of memory reported as a plain RuntimeError: exit 3
+        from dflash.model.caches import is_out_of_memory
+
+        if not is_out_of_memory(exc):
+            raise  # any other RuntimeError is a bug (exit 4)
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        report_error(args, f"dflash generate: failed: out of memory: {first}", exc)
         return 3
     print(summary_table(result), file=sys.stderr)
     if args.json:

@@ -7,6 +7,7 @@ state machine.
 from dflash.execution.capture_gate import CaptureGate, ShardStorage
 from dflash.execution.engine import SpecDecoder, StepRecord, chain_of
 from dflash.execution.errors import (
+    ContextLengthError,
     ExecutionError,
     IllegalTransitionError,
     InjectedFault,
@@ -36,12 +37,15 @@ from dflash.execution.results import (
 )
 from dflash.execution.run import generate
 from dflash.execution.shards import ShardedTarget, ShardPlan, plan_shards
+from dflash.model.caches import CaptureStorageError
 
 __all__ = [
     "ENV_VAR",
     "ROLLBACK_MODES",
     "CaptureGate",
     "CaptureReport",
+    "CaptureStorageError",
+    "ContextLengthError",
     "ExecutionError",
     "FaultInjector",
     "FaultPhase",

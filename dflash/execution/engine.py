@@ -10,7 +10,9 @@ One step, with ``committed`` tokens in the caches and ``last`` the pending token
     roll back to commit_n                         # fast (checkpoint / remap) or replay
 
 The fast rollback runs only while the rollback status is ``effective`` (the capture gate
-validated the storage and nothing is poisoned).  A failure inside it after state began
+validated the storage and nothing is poisoned); capture storage that could not be
+allocated keeps a fast mode ``requested`` and every step on replay
+(``fast_unavailable_reason``).  A failure inside it after state began
 to change poisons the target; the step then completes through the legacy path (restore
 the pre-verify state, replay the accepted tokens) and counts as ``replay_after_failure``.
 """
@@ -120,7 +122,15 @@ class SpecDecoder:
             return RollbackStatus.POISONED
         if not self.policy.fast:
             return RollbackStatus.OFF
+        if self.fast_unavailable_reason is not None:  # requested, never effective
+            return RollbackStatus.REQUESTED
         return RollbackStatus.EFFECTIVE if self.gate.validated else RollbackStatus.REQUESTED
+
+    @property
+    def fast_unavailable_reason(self) -> str | None:
+        """Why a fast mode cannot become effective: capture storage that could not be
+        allocated (the steps roll back through replay); None when the storage is whole."""
+        return self.target.fast_unavailable_reason
 
     # -- prefill --------------------------------------------------------------------------
 
@@ -171,7 +181,10 @@ class SpecDecoder:
             )
         geometry = chain_of(len(d))
         self.target.require_position(self.committed, what="before verify")
-        gate_run = self.policy.fast and self.gate.pending  # the gate runs for a fast mode only
+        # the gate runs for a fast mode only, and only on whole capture storage
+        gate_run = (
+            self.policy.fast and self.gate.pending and self.fast_unavailable_reason is None
+        )
         storages = self.target.storages() if gate_run else []
         if gate_run:
             self.gate.arm(storages)

@@ -32,3 +32,7 @@ class InjectedFault(ExecutionError):
 
 class RollbackConfigError(ExecutionError, UsageError):
     """An unknown rollback mode (from the CLI, the environment or a config)."""
+
+
+class ContextLengthError(ExecutionError, UsageError):
+    """A prompt plus its token budget needs more positions than the model or caches hold."""

@@ -75,6 +75,8 @@ class RollbackReport(_Frozen):
     requested: RollbackMode
     status: RollbackStatus
     status_at_start: RollbackStatus
+    #: why fast rollback could not run (capture storage that did not fit); None otherwise
+    fast_unavailable_reason: str | None = None
     fast: int = 0
     replay: int = 0
     replay_after_failure: int = 0

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.execution.engine import SpecDecoder
+from dflash.execution.errors import ContextLengthError
 from dflash.execution.faults import FaultInjector
 from dflash.execution.oracle import reference_greedy
 from dflash.execution.policy import RollbackPolicy, RollbackStatus
@@ -60,6 +61,26 @@ def timed_greedy(
     return GreedyRun(tokens, decode_s, decode_rate(len(tokens), decode_s))
 
 
+def positions_needed(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    """Positions a run may write: the last verify starts at most at position
+    ``prompt_len + max_new_tokens - 2`` and covers ``block_size`` of them."""
+    return prompt_len + max_new_tokens + block_size - 2
+
+
+def check_positions(
+    model: TargetModel, prompt_len: int, max_new_tokens: int, block_size: int
+) -> None:
+    """Refuse, before any decoding, a budget past the model's ``max_position_embeddings``."""
+    need = positions_needed(prompt_len, max_new_tokens, block_size)
+    limit = model.config.max_position_embeddings
+    if need > limit:
+        raise ContextLengthError(
+            f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} + "
+            f"block_size={block_size} - 2 = {need} positions exceed the model's "
+            f"max_position_embeddings={limit}"
+        )
+
+
 def generate(
     model: TargetModel,
     drafter: Drafter,
@@ -93,6 +114,7 @@ def generate(
         or max_new_tokens < 1
     ):
         raise ValueError(f"'max_new_tokens' must be an int >= 1 (got {max_new_tokens!r})")
+    check_positions(model, len(prompt), max_new_tokens, block_size)
     policy = policy or RollbackPolicy()
     target = ShardedTarget(
         model,
@@ -148,6 +170,7 @@ def generate(
             requested=policy.mode,
             status=engine.status,
             status_at_start=engine.status_at_start,
+            fast_unavailable_reason=engine.fast_unavailable_reason,
             fast=engine.counts["fast"],
             replay=engine.counts["replay"],
             replay_after_failure=engine.counts["replay_after_failure"],

@@ -20,7 +20,7 @@ from dflash.execution.capture_gate import ShardStorage
 from dflash.execution.errors import LayerSplitError, ShardPositionError
 from dflash.execution.graphs import ShardCompute, ShardGraphs, ShardOutput, graphs_supported
 from dflash.geometry import ChainGeometry
-from dflash.model import ShardCaches, TargetModel
+from dflash.model import KVCache, ShardCaches, TargetModel
 from dflash.model.target import Mode
 
 
@@ -193,7 +193,9 @@ class ShardedTarget:
             [ShardGraphs(s.device) for s in self.shards] if self.graphs_off_reason is None else None
         )
 
-    def _new_caches(self, layers: range, device: torch.device) -> ShardCaches:
+    def _new_caches(
+        self, layers: range, device: torch.device, kv: KVCache | None = None
+    ) -> ShardCaches:
         return ShardCaches.for_layers(
             self.model.config,
             layers,
@@ -201,6 +203,7 @@ class ShardedTarget:
             max_draft=self.max_draft,
             dtype=self.model.embed_tokens.weight.dtype,
             device=device,
+            kv=kv,
         )
 
     @property
@@ -213,6 +216,16 @@ class ShardedTarget:
     @property
     def checkpoint_bytes(self) -> int:
         return sum(s.caches.checkpoint_bytes for s in self.shards)
+
+    @property
+    def fast_unavailable_reason(self) -> str | None:
+        """Why fast rollback cannot run (a shard's capture storage did not fit), else None."""
+        reasons = [
+            f"shard {s.index}: {s.caches.fast_unavailable_reason}"
+            for s in self.shards
+            if s.caches.fast_unavailable_reason is not None
+        ]
+        return "; ".join(reasons) if reasons else None
 
     def forward(
         self,
@@ -328,8 +341,7 @@ class ShardedTarget:
         KV cache are carried over, so decoding continues unchanged."""
         for s in self.shards:
             old = s.caches
-            new = self._new_caches(s.layers, s.device)
-            new.kv = old.kv
+            new = self._new_caches(s.layers, s.device, kv=old.kv)
             new.pool.adopt_live(old.pool)
             s.caches = new
         if self.graphs is not None:  # they hold the old storage's addresses

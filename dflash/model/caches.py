@@ -27,6 +27,37 @@ from dflash.model.config import HybridConfig
 from dflash.model.layers import rotary_table
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An allocation failure: ``MemoryError``, ``torch.OutOfMemoryError`` or a
+    ``RuntimeError`` whose message says the allocator ran out of memory."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and (
+        "out of memory" in text or "can't allocate memory" in text
+    )
+
+
+def allocate_capture(
+    what: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+) -> Tensor:
+    """Allocate one capture buffer (``what``: ``checkpoints`` | ``captured`` | ``snapshot``).
+
+    The single allocation point of :class:`RecurrentPool`'s capture storage, so a test can
+    replace it to simulate a device that cannot hold the storage.
+    """
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
+class CaptureStorageError(ExecutionError):
+    """Not even the capture storage the replay path needs fits on the pool's device."""
+
+
 class CacheError(ExecutionError):
     """A cache operation that would leave the caches inconsistent; nothing was changed.
 
@@ -120,13 +151,24 @@ class RecurrentPool:
         state_shape = (n, batch, num_v_heads, key_dim, value_dim)
         self.state = torch.zeros(state_shape, dtype=f32, device=device)
         self.conv = torch.zeros(n, batch, conv_kernel - 1, conv_dim, dtype=dtype, device=device)
-        self.checkpoints = torch.zeros(
-            n, batch, max_draft, num_v_heads, key_dim, value_dim, dtype=f32, device=device
+        slots = (batch, max_draft, num_v_heads, key_dim, value_dim)
+        rows = (batch, conv_kernel - 1 + max_draft, conv_dim)
+        #: why fast rollback cannot run on this pool (None: full capture storage)
+        self.fast_unavailable_reason: str | None = None
+        self.checkpoints, self.captured = self._allocate_capture(
+            n, slots, rows, f32, dtype, device
         )
-        self.captured = torch.zeros(
-            n, batch, conv_kernel - 1 + max_draft, conv_dim, dtype=dtype, device=device
-        )
-        self.snapshot = torch.zeros(state_shape, dtype=f32, device=device)
+        try:
+            self.snapshot = allocate_capture("snapshot", state_shape, f32, device)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            size = _numel(state_shape) * 4
+            raise CaptureStorageError(
+                f"the pre-verify snapshot of {size} bytes (layers {list(self.layer_ids)}) "
+                f"could not be allocated on {device}: {_first_line(exc)}; "
+                "neither fast nor replay rollback can run"
+            ) from None
         self.live_slot: int | None = None
         # the committed position: ``length`` on the host (for checks), ``position`` on the
         # device (what the kernels read); only this pool's methods and the forward that
@@ -141,6 +183,55 @@ class RecurrentPool:
         self._slot_before_verify: int | None = None
         self._snapshot_written = [False] * n
         self.awaiting_rollback = False
+
+    def _allocate_capture(
+        self,
+        n: int,
+        slots: tuple[int, ...],
+        rows: tuple[int, ...],
+        f32: torch.dtype,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> tuple[Tensor, Tensor]:
+        """Checkpoints ``[n, *slots]`` and captured rows ``[n, *rows]``; if they do not fit,
+        one layer's worth shared by all layers (``shared_capture``).
+
+        A verify writes its checkpoint slots and captured rows layer by layer; the replay
+        path never reads them back, so with the shared buffers every layer's verify
+        overwrites the previous layer's and only fast rollback is lost
+        (``fast_unavailable_reason`` says why). If even the shared buffers do not fit,
+        :class:`CaptureStorageError`.
+        """
+        self.shared_capture = False
+        try:
+            return (
+                allocate_capture("checkpoints", (n, *slots), f32, device),
+                allocate_capture("captured", (n, *rows), dtype, device),
+            )
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            itemsize = torch.empty(0, dtype=dtype).element_size()
+            snapshot = _numel(slots) // slots[1]  # one state per layer
+            need = n * (_numel(slots) * 4 + _numel(rows) * itemsize + snapshot * 4)
+            self.fast_unavailable_reason = (
+                f"checkpoint storage of {need} bytes could not be allocated on {device}: "
+                f"{_first_line(exc)}"
+            )
+        shared = min(n, 1)
+        try:
+            self.shared_capture = True
+            return (
+                allocate_capture("checkpoints", (shared, *slots), f32, device),
+                allocate_capture("captured", (shared, *rows), dtype, device),
+            )
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            raise CaptureStorageError(
+                f"{self.fast_unavailable_reason}; the replay path's shared verify buffers "
+                f"could not be allocated either: {_first_line(exc)}"
+            ) from None
 
     @property
     def length(self) -> int:
@@ -174,7 +265,8 @@ class RecurrentPool:
     def capture_views(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         """``(checkpoints [B,S,HV,K,V], captured [B,Kc-1+S,C], snapshot [B,HV,K,V])``."""
         i = self._index[layer]
-        return self.checkpoints[i], self.captured[i], self.snapshot[i]
+        j = 0 if self.shared_capture else i
+        return self.checkpoints[j], self.captured[j], self.snapshot[i]
 
     # -- verify bookkeeping (called by TargetModel.run_layers) -----------------------------
 
@@ -247,6 +339,11 @@ class RecurrentPool:
     # -- rollback ---------------------------------------------------------------------------
 
     def _check_commit(self, commit_n: int) -> int:
+        if self.fast_unavailable_reason is not None:
+            raise CacheError(
+                f"fast rollback is unavailable ({self.fast_unavailable_reason}); "
+                "use restore_snapshot and replay"
+            )
         if self.verify_start is None or not self.awaiting_rollback:
             raise CacheError("no completed verify to roll back to (run a verify first)")
         written = zip(self.layer_ids, self._snapshot_written, strict=True)
@@ -332,6 +429,13 @@ class RecurrentPool:
         self._clear_verify()
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
 class ShardCaches:
     """One :class:`KVCache` and one :class:`RecurrentPool` for a contiguous layer range,
     and the rotary table ``(cos, sin)`` ``[max_len, rotary_dim]`` their attention reads."""
@@ -361,8 +465,10 @@ class ShardCaches:
         batch: int = 1,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        kv: KVCache | None = None,
     ) -> ShardCaches:
-        """Caches for ``layer_ids`` of ``config`` (attention and recurrent ones split out)."""
+        """Caches for ``layer_ids`` of ``config`` (attention and recurrent ones split out);
+        ``kv``: keep this KV cache instead of allocating one (a capture-storage rebuild)."""
         ids = tuple(layer_ids)
         for layer in ids:
             if not 0 <= layer < config.num_hidden_layers:
@@ -371,10 +477,16 @@ class ShardCaches:
                 )
         attn = tuple(i for i in ids if config.layer_types[i] == "full_attention")
         rec = tuple(i for i in ids if config.layer_types[i] == "linear_attention")
-        kv = KVCache(
-            attn, max_len, batch=batch, num_kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim, dtype=dtype, device=device,
-        )
+        if kv is None:
+            kv = KVCache(
+                attn, max_len, batch=batch, num_kv_heads=config.num_key_value_heads,
+                head_dim=config.head_dim, dtype=dtype, device=device,
+            )
+        elif kv.layer_ids != attn or kv.max_len != max_len:
+            raise CacheError(
+                f"'kv' holds layers {list(kv.layer_ids)} x {kv.max_len} positions, the shard "
+                f"needs {list(attn)} x {max_len}"
+            )
         pool = RecurrentPool(
             rec, max_draft, batch=batch, num_v_heads=config.linear_num_value_heads,
             key_dim=config.linear_key_head_dim, value_dim=config.linear_value_head_dim,
@@ -395,3 +507,7 @@ class ShardCaches:
     @property
     def checkpoint_bytes(self) -> int:
         return self.pool.checkpoint_bytes
+
+    @property
+    def fast_unavailable_reason(self) -> str | None:
+        return self.pool.fast_unavailable_reason

@@ -218,7 +218,7 @@ def test_too_little_memory_names_the_model_size(
 
     monkeypatch.setattr(resources, "available_bytes", lambda device: (2 * 10**9, "test"))
     monkeypatch.setattr(session, "build_model", never)
-    code = main(["generate", "--model", "nine-b-shape", *FAST])
+    code = main(["generate", *FAST, "--model", "nine-b-shape"])
     out, err = capsys.readouterr()
     assert code == 3 and out == ""
     assert "model 'nine-b-shape' has 8.95 B parameters" in err

@@ -266,3 +266,74 @@ def test_one_token_has_no_speedup(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["timings"]["greedy_tokens_per_s"] is None
     assert result["speedup_vs_greedy"] is None
     assert "speed-up vs plain greedy  none (no decode step" in err
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be reported later"),
+        MemoryError("host allocation of 4096 bytes failed"),
+    ],
+    ids=["runtime-oom", "memory-error"],
+)
+def test_out_of_memory_mid_decode_exits_3_with_no_partial_json(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, error: Exception
+) -> None:
+    from dflash.model.target import TargetModel
+
+    real = TargetModel.compute_layers
+    calls = {"n": 0}
+
+    def failing(self: TargetModel, *args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:  # the prefill and a verify ran; the next forward fails
+            raise error
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(TargetModel, "compute_layers", failing)
+    assert main(["generate", "--json", *FAST, "--no-baseline"]) == 3
+    out, err = capsys.readouterr()
+    assert calls["n"] == 3
+    assert out == ""  # no partial JSON object
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("dflash generate: failed:") and "memory" in last.lower()
+    assert "Traceback" not in err and "reported later" not in err
+
+
+def test_a_budget_past_max_position_exits_2_before_decoding(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dflash.execution.run as run_module
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("decoding started")
+
+    monkeypatch.setattr(run_module, "generate", never)
+    args = ["generate", "--json", *FAST, "--no-baseline"]
+    args[args.index("--max-new-tokens") + 1] = "5000"
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "max_new_tokens=5000" in err and "max_position_embeddings=4096" in err
+    assert "Traceback" not in err
+
+
+def test_capture_storage_that_does_not_fit_is_reported_and_decoding_goes_on(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dflash.model.caches as caches_module
+
+    real = caches_module.allocate_capture
+
+    def allocate(what: str, shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
+        if what == "checkpoints" and shape[0] > 1:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return real(what, shape, dtype, device)
+
+    monkeypatch.setattr(caches_module, "allocate_capture", allocate)
+    data, err = _json_run(capsys, "--rollback", "checkpoint", "--check-parity")
+    rollback = data["rollback"]
+    assert data["parity"] is True and rollback["status"] == "requested"
+    assert rollback["fast"] == 0 and rollback["replay"] == data["steps"]
+    assert "could not be allocated on cpu" in rollback["fast_unavailable_reason"]
+    assert "fast rollback unavailable: shard 0: checkpoint storage of" in err

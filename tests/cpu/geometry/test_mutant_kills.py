@@ -136,3 +136,126 @@ def test_is_ancestor_agrees_with_the_mask_and_the_parent_walk() -> None:
             line.add(parents[min(line)])
         for a in range(len(parents)):
             assert tree.is_ancestor(a, s) is (a in line) is mask[s][a], (a, s)
+
+
+def test_json_text_is_canonical() -> None:
+    from dflash.geometry import validate_chain, validate_tree
+
+    assert validate_chain([-1, 0]).to_json() == (
+        '{"accepted": true, "kind": "chain", "n_actual": 2, "parents": [-1, 0]}')
+    assert validate_tree([-1, 0]).to_json() == (
+        '{"accepted": true, "kind": "tree", "n_actual": 2, "parents": [-1, 0]}')
+    assert validate_chain([0]).to_json() == (
+        '{"accepted": false, "message": "\'parents\' slot 0 is the root and must be -1 '
+        '(got 0)", "reason": "malformed_root", "slot": 0}')
+
+
+def test_max_slots_is_the_specified_1024() -> None:
+    from dflash.geometry import MAX_SLOTS
+    from specs.geometry_spec import MAX_SLOTS as SPEC_MAX_SLOTS
+
+    assert MAX_SLOTS == SPEC_MAX_SLOTS == 1024
+
+
+def test_a_foreign_class_named_like_a_geometry_cannot_subclass_it() -> None:
+    from dflash.geometry import values
+
+    with pytest.raises(TypeError, match="may not subclass"):
+        type("ChainGeometry", (values.ChainGeometry,), {"__module__": __name__})
+    with pytest.raises(TypeError, match="may not subclass"):
+        type("Other", (values.TreeGeometry,), {"__module__": values.__name__})
+
+
+def test_reason_str_and_rejection_field_checks() -> None:
+    from dflash.geometry import Rejection, RejectReason
+
+    assert str(RejectReason.SIBLING) == "sibling" and f"{RejectReason.NULL}" == "null"
+    assert Rejection(RejectReason.NULL, 0, "m").slot == 0
+    assert Rejection(RejectReason.NULL, None, "m").slot is None
+    with pytest.raises(TypeError, match="'reason' must be a RejectReason"):
+        Rejection("sibling", 1, "m")  # type: ignore[arg-type]  # wrong type on purpose
+    for slot in (-1, True, 1.0):
+        with pytest.raises(TypeError, match="'slot' must be None or an int >= 0"):
+            Rejection(RejectReason.SIBLING, slot, "m")  # type: ignore[arg-type]  # on purpose
+    with pytest.raises(TypeError, match="'message' must be a str"):
+        Rejection(RejectReason.NULL, None, 5)  # type: ignore[arg-type]  # on purpose
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ([1], "a rejection must be a JSON object (got list)"),
+    ({"reason": "null", "slot": None, "message": "m"},
+     "'accepted' must be false for a rejection (got None)"),
+    ({"accepted": 0, "reason": "null", "slot": None, "message": "m"},
+     "'accepted' must be false for a rejection (got 0)"),
+    ({"accepted": False, "reason": "nope", "slot": None, "message": "m"},
+     "'reason' must be one of ['null', 'too_large', 'truncated', 'not_integer', "
+     "'malformed_root', 'out_of_range', 'cyclic', 'skipped_parent', 'sibling'] (got 'nope')"),
+    ({"accepted": False, "reason": "null", "slot": -2, "message": "m"},
+     "'slot' must be None or an int >= 0 (got -2)"),
+])
+def test_rejection_from_dict_names_the_bad_field(data: object, message: str) -> None:
+    from dflash.geometry import Rejection
+
+    with pytest.raises(ValueError) as err:
+        Rejection.from_dict(data)
+    assert str(err.value) == message
+    good = {"accepted": False, "reason": "cyclic", "slot": 1, "message": "m"}
+    assert Rejection.from_dict(good).to_dict() == good
+    assert Rejection.from_json(Rejection.from_dict(good).to_json()) == Rejection.from_dict(good)
+
+
+def test_values_whose_short_repr_fails_or_runs_long() -> None:
+    from dflash.geometry import Rejection, validate_chain
+
+    def boom(self: object) -> object:
+        raise RuntimeError("no iteration")
+
+    unlistable = type("list", (list,), {"__iter__": boom})([1])  # reprlib's list path raises
+    verdict = validate_chain([-1, unlistable])
+    assert isinstance(verdict, Rejection)
+    assert verdict.message == "'parents' slot 1 must be an int (got list <unprintable>)"
+    long = validate_chain([-1, ["a" * 30] * 3])  # each item shortened, the whole still long
+    assert isinstance(long, Rejection)
+    shown = "['" + "a" * 30 + "', 'a..."
+    assert len(shown) == 40
+    assert long.message == f"'parents' slot 1 must be an int (got list {shown})"
+
+
+class DuckScalar:
+    """A 0-d integer scalar known only by ``dtype`` and ``__index__`` (no ``ndim``)."""
+
+    def __init__(self, value: int, floating: bool = False) -> None:
+        import numpy as np
+
+        self.dtype = np.dtype("int64") if not floating else "torch.float32"
+        self.value, self.floating = value, floating
+
+    def __index__(self) -> int:
+        return self.value
+
+    def is_floating_point(self) -> bool:
+        return self.floating
+
+    def is_complex(self) -> bool:
+        return False
+
+
+def test_duck_typed_scalars() -> None:
+    from dflash.geometry import ChainGeometry, Rejection, RejectReason, validate_chain
+
+    assert isinstance(validate_chain([-1, DuckScalar(0)]), ChainGeometry)  # no ndim: a scalar
+    floating = validate_chain([-1, DuckScalar(0, floating=True)])  # says it is floating point
+    assert isinstance(floating, Rejection) and floating.reason is RejectReason.NOT_INTEGER
+
+
+def test_rejection_is_frozen_and_slotted() -> None:
+    import dataclasses
+
+    from dflash.geometry import Rejection, RejectReason
+
+    rejection = Rejection(RejectReason.NULL, None, "m")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rejection.slot = 3  # type: ignore[misc]  # mutation attempt on purpose
+    assert not hasattr(rejection, "__dict__") and Rejection.__slots__ == ("reason", "slot",
+                                                                          "message")
+    assert hash(rejection) == hash(Rejection(RejectReason.NULL, None, "m"))

@@ -2,7 +2,7 @@
 
 One program per row; the whole row (``D <= 8192``) is held in registers and reduced in
 float32, so a row's result depends on that row alone — the same bits whatever the number
-of rows in the call (batch invariance, which the deterministic execution mode relies on).
+of rows in the call (M-invariance, which bitwise parity with plain greedy decoding relies on).
 The torch formulation takes eight launches per norm; on a 32-layer target that is most of
 a verify forward's launches.
 """

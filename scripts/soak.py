@@ -46,6 +46,7 @@ from dflash.execution import (
     SpecDecoder,
     plan_shards,
 )
+from dflash.execution.policy import parse_mode
 from dflash.model import TargetModel, greedy_generate
 from dflash.model.config import HybridConfig
 from dflash.model.drafters import Drafter, make_drafter
@@ -197,9 +198,7 @@ class Tally:
     tokens: int = 0
     paths: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PATHS, 0))
     poison_events: int = 0
-    faults_fired: dict[str, int] = field(
-        default_factory=lambda: {p.value: 0 for p in FAULT_PHASES}
-    )
+    faults_fired: dict[str, int] = field(default_factory=lambda: {p.value: 0 for p in FAULT_PHASES})
     failed_recoveries: int = 0
     resumes: int = 0
     verify_refused: int = 0
@@ -255,7 +254,11 @@ def _build(ep: Episode) -> tuple[TargetModel, list[int], SpecDecoder, ArmedFault
     )
     faults = ArmedFaults()
     engine = SpecDecoder(
-        target, drafter, block_size=B, policy=RollbackPolicy(mode=ep.mode), faults=faults
+        target,
+        drafter,
+        block_size=B,
+        policy=RollbackPolicy(mode=parse_mode(ep.mode, source="mode")),
+        faults=faults,
     )
     return model, oracle, engine, faults
 
@@ -265,8 +268,8 @@ def _check(out: list[int], oracle: list[int], where: str) -> None:
     if len(out) > len(oracle) or out != oracle[:n]:
         first = next((i for i in range(n) if out[i] != oracle[i]), n)
         raise Mismatch(
-            f"{where}: token {first} differs from plain greedy: got {out[first:first + 8]} "
-            f"want {oracle[first:first + 8]} (emitted {len(out)}, oracle {len(oracle)})"
+            f"{where}: token {first} differs from plain greedy: got {out[first : first + 8]} "
+            f"want {oracle[first : first + 8]} (emitted {len(out)}, oracle {len(oracle)})"
         )
 
 
@@ -312,7 +315,7 @@ def run_episode(ep: Episode, log: list[str] | None = None) -> Tally:
                 raise
             tally.failed_recoveries += 1
             if engine.status is not RollbackStatus.POISONED:
-                raise Mismatch(f"step {step}: failed recovery left status {engine.status}")
+                raise Mismatch(f"step {step}: failed recovery left status {engine.status}") from exc
             if log is not None:
                 log.append(f"step {step}: recovery failed, poisoned")
             emitted = _resume(engine, ev, tally, step, log)

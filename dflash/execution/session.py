@@ -43,35 +43,6 @@ class SessionError(UsageError):
     """A model, drafter, dtype or prompt argument that cannot be used; names the value."""
 
 
-def twenty_seven_b_shape() -> HybridConfig:
-    """The shape of Qwen3.5-27B (its published ``text_config``).
-
-    64 layers, full attention every 4th; hidden 5120, intermediate 17408, vocab 248320;
-    attention 24 query / 4 KV heads of 256 with a quarter of each head rotated (theta 1e7);
-    Gated DeltaNet HK=16, HV=48, K=V=128, conv width 4; untied LM head.
-    """
-    return HybridConfig(
-        vocab_size=248320,
-        hidden_size=5120,
-        intermediate_size=17408,
-        layer_types=tuple(
-            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)
-        ),
-        num_attention_heads=24,
-        num_key_value_heads=4,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=48,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        rms_norm_eps=1e-6,
-        rope_theta=10_000_000.0,
-        partial_rotary_factor=0.25,
-        max_position_embeddings=262144,
-    )
-
-
 def parse_dtype(name: str | None, model: str, device: str) -> torch.dtype:
     """``--dtype``; by default float32 for ``tiny`` or on CPU, else bfloat16."""
     if name is None:
@@ -106,7 +77,7 @@ def model_config(spec: str) -> HybridConfig:
     if spec == "nine-b-shape":
         return HybridConfig.nine_b_shape()
     if spec == "twenty-seven-b-shape":
-        return twenty_seven_b_shape()
+        return HybridConfig.twenty_seven_b_shape()
     directory = model_directory(spec)
     assert directory is not None  # only seeded names have no directory
     return HybridConfig.from_hf_config(directory)

@@ -192,6 +192,35 @@ class HybridConfig(BaseModel):
         )
 
     @classmethod
+    def twenty_seven_b_shape(cls) -> HybridConfig:
+        """The shape of Qwen3.5-27B (its published ``text_config``).
+
+        64 layers, full attention every 4th; hidden 5120, intermediate 17408, vocab 248320;
+        attention 24 query / 4 KV heads of 256 with a quarter of each head rotated (theta 1e7);
+        Gated DeltaNet HK=16, HV=48, K=V=128, conv width 4; untied LM head.
+        """
+        return cls(
+            vocab_size=248320,
+            hidden_size=5120,
+            intermediate_size=17408,
+            layer_types=tuple(
+                "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)
+            ),
+            num_attention_heads=24,
+            num_key_value_heads=4,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=48,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            rms_norm_eps=1e-6,
+            rope_theta=10_000_000.0,
+            partial_rotary_factor=0.25,
+            max_position_embeddings=262144,
+        )
+
+    @classmethod
     def nine_b_shape(cls) -> HybridConfig:
         """The shape of Qwen3.5-9B (the defaults of transformers' ``Qwen3_5TextConfig``).
 

@@ -42,6 +42,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--warmup", type=int, default=0, help="warm-up steps (0: 4%% of --steps)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-layers", type=int, default=1, help="drafter layers")
+    p.add_argument(
+        "--target-layers",
+        type=_layer_list,
+        default=(),
+        help="target layers whose outputs the drafter reads, comma-separated "
+        "(default: z-lab's spread for the target's depth)",
+    )
     p.add_argument("--anchors", type=int, default=32, help="anchored blocks per sequence")
     p.add_argument(
         "--gamma",
@@ -81,6 +88,17 @@ def register(subparsers: Any) -> None:
     p.set_defaults(run=run)
 
 
+def _layer_list(text: str) -> tuple[int, ...]:
+    """``--target-layers 1,3,5,7`` → ``(1, 3, 5, 7)``; the range is checked against the target."""
+    try:
+        layers = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated layer indices, e.g. 1,3,5,7 (got {text!r})"
+        ) from None
+    return layers
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -115,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         weight_decay=args.weight_decay,
         grad_clip=args.grad_clip,
         mask_token_id=args.mask_token_id,
+        target_layers=args.target_layers,
         seed=args.seed,
         device=device,
         dtype=args.dtype,

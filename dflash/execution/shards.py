@@ -274,7 +274,7 @@ class ShardedTarget:
             with shard.on_device():
                 self.model.begin_layers((1, t, hidden_size), layers, shard.caches, start, mode,
                                         geometry)
-                compute = self._shard_compute(shard, mode, geometry, taps, logits)
+                compute = self._shard_compute(shard, mode, geometry, taps, logits, start)
                 pool = shard.caches.pool
                 mark = pool.end_verify_layer if mode == "verify" else None
                 if graphed and self.graphs is not None:
@@ -295,8 +295,12 @@ class ShardedTarget:
         geometry: ChainGeometry | None,
         taps: Sequence[int],
         logits: bool,
+        start: int,
     ) -> ShardCompute:
-        """The device work of ``shard``'s part of a forward (capture-safe unless prefill)."""
+        """The device work of ``shard``'s part of a forward (capture-safe unless prefill).
+
+        ``start`` (the position of row 0) only places the LM head's rows on CPU position
+        tiles; CUDA forwards, and so CUDA graphs, read positions from the device."""
         model, layers, caches = self.model, tuple(shard.layers), shard.caches
         first, last = shard.index == 0, shard.index == len(self.shards) - 1
 
@@ -305,7 +309,7 @@ class ShardedTarget:
             hidden, got = model.compute_layers(
                 hidden, layers, caches, mode, geometry, taps, on_layer
             )
-            head = model.logits(hidden, mode) if last and logits else None  # [1, T, vocab]
+            head = model.logits(hidden, mode, start) if last and logits else None  # [1, T, V]
             return hidden, head, got
 
         return compute

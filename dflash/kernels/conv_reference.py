@@ -33,12 +33,15 @@ def causal_conv1d_capture_reference(
     captured[:, : Kc - 1 + T] = xin.to(captured.dtype)
 
     xf, w = xin.to(dt), weight.to(dt)
+    # Taps in order j = 0 … Kc-1 for every token at once: products and sums are correctly
+    # rounded element by element, so a token's pre-activation does not depend on T.
+    acc = torch.zeros_like(xf[:, :T]) if bias is None else bias.to(dt).expand_as(xf[:, :T])
+    for j in range(Kc):
+        acc = acc + w[:, j] * xf[:, j : j + T]
     y = torch.empty(x.shape, dtype=dt, device=x.device)
-    for t in range(T):
-        acc = torch.zeros_like(xf[:, 0]) if bias is None else bias.to(dt).expand_as(xf[:, 0])
-        for j in range(Kc):
-            acc = acc + w[:, j] * xf[:, t + j]
-        y[:, t] = acc * torch.sigmoid(acc) if activation == "silu" else acc
+    for t in range(T):  # the activation token by token: a [B, C] call whatever T is
+        a = acc[:, t]
+        y[:, t] = a * torch.sigmoid(a) if activation == "silu" else a
     if out is None:
         return y.to(x.dtype)
     out.copy_(y)

@@ -65,14 +65,16 @@ def gdn_verify_reference(
 
     o = torch.empty(B, T, HV, V, dtype=dt, device=v.device)
     after: list[torch.Tensor] = []  # after[t]: [B, HV, K, V], the state after token t
-    for t in range(T):
+    # Every per-token operation below sees [B, HV, ...] tensors whatever T is, so a token's
+    # state and output are the bits a T = 1 call gives for the same inputs.
+    steps = zip(qf.unbind(1), kf.unbind(1), vf.unbind(1), gf.unbind(1), bf.unbind(1), strict=True)
+    for t, (q_t, k_t, v_t, g_t, b_t) in enumerate(steps):  # q_t, k_t: [B, HV, K]
         S = init if parents[t] < 0 else after[parents[t]]
-        S = S * torch.exp(gf[:, t])[:, :, None, None]
-        k_t, q_t = kf[:, t], qf[:, t]                        # [B, HV, K]
-        kv = (S * k_t[:, :, :, None]).sum(2)                 # S^T k: [B, HV, V]
-        u = bf[:, t][:, :, None] * (vf[:, t] - kv)           # [B, HV, V]
+        S = S * torch.exp(g_t)[:, :, None, None]
+        kv = torch.matmul(k_t[:, :, None, :], S)[:, :, 0]   # S^T k: [B, HV, V]
+        u = b_t[:, :, None] * (v_t - kv)                    # [B, HV, V]
         S = S + k_t[:, :, :, None] * u[:, :, None, :]
-        o[:, t] = (S * q_t[:, :, :, None]).sum(2)
+        o[:, t] = torch.matmul(q_t[:, :, None, :], S)[:, :, 0]
         after.append(S)
 
     if final_state_only:

@@ -6,14 +6,15 @@ caches through the views handed to them by :class:`dflash.model.target.TargetMod
 the recurrent maths runs in :mod:`dflash.kernels` (Triton on CUDA, reference on CPU).
 
 Which kernels a forward runs on is an :class:`Ops` value. Decode, verify and replay
-forwards use ``Ops(invariant=True)``: every projection goes through
+forwards use ``Ops(invariant=True)``: their results are *M-invariant* (a token's row does
+not depend on how many rows the forward carries), so a token's row of a ``T``-token verify
+is bitwise the ``T = 1`` decode of the same state. On CUDA every projection goes through
 :func:`dflash.kernels.linear` and attention through :func:`dflash.kernels.decode_attention`,
-both *M-invariant* (a row's result does not depend on how many rows the call carries),
-so a token's row of a ``T``-token verify is bitwise the ``T = 1`` decode of the same
-state. On CPU the remaining pointwise maths (gates, activations, norms) also runs one
-token at a time there, because CPU torch evaluates the tail of a vector loop with scalar
-code that may round differently. The prefill (shared by plain and speculative decoding)
-may use any kernels: ``Ops(invariant=False)`` runs ``F.linear`` and SDPA.
+both M-invariant by construction. On CPU projections and the per-token maths (gates,
+activations, norms) run on fixed-shape position tiles (:mod:`dflash.model.tiles`): the
+token at position ``p`` is always row ``p mod 16`` of a 16-row call. The prefill (shared
+by plain and speculative decoding) may use any kernels: ``Ops(invariant=False)`` runs
+``F.linear`` and SDPA.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from torch import Tensor, nn
 
 from dflash.geometry import ChainGeometry
 from dflash.kernels import causal_conv1d_capture, decode_attention, gdn_verify, linear, rms_norm
+from dflash.kernels.checks import use_triton
 from dflash.model.config import HybridConfig
+from dflash.model.tiles import PositionTiles
 
 KernelBackend = Literal["auto", "triton", "reference"]
 
@@ -35,36 +38,65 @@ KernelBackend = Literal["auto", "triton", "reference"]
 class Ops:
     """The kernels of one forward.
 
-    ``invariant``: M-invariant linear and attention kernels (decode / verify / replay);
-    otherwise ``F.linear`` and SDPA (prefill). ``backend`` picks Triton or the torch
-    references for every :mod:`dflash.kernels` call. ``token_wise`` (set for invariant
-    forwards on CPU) makes :meth:`each_token` evaluate its function one token at a time.
+    ``invariant``: M-invariant evaluation (decode / verify / replay); otherwise ``F.linear``
+    and SDPA (prefill). ``backend`` picks Triton or the torch references for every
+    :mod:`dflash.kernels` call. ``start`` is the position of the forward's row 0; invariant
+    CPU forwards need it for their position tiles (``tiles``; None elsewhere: CUDA
+    forwards read positions from the device).
     """
 
-    __slots__ = ("backend", "invariant", "token_wise")
+    __slots__ = ("backend", "invariant", "tiles")
 
-    def __init__(self, *, invariant: bool, backend: KernelBackend, device: torch.device) -> None:
+    def __init__(
+        self,
+        *,
+        invariant: bool,
+        backend: KernelBackend,
+        device: torch.device,
+        start: int | None = None,
+    ) -> None:
         self.invariant = invariant
         self.backend: KernelBackend = backend
-        self.token_wise = invariant and device.type == "cpu"
+        self.tiles: PositionTiles | None = None
+        if invariant and device.type == "cpu":
+            if start is None:
+                raise ValueError("an invariant CPU forward needs the position of its row 0")
+            self.tiles = PositionTiles(start)
 
     def linear(self, module: nn.Linear, x: Tensor) -> Tensor:
         """``module(x)`` on this forward's kernels (``x: [..., in]`` → ``[..., out]``)."""
         if not self.invariant:
             return F.linear(x, module.weight, module.bias)
+        if self.tiles is not None and not use_triton(self.backend, x.device):
+            return self.tiles.apply(_TileLinear(module.weight, module.bias, x.dtype), x)
         return linear(x, module.weight, module.bias, backend=self.backend)
 
     def each_token(self, fn: Callable[..., Tensor], *xs: Tensor) -> Tensor:
-        """``fn(*xs)`` for ``xs: [B, T, ...]``, one token at a time when ``token_wise``.
+        """``fn(*xs)`` for ``xs: [B, T, ...]`` such that a token's result cannot depend on ``T``.
 
-        Per token, ``fn`` sees exactly the shapes a ``T = 1`` forward gives it, so its
-        result for that token cannot depend on ``T`` (CPU vector-loop tails round
-        differently from the loop body; CUDA pointwise kernels need no such care).
+        ``fn`` computes each token's row from that token's rows alone (pointwise maths,
+        norms over trailing dimensions). Invariant CPU forwards evaluate it on position
+        tiles; elsewhere it is called once (CUDA pointwise kernels need no such care).
         """
-        t = xs[0].shape[1]
-        if not self.token_wise or t == 1:
+        if self.tiles is None:
             return fn(*xs)
-        return torch.cat([fn(*(x[:, i : i + 1] for x in xs)) for i in range(t)], dim=1)
+        return self.tiles.apply(fn, *xs)
+
+
+class _TileLinear:
+    """``x @ weight.T + bias`` of one tile, accumulated in float32 (float64 for float64
+    inputs) and rounded once to the input dtype, as :func:`dflash.kernels.linear` does."""
+
+    __slots__ = ("bias", "dtype", "weight")
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, dtype: torch.dtype) -> None:
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        self.dtype = dtype
+        self.weight = weight.to(acc)  # converted once per call, not once per tile
+        self.bias = None if bias is None else bias.to(acc)
+
+    def __call__(self, tile: Tensor) -> Tensor:
+        return F.linear(tile.to(self.weight.dtype), self.weight, self.bias).to(self.dtype)
 
 
 def _norm_backend(x: Tensor) -> KernelBackend:

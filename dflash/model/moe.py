@@ -53,10 +53,9 @@ class SparseMoE(nn.Module):
             shared_gate = self.shared_expert_gate(x)
         else:
             logits = ops.linear(self.gate, x)  # [B, T, E]
-            if ops.token_wise:
-                routed = [self._route(logits[:, i : i + 1]) for i in range(shape[1])]
-                weights = torch.cat([w for w, _ in routed], dim=1)
-                chosen = torch.cat([c for _, c in routed], dim=1)
+            if ops.tiles is not None:  # routing per position tile (see dflash.model.tiles)
+                weights = ops.each_token(lambda lg: self._route(lg)[0], logits)
+                chosen = ops.each_token(lambda lg: self._route(lg)[1], logits)
             else:
                 weights, chosen = self._route(logits)
             shared_gate = ops.linear(self.shared_expert_gate, x)
@@ -65,7 +64,13 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(flat)
         for expert_id in torch.unique(chosen).tolist():  # ascending
             rows, slot = torch.where(chosen == expert_id)
-            y = self.experts[expert_id](flat[rows][None], ops)[0] * weights[rows, slot, None]
+            if ops is not None and ops.tiles is not None:
+                # a subset of rows would lose their tile positions: the expert runs on every
+                # row of the call (CPU) and its chosen rows are kept
+                y = self.experts[expert_id](x, ops).reshape(flat.shape)[rows]
+            else:
+                y = self.experts[expert_id](flat[rows][None], ops)[0]
+            y = y * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         shared = self.shared_expert(x, ops)  # [B, T, hidden]
         if ops is None:

@@ -209,7 +209,7 @@ class TargetModel(nn.Module):
         kv, pool = caches.kv, caches.pool
         t = hidden.shape[1]
         chain = geometry if isinstance(geometry, ChainGeometry) else None
-        ops = self.ops(mode, hidden.device)
+        ops = self.ops(mode, hidden.device, _host_start(pool.position, hidden.device))
         positions = pool.position[:1] + torch.arange(t, device=hidden.device)  # [T] int64
         cos, sin = caches.rotary(positions)  # [T, rotary_dim] each
         visible = None
@@ -258,13 +258,17 @@ class TargetModel(nn.Module):
         else:
             pool.advance(start_pos, t)
 
-    def ops(self, mode: Mode, device: torch.device) -> Ops:
-        """The kernels of a ``mode`` forward on ``device``: M-invariant unless prefill."""
-        return Ops(invariant=mode != "prefill", backend=self._backend(device), device=device)
+    def ops(self, mode: Mode, device: torch.device, start: int | None = None) -> Ops:
+        """The kernels of a ``mode`` forward on ``device`` whose row 0 sits at ``start``
+        (needed by invariant CPU forwards): M-invariant unless prefill."""
+        invariant = mode != "prefill"
+        return Ops(invariant=invariant, backend=self._backend(device), device=device,
+                   start=start if invariant else None)
 
-    def logits(self, hidden: Tensor, mode: Mode) -> Tensor:
-        """Final norm and LM head: ``hidden: [B, T, H]`` → ``[B, T, vocab]``."""
-        ops = self.ops(mode, hidden.device)
+    def logits(self, hidden: Tensor, mode: Mode, start: int | None = None) -> Tensor:
+        """Final norm and LM head: ``hidden: [B, T, H]`` → ``[B, T, vocab]``; ``start``
+        is the position of row 0 (needed on CPU outside prefill)."""
+        ops = self.ops(mode, hidden.device, start)
         return ops.linear(self.lm_head, ops.each_token(self.norm, hidden))
 
     def _backend(self, device: torch.device) -> KernelBackend:
@@ -299,7 +303,7 @@ class TargetModel(nn.Module):
         hidden, tapped = self.run_layers(
             hidden, range(self.config.num_hidden_layers), caches, start, mode, geometry, taps
         )
-        return self.logits(hidden, mode), tapped
+        return self.logits(hidden, mode, start), tapped
 
     def _check_run(
         self,
@@ -367,6 +371,12 @@ class TargetModel(nn.Module):
 
 
 @torch.inference_mode()
+def _host_start(position: Tensor, device: torch.device) -> int | None:
+    """The position of a forward's row 0 as a host int on CPU (for position tiles); None on
+    other devices, where forwards read it from the device (reading it would synchronise)."""
+    return int(position[0]) if device.type == "cpu" else None
+
+
 def greedy_generate(model: TargetModel, prompt: Sequence[int], n: int) -> list[int]:
     """Plain target-only greedy decoding: the ``n`` tokens after ``prompt`` (the oracle)."""
     if len(prompt) == 0:

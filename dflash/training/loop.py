@@ -78,6 +78,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     mask_token_id: int | None = None
+    target_layers: tuple[int, ...] = ()  # taps (z-lab's target_layer_ids); () = z-lab's default
     seed: int = 0
     device: str = "cpu"
     dtype: str = "bfloat16"  # target dtype and autocast dtype on CUDA; float32 on CPU
@@ -156,7 +157,7 @@ def load_target(cfg: TrainConfig) -> TargetModel:
 
 
 def drafter_config(cfg: TrainConfig, model: TargetModel) -> DFlashConfig:
-    """A drafter with the target's attention shape and z-lab's default taps."""
+    """A drafter with the target's attention shape; z-lab's default taps unless given."""
     tc = model.config
     return DFlashConfig.for_target(
         hidden_size=tc.hidden_size,
@@ -169,6 +170,7 @@ def drafter_config(cfg: TrainConfig, model: TargetModel) -> DFlashConfig:
         num_hidden_layers=cfg.num_layers,
         block_size=cfg.block_size,
         mask_token_id=cfg.mask_token_id,
+        target_layer_ids=tuple(cfg.target_layers) or None,
         rms_norm_eps=tc.rms_norm_eps,
         rope_theta=tc.rope_theta,
         max_position_embeddings=tc.max_position_embeddings,

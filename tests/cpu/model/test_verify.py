@@ -141,24 +141,34 @@ def test_replay_rows_and_state_are_bitwise_the_decode_ones(typed_model: TargetMo
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def test_each_token_evaluates_one_token_at_a_time_on_cpu_only() -> None:
-    """CPU torch evaluates the tail of a vector loop with scalar code that may round
-    differently (sigmoid / silu / softplus on 4-wide rows), so invariant CPU forwards run
-    pointwise maths per token; prefill and CUDA forwards call the function once."""
-    seen: list[tuple[int, ...]] = []
+def test_each_token_runs_on_position_tiles_on_cpu_only() -> None:
+    """A CPU row's bits may depend on the call's shape (BLAS blockings, scalar vector-loop
+    tails), so invariant CPU forwards evaluate on 16-row tiles where position p is always row
+    p mod 16; prefill and CUDA forwards call the function once."""
+    seen: list[tuple[tuple[int, ...], torch.Tensor]] = []
 
     def record(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        seen.append(tuple(x.shape))
+        seen.append((tuple(x.shape), x.clone()))
         return x * 2 + y
 
     x, y = torch.randn(1, 5, 3), torch.randn(1, 5, 3)
     cpu = torch.device("cpu")
-    out = Ops(invariant=True, backend="reference", device=cpu).each_token(record, x, y)
-    assert seen == [(1, 1, 3)] * 5 and torch.equal(out, x * 2 + y)
+    out = Ops(invariant=True, backend="reference", device=cpu, start=14).each_token(record, x, y)
+    assert [shape for shape, _ in seen] == [(1, 16, 3)] * 2 and torch.equal(out, x * 2 + y)
+    first, second = seen[0][1], seen[1][1]  # positions 14, 15 | 16, 17, 18
+    assert torch.equal(first[0, 14:], x[0, :2]) and not first[0, :14].any()
+    assert torch.equal(second[0, :3], x[0, 2:]) and not second[0, 3:].any()
+    seen.clear()
+    at_17 = Ops(invariant=True, backend="reference", device=cpu, start=17)
+    one = at_17.each_token(record, x[:, 1:2], y[:, 1:2])
+    assert [shape for shape, _ in seen] == [(1, 16, 3)] and torch.equal(seen[0][1][0, 1], x[0, 1])
+    assert torch.equal(one, out[:, 1:2])
     seen.clear()
     Ops(invariant=False, backend="reference", device=cpu).each_token(record, x, y)
-    assert seen == [(1, 5, 3)]
-    assert not Ops(invariant=True, backend="auto", device=torch.device("cuda")).token_wise
+    assert [shape for shape, _ in seen] == [(1, 5, 3)]
+    with pytest.raises(ValueError, match="position of its row 0"):
+        Ops(invariant=True, backend="reference", device=cpu)
+    assert Ops(invariant=True, backend="auto", device=torch.device("cuda")).tiles is None
 
 
 @torch.inference_mode()

@@ -170,3 +170,22 @@ def test_unusable_arguments_exit_2(
     )
     assert code == 2
     assert "--resume: no checkpoint" in capsys.readouterr().err
+
+
+def test_target_layers_choose_the_taps(
+    tokens: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "taps"
+    base = ["train-drafter", "--model", "tiny", "--data", str(tokens), "--steps", "2", *SMALL]
+    assert main([*base, "--out", str(out), "--target-layers", "0,2,5"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [0, 2, 5]
+    drafter = make_drafter(str(out), TargetModel.tiny_default(seed=0))
+    assert isinstance(drafter, DFlashDrafter) and drafter.config.target_layer_ids == (0, 2, 5)
+    capsys.readouterr()
+    assert main([*base, "--out", str(tmp_path / "bad"), "--target-layers", "1,9"]) == 2
+    assert "target_layer_ids" in (err := capsys.readouterr().err) and "9" in err
+    with pytest.raises(SystemExit) as exc:
+        main([*base, "--out", str(tmp_path / "bad"), "--target-layers", "1,x"])
+    assert exc.value.code == 2
+    assert "1,x" in capsys.readouterr().err

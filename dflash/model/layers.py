@@ -65,11 +65,19 @@ class Ops:
 
     def linear(self, module: nn.Linear, x: Tensor) -> Tensor:
         """``module(x)`` on this forward's kernels (``x: [..., in]`` → ``[..., out]``)."""
+        return self._matmul(x, module.weight, module.bias)
+
+    def linear_group(self, group: LinearGroup, x: Tensor) -> list[Tensor]:
+        """Every linear of ``group`` applied to ``x``, as one product: ``[..., N_i]`` views."""
+        weight, bias = group.weight_and_bias()
+        return list(torch.split(self._matmul(x, weight, bias), group.sizes, dim=-1))
+
+    def _matmul(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         if not self.invariant:
-            return F.linear(x, module.weight, module.bias)
+            return F.linear(x, weight, bias)
         if self.tiles is not None and not use_triton(self.backend, x.device):
-            return self.tiles.apply(_TileLinear(module.weight, module.bias, x.dtype), x)
-        return linear(x, module.weight, module.bias, backend=self.backend)
+            return self.tiles.apply(_TileLinear(weight, bias, x.dtype), x)
+        return linear(x, weight, bias, backend=self.backend)
 
     def each_token(self, fn: Callable[..., Tensor], *xs: Tensor) -> Tensor:
         """``fn(*xs)`` for ``xs: [B, T, ...]`` such that a token's result cannot depend on ``T``.
@@ -97,6 +105,75 @@ class _TileLinear:
 
     def __call__(self, tile: Tensor) -> Tensor:
         return F.linear(tile.to(self.weight.dtype), self.weight, self.bias).to(self.dtype)
+
+
+class LinearGroup:
+    """Linears that read the same input, multiplied as one ``[sum N_i, K]`` weight.
+
+    The parameters stay the separate ``nn.Linear`` modules (checkpoint names map 1:1), but
+    their weights (and biases) become row blocks of one contiguous tensor, so one launch —
+    one BLAS call per tile on CPU — computes them all: fewer launches, and small
+    projections (Gated DeltaNet's ``a``/``b``, attention's ``k``/``v``) ride along with a
+    large one instead of paying a launch each. :meth:`fuse_` builds the shared tensor
+    (model construction and every device/dtype move call it); if a parameter was replaced
+    since (``load_state_dict(assign=True)``), :meth:`weight_and_bias` notices from the
+    storage addresses and fuses again, so the product never reads stale weights.
+    """
+
+    __slots__ = ("_bias", "_ptrs", "_weight", "linears", "sizes")
+
+    def __init__(self, *linears: nn.Linear) -> None:
+        if not linears:
+            raise ValueError("a linear group needs at least one linear")
+        if len({m.in_features for m in linears}) != 1:
+            raise ValueError(
+                f"grouped linears must share in_features (got {[m.in_features for m in linears]})"
+            )
+        if len({m.bias is None for m in linears}) != 1:
+            raise ValueError("grouped linears must all have a bias or none")
+        self.linears = linears
+        self.sizes = [m.out_features for m in linears]
+        self._weight: Tensor | None = None
+        self._bias: Tensor | None = None
+        self._ptrs: tuple[int, ...] = ()
+
+    def _current_ptrs(self) -> tuple[int, ...]:
+        ptrs = [m.weight.data_ptr() for m in self.linears]
+        ptrs += [m.bias.data_ptr() for m in self.linears if m.bias is not None]
+        return tuple(ptrs)
+
+    def fuse_(self) -> None:
+        """Copy the weights into one tensor and make each parameter a view of its rows."""
+        if self.linears[0].weight.is_meta:
+            self._weight, self._bias, self._ptrs = None, None, ()
+            return
+        with torch.no_grad(), torch.inference_mode(False):
+            weight = torch.cat([m.weight.detach() for m in self.linears])
+            biases = [m.bias.detach() for m in self.linears if m.bias is not None]
+            bias = torch.cat(biases) if biases else None
+            lo = 0
+            for m, n in zip(self.linears, self.sizes, strict=True):
+                m.weight.data = weight[lo : lo + n]
+                if bias is not None and m.bias is not None:
+                    m.bias.data = bias[lo : lo + n]
+                lo += n
+        self._weight, self._bias = weight, bias
+        self._ptrs = self._current_ptrs()
+
+    def weight_and_bias(self) -> tuple[Tensor, Tensor | None]:
+        """The fused ``[sum N_i, K]`` weight and ``[sum N_i]`` bias (or None)."""
+        if self._weight is None or self._current_ptrs() != self._ptrs:
+            self.fuse_()
+        if self._weight is None:
+            raise RuntimeError("a linear group on the meta device has no weights to multiply")
+        return self._weight, self._bias
+
+
+def fuse_linear_groups_(module: nn.Module) -> None:
+    """:meth:`LinearGroup.fuse_` for every group of every submodule of ``module``."""
+    for sub in module.modules():
+        for group in getattr(sub, "linear_groups", ()):
+            group.fuse_()
 
 
 def _norm_backend(x: Tensor) -> KernelBackend:
@@ -139,13 +216,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up = LinearGroup(self.gate_proj, self.up_proj)
+        self.linear_groups = (self.gate_up,)
 
     def forward(self, x: Tensor, ops: Ops | None = None) -> Tensor:
         if ops is None:
             out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
             return out
-        hidden = ops.each_token(_swiglu, ops.linear(self.gate_proj, x), ops.linear(self.up_proj, x))
-        return ops.linear(self.down_proj, hidden)
+        gate, up = ops.linear_group(self.gate_up, x)
+        return ops.linear(self.down_proj, ops.each_token(_swiglu, gate, up))
 
 
 def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
@@ -214,6 +293,8 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)
+        self.linear_groups = (self.qkv,)
 
     def forward(
         self,
@@ -236,12 +317,12 @@ class GatedAttention(nn.Module):
         """
         b, t, _ = x.shape
         d = self.head_dim
-        q_and_gate = ops.linear(self.q_proj, x).view(b, t, self.num_heads, 2 * d)
+        q_and_gate, k, v = ops.linear_group(self.qkv, x)
+        q_and_gate = q_and_gate.view(b, t, self.num_heads, 2 * d)
         q, gate = q_and_gate[..., :d], q_and_gate[..., d:]
         q = apply_rotary(ops.each_token(self.q_norm, q), cos, sin)  # [B, T, H, D]
-        k = ops.linear(self.k_proj, x).view(b, t, self.num_kv_heads, d)
-        k = apply_rotary(ops.each_token(self.k_norm, k), cos, sin)
-        v = ops.linear(self.v_proj, x).view(b, t, self.num_kv_heads, d)
+        k = apply_rotary(ops.each_token(self.k_norm, k.view(b, t, self.num_kv_heads, d)), cos, sin)
+        v = v.view(b, t, self.num_kv_heads, d)
         k_cache.index_copy_(2, positions, k.transpose(1, 2))  # rows positions[0..T-1]
         v_cache.index_copy_(2, positions, v.transpose(1, 2))
         if ops.invariant:
@@ -302,6 +383,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(hv))
         self.norm = GatedRMSNorm(config.linear_value_head_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(config.linear_value_dim, h, bias=False)
+        self.in_proj = LinearGroup(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        self.linear_groups = (self.in_proj,)
 
     def forward(
         self,
@@ -324,10 +407,10 @@ class GatedDeltaNet(nn.Module):
         b, t, _ = x.shape
         kc1 = self.conv_kernel - 1
         backend = ops.backend
-        mixed = ops.linear(self.in_proj_qkv, x)  # [B, T, C]
-        z = ops.linear(self.in_proj_z, x).view(b, t, self.num_v_heads, self.head_v_dim)
-        beta = ops.each_token(torch.sigmoid, ops.linear(self.in_proj_b, x))  # [B, T, HV]
-        g = ops.each_token(self._log_decay, ops.linear(self.in_proj_a, x))  # [B, T, HV] f32
+        mixed, z, b_in, a_in = ops.linear_group(self.in_proj, x)  # [B, T, C | V | HV | HV]
+        z = z.view(b, t, self.num_v_heads, self.head_v_dim)
+        beta = ops.each_token(torch.sigmoid, b_in)  # [B, T, HV]
+        g = ops.each_token(self._log_decay, a_in)  # [B, T, HV] f32
         weight = self.conv1d.weight.squeeze(1)  # [C, Kc]
         if capture is None:  # in place: conv inputs go to scratch, the new window is its tail
             captured = mixed.new_empty(b, kc1 + t, mixed.shape[-1])

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from dflash.errors import CheckpointError as CheckpointError  # re-exported: one family
 from dflash.model.config import ConfigError, HybridConfig
+from dflash.model.layers import fuse_linear_groups_
 
 if TYPE_CHECKING:
     from dflash.model.target import TargetModel
@@ -308,6 +309,7 @@ def load_target(
         fresh["lm_head.weight"] = fresh["embed_tokens.weight"]
     model.load_state_dict(fresh, strict=True, assign=True)
     model.tie_weights_()
+    fuse_linear_groups_(model)
     report = LoadReport(
         files=tuple(p.name for p in files), tensors_loaded=len(fresh), ignored=ignored
     )
@@ -335,5 +337,6 @@ def save_target(model: TargetModel, directory: Path) -> None:
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         key = name if name.startswith("lm_head.") else "model." + name
-        tensors[key] = tensor.detach().to("cpu").contiguous()
+        # clone: grouped projections are views of one tensor (safetensors refuses shared memory)
+        tensors[key] = tensor.detach().to("cpu").contiguous().clone()
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})

@@ -34,6 +34,7 @@ from dflash.model.layers import (
     KernelBackend,
     Ops,
     RMSNorm,
+    fuse_linear_groups_,
 )
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class TargetModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        fuse_linear_groups_(self)
 
     # -- construction ---------------------------------------------------------------------
 
@@ -97,6 +99,7 @@ class TargetModel(nn.Module):
         params = seeded_parameters(model, seed=seed, dtype=dtype, device=torch.device(device))
         model.load_state_dict(params, strict=True, assign=True)
         model.tie_weights_()
+        fuse_linear_groups_(model)
         return model.eval()
 
     @classmethod
@@ -117,6 +120,13 @@ class TargetModel(nn.Module):
         from dflash.model.loading import save_target
 
         save_target(self, Path(directory))
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> TargetModel:
+        """``Module._apply`` (``.to()``, ``.cuda()``, ``.half()`` …), then the projection
+        groups are fused again: a move gives every parameter its own new storage."""
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # untyped in torch
+        fuse_linear_groups_(self)
+        return self
 
     def tie_weights_(self) -> None:
         if self.config.tie_word_embeddings:

@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32, help="first N layers of the 9B shape")
     ap.add_argument("--json", default=None, help="write the numbers here")
     ap.add_argument("--table", action="store_true", help="also print the profiler's top ops")
+    ap.add_argument("--graphs-only", action="store_true", help="skip the eager (graphs off) half")
     args = ap.parse_args()
     nine = HybridConfig.nine_b_shape()
     config = HybridConfig(**{**nine.model_dump(), "layer_types": nine.layer_types[: args.layers]})
@@ -89,7 +90,7 @@ def main() -> None:
               f"GPU {gpu:8.3f} ms  wall/GPU {ratio:5.2f}  {extra}", flush=True)
 
     with torch.inference_mode():
-        for graphs in (False, True):
+        for graphs in (True,) if args.graphs_only else (False, True):
             # one decode forward (T = 1): plain greedy decoding's unit of work
             target = ShardedTarget(
                 model, plan, max_len=args.prompt_len + budget, max_draft=block, graphs=graphs

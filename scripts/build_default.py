@@ -118,21 +118,23 @@ class Recipe:
     eval_every: int = 200
     eval_windows: int = 32  # held-out windows for the curve (the final eval uses all)
     final_eval_max_tokens: int = 2_000_000
-    # drafter (dflash train-drafter)
-    drafter_steps: int = 1500
-    drafter_batch_size: int = 16
-    drafter_seq_len: int = 512
+    # drafter (dflash train-drafter; the shipped drafter: these defaults, one device call)
+    drafter_steps: int = 6000
+    drafter_batch_size: int = 64
+    drafter_seq_len: int = 256
+    drafter_prompt_len: int = 64  # teacher prompts and held-out eval prompts
     drafter_lr: float = 1e-3
-    drafter_warmup: int = 100
+    drafter_warmup: int = 200
     drafter_block_size: int = 16
-    drafter_num_layers: int = 2
-    drafter_eval_every: int = 750
-    drafter_eval_prompts: int = 8
+    drafter_num_layers: int = 3
+    drafter_eval_every: int = 3000
+    drafter_save_every: int = 1500
+    drafter_eval_prompts: int = 16
     drafter_eval_tokens: int = 128  # generated per held-out prompt when measuring τ
     drafter_teacher: str = "generate"  # train on the target's own greedy responses
-    drafter_teacher_samples: int = 2048  # teacher responses generated once, then reused
-    drafter_anchors: int = 48  # anchored blocks per sequence per step
-
+    drafter_teacher_samples: int = 16384  # teacher responses generated once, then reused
+    drafter_teacher_batch: int = 1024  # responses generated at once
+    drafter_anchors: int = 32  # anchored blocks per sequence per step
 
 TINY = Recipe(
     max_files=24,
@@ -168,6 +170,8 @@ TINY = Recipe(
     drafter_teacher_samples=16,
     drafter_anchors=8,
     drafter_eval_tokens=16,
+    drafter_prompt_len=32,
+    drafter_save_every=0,
     drafter_teacher="data",  # the smoke run skips generating teacher responses
 )
 
@@ -588,6 +592,9 @@ def drafter_command(
         "--teacher", recipe.drafter_teacher,
         "--teacher-samples", str(recipe.drafter_teacher_samples),
         "--anchors", str(recipe.drafter_anchors),
+        "--prompt-len", str(recipe.drafter_prompt_len),
+        "--teacher-batch", str(recipe.drafter_teacher_batch),
+        "--save-every", str(recipe.drafter_save_every),
         "--seed", str(recipe.seed),
         "--device", "cuda" if device.startswith("cuda") else "cpu",
         "--dtype", "bfloat16" if device.startswith("cuda") else "float32",

@@ -315,6 +315,17 @@ def _bench(
     if args.eos_id is not None and args.eos_id in oracle:  # the runs stop there too
         oracle = oracle[: oracle.index(args.eos_id) + 1]
     oracle_sha = token_sha256(oracle)
+    # one target for every speculative run and one for the greedy baseline, kept across
+    # runs: CUDA graphs are captured once (in the warm-up), as a serving process would
+    from dflash.execution.shards import ShardedTarget
+
+    spec_target = ShardedTarget(
+        model, plan, max_len=len(prompt) + args.max_new_tokens + args.block_size + 1,
+        max_draft=args.block_size, graphs=graphs,
+    )
+    greedy_target = ShardedTarget(
+        model, plan, max_len=len(prompt) + len(oracle), max_draft=1, graphs=graphs
+    )
 
     def measure(mode: RollbackMode, name: str) -> Phase:
         policy = RollbackPolicy(mode=mode)
@@ -330,6 +341,7 @@ def _bench(
                 policy=policy,
                 eos_id=args.eos_id,
                 graphs=graphs,
+                target=spec_target,
             )
             print(
                 f"dflash bench: {name} {mode} run {i + 1}/{args.warmup + args.runs}: "
@@ -354,7 +366,9 @@ def _bench(
         """Plain greedy decoding of the runs' tokens: measured rates, all runs correct."""
         rates, ok = [], True
         for i in range(args.warmup + args.runs):
-            g = timed_greedy(model, plan, prompt, len(oracle), graphs=graphs)
+            g = timed_greedy(
+                model, plan, prompt, len(oracle), graphs=graphs, target=greedy_target
+            )
             if g.tokens_per_s is None:  # unreachable: A1 already refused an EOS from the prefill
                 raise ExecutionError("the greedy baseline has no decode step to time")
             print(

@@ -25,16 +25,24 @@ def reference_greedy(
     *,
     graphs: bool | None = None,
     on_prefill: Callable[[], None] | None = None,
+    target: ShardedTarget | None = None,
 ) -> list[int]:
     """The ``n`` target-only greedy tokens after ``prompt``, one token per forward.
 
     ``graphs``: replay each decode forward from a CUDA graph (None: wherever supported).
     ``on_prefill``: called once the prefill's token is known, before the first decode
-    forward (where a caller starts timing the decode).
+    forward (where a caller starts timing the decode). ``target``: a :class:`ShardedTarget`
+    kept across calls (decode graphs captured once); it must serve this model, plan and
+    length, else ``ValueError`` names why. Only its decode path runs.
     """
     if n <= 0:
         return []
-    target = ShardedTarget(model, plan, max_len=len(prompt) + n, max_draft=1, graphs=graphs)
+    if target is None:
+        target = ShardedTarget(model, plan, max_len=len(prompt) + n, max_draft=1, graphs=graphs)
+    else:
+        why = target.cannot_serve(model, plan, max_len=len(prompt) + n, max_draft=1, graphs=graphs)
+        if why is not None:
+            raise ValueError(f"'target' cannot run this greedy decode: {why}")
     logits, _ = target.forward(list(prompt), "prefill", 0)
     out = [int(logits[-1].argmax())]
     if on_prefill is not None:

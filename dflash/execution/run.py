@@ -47,6 +47,7 @@ def timed_greedy(
     n: int,
     *,
     graphs: bool | None = None,
+    target: ShardedTarget | None = None,
 ) -> GreedyRun:
     """:func:`reference_greedy` of ``n`` tokens, its decode (after the prefill) timed."""
     marks: list[float] = []
@@ -55,10 +56,30 @@ def timed_greedy(
         _sync(plan)
         marks.append(time.perf_counter())
 
-    tokens = reference_greedy(model, plan, prompt, n, graphs=graphs, on_prefill=prefilled)
+    tokens = reference_greedy(
+        model, plan, prompt, n, graphs=graphs, on_prefill=prefilled, target=target
+    )
     _sync(plan)
     decode_s = time.perf_counter() - marks[0] if marks else 0.0
     return GreedyRun(tokens, decode_s, decode_rate(len(tokens), decode_s))
+
+
+def _target_for(
+    given: ShardedTarget | None,
+    model: TargetModel,
+    plan: ShardPlan,
+    *,
+    max_len: int,
+    max_draft: int,
+    graphs: bool | None,
+) -> ShardedTarget:
+    """``given`` when it can serve the run (``ValueError`` naming why not), else a new one."""
+    if given is None:
+        return ShardedTarget(model, plan, max_len=max_len, max_draft=max_draft, graphs=graphs)
+    why = given.cannot_serve(model, plan, max_len=max_len, max_draft=max_draft, graphs=graphs)
+    if why is not None:
+        raise ValueError(f"'target' cannot run this generation: {why}")
+    return given
 
 
 def positions_needed(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -97,6 +118,8 @@ def generate(
     on_progress: Callable[[int, SpecDecoder], None] | None = None,
     graphs: bool | None = None,
     baseline: bool = False,
+    target: ShardedTarget | None = None,
+    greedy_target: ShardedTarget | None = None,
 ) -> GenerationResult:
     """Speculative greedy decoding of ``max_new_tokens`` tokens after ``prompt``.
 
@@ -106,7 +129,11 @@ def generate(
     afterwards decode the same number of tokens with plain target-only greedy
     (:func:`timed_greedy`, same shards and ``graphs``) and report its rate and the
     speed-up over it; ``check_parity`` then compares against that same run unless
-    ``oracle_tokens`` are given.
+    ``oracle_tokens`` are given. ``target`` / ``greedy_target``: a :class:`ShardedTarget`
+    kept across calls for the speculative run / the greedy baseline (its CUDA graphs are
+    then captured once, not per call); it must serve this model, plan, length and block
+    size (:meth:`ShardedTarget.cannot_serve`), else ``ValueError`` names why. Runs with
+    ``faults`` always get a fresh target.
     """
     if (
         isinstance(max_new_tokens, bool)
@@ -116,7 +143,8 @@ def generate(
         raise ValueError(f"'max_new_tokens' must be an int >= 1 (got {max_new_tokens!r})")
     check_positions(model, len(prompt), max_new_tokens, block_size)
     policy = policy or RollbackPolicy()
-    target = ShardedTarget(
+    target = _target_for(
+        target if faults is None else None,
         model,
         plan,
         max_len=len(prompt) + max_new_tokens + block_size + 1,
@@ -145,7 +173,9 @@ def generate(
     ref = None if oracle_tokens is None else list(oracle_tokens)
     greedy: GreedyRun | None = None
     if baseline or (check_parity and ref is None):  # one greedy decode serves both
-        greedy = timed_greedy(model, plan, prompt, len(tokens), graphs=graphs)
+        greedy = timed_greedy(
+            model, plan, prompt, len(tokens), graphs=graphs, target=greedy_target
+        )
         ref = greedy.tokens if ref is None else ref
     parity: bool | None = None
     parity_sha: str | None = None

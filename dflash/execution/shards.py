@@ -21,6 +21,7 @@ from dflash.execution.errors import LayerSplitError, ShardPositionError
 from dflash.execution.graphs import ShardCompute, ShardGraphs, ShardOutput, graphs_supported
 from dflash.geometry import ChainGeometry
 from dflash.model import KVCache, ShardCaches, TargetModel
+from dflash.model.layers import fuse_linear_groups_
 from dflash.model.target import Mode
 
 
@@ -150,6 +151,10 @@ class Shard:
         )
 
 
+def _weight_addresses(model: TargetModel) -> tuple[tuple[int, torch.dtype, str], ...]:
+    return tuple((p.data_ptr(), p.dtype, str(p.device)) for p in model.parameters())
+
+
 class ShardedTarget:
     """The target model run as contiguous shards; see the module docstring.
 
@@ -185,6 +190,8 @@ class ShardedTarget:
             for i in range(lo, hi):
                 model.layers[i].to(dev)
             self.shards.append(Shard(k, dev, range(lo, hi), self._new_caches(range(lo, hi), dev)))
+        fuse_linear_groups_(model)  # a layer moved to its device has new parameter storage
+        self._weights = _weight_addresses(model)
         why_not = graphs_supported(model, devices)
         if graphs and why_not is not None:
             raise ValueError(f"'graphs'=True but {why_not}")
@@ -192,6 +199,39 @@ class ShardedTarget:
         self.graphs: list[ShardGraphs] | None = (
             [ShardGraphs(s.device) for s in self.shards] if self.graphs_off_reason is None else None
         )
+
+    def cannot_serve(
+        self, model: TargetModel, plan: ShardPlan, *, max_len: int, max_draft: int,
+        graphs: bool | None,
+    ) -> str | None:
+        """Why this target cannot run a generation with these settings (None: it can).
+
+        A target is reusable across generations (its CUDA graphs are then captured once):
+        :meth:`forward` in ``prefill`` mode resets its caches for the new prompt.
+        """
+        if model is not self.model:
+            return "it was built for another model"
+        if plan != self.plan:
+            return f"it was built for layer split {self.plan.split} on {self.plan.devices}"
+        if max_len > self.max_len:
+            return f"it holds {self.max_len} positions, the generation needs {max_len}"
+        if max_draft > self.max_draft:
+            return f"it captures {self.max_draft} slots, the generation needs {max_draft}"
+        if graphs is False and self.graphs is not None:
+            return "graphs=False was asked for a target that captures CUDA graphs"
+        if graphs and self.graphs is None:
+            return f"graphs=True was asked for a target without graphs ({self.graphs_off_reason})"
+        return None
+
+    def _check_weights(self) -> None:
+        """Forget the CUDA graphs when the model's parameters are no longer the tensors
+        they were captured with (a graph holds addresses: it would read freed memory)."""
+        fuse_linear_groups_(self.model)
+        now = _weight_addresses(self.model)
+        if now != self._weights:
+            for graphs in self.graphs or ():
+                graphs.reset()
+            self._weights = now
 
     def _new_caches(
         self, layers: range, device: torch.device, kv: KVCache | None = None
@@ -263,6 +303,8 @@ class ShardedTarget:
         logits: bool,
     ) -> tuple[Tensor | None, dict[int, Tensor]]:
         t = len(ids)
+        if mode == "prefill":  # a new generation: the weights may have changed since the last
+            self._check_weights()
         hidden_size = self.model.config.hidden_size
         x = device_ids(ids, self.shards[0].device)  # [1, T] int64
         graphed = self.graphs is not None and mode != "prefill" and after_shard is None

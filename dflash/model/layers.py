@@ -160,9 +160,14 @@ class LinearGroup:
         self._weight, self._bias = weight, bias
         self._ptrs = self._current_ptrs()
 
+    @property
+    def stale(self) -> bool:
+        """True when a parameter is no longer a view of the fused tensor (or none exists)."""
+        return self._weight is None or self._current_ptrs() != self._ptrs
+
     def weight_and_bias(self) -> tuple[Tensor, Tensor | None]:
         """The fused ``[sum N_i, K]`` weight and ``[sum N_i]`` bias (or None)."""
-        if self._weight is None or self._current_ptrs() != self._ptrs:
+        if self.stale:
             self.fuse_()
         if self._weight is None:
             raise RuntimeError("a linear group on the meta device has no weights to multiply")
@@ -170,10 +175,11 @@ class LinearGroup:
 
 
 def fuse_linear_groups_(module: nn.Module) -> None:
-    """:meth:`LinearGroup.fuse_` for every group of every submodule of ``module``."""
+    """:meth:`LinearGroup.fuse_` for every stale group of every submodule of ``module``."""
     for sub in module.modules():
         for group in getattr(sub, "linear_groups", ()):
-            group.fuse_()
+            if group.stale:
+                group.fuse_()
 
 
 def _norm_backend(x: Tensor) -> KernelBackend:

@@ -26,13 +26,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.model import TargetModel
+
+if TYPE_CHECKING:
+    from dflash.execution import ShardedTarget, ShardPlan
 from dflash.model.drafters import DFlashConfig, DFlashDrafter, PromptLookupDrafter
 from dflash.training.data import (
     DataError,
@@ -186,23 +189,34 @@ def _features(
     return torch.cat([tapped[t] for t in taps], dim=-1)
 
 
+def _eval_target(
+    model: TargetModel, prompts: Sequence[list[int]], tokens: int, block_size: int
+) -> tuple[ShardPlan, ShardedTarget]:
+    """One target for every held-out prompt (its CUDA graphs are captured once)."""
+    from dflash.execution import ShardedTarget, plan_shards
+
+    plan = plan_shards(model.config.num_hidden_layers, str(model.embed_tokens.weight.device))
+    longest = max((len(p) for p in prompts), default=1)
+    target = ShardedTarget(
+        model, plan, max_len=longest + tokens + block_size + 1, max_draft=block_size
+    )
+    return plan, target
+
+
 def evaluate(
     model: TargetModel, drafter: DFlashDrafter, prompts: Sequence[list[int]], tokens: int
 ) -> dict[str, float]:
     """τ (mean accepted length per step, bonus included) of real speculative decoding."""
-    from dflash.execution import generate, plan_shards
+    from dflash.execution import generate
 
-    plan = plan_shards(model.config.num_hidden_layers, str(model.embed_tokens.weight.device))
+    block = drafter.config.block_size
+    plan, target = _eval_target(model, prompts, tokens, block)
     steps = accepted = 0
     for prompt in prompts:
         drafter.reset()
         r = generate(
-            model,
-            drafter,
-            prompt,
-            plan=plan,
-            max_new_tokens=tokens,
-            block_size=drafter.config.block_size,
+            model, drafter, prompt, plan=plan, max_new_tokens=tokens, block_size=block,
+            target=target,
         )
         steps += r.steps
         accepted += r.accepted_tokens
@@ -216,18 +230,14 @@ def evaluate(
 def prompt_lookup_tau(
     model: TargetModel, prompts: Sequence[list[int]], tokens: int, block_size: int
 ) -> float:
-    from dflash.execution import generate, plan_shards
+    from dflash.execution import generate
 
-    plan = plan_shards(model.config.num_hidden_layers, str(model.embed_tokens.weight.device))
+    plan, target = _eval_target(model, prompts, tokens, block_size)
     steps = accepted = 0
     for prompt in prompts:
         r = generate(
-            model,
-            PromptLookupDrafter(),
-            prompt,
-            plan=plan,
-            max_new_tokens=tokens,
-            block_size=block_size,
+            model, PromptLookupDrafter(), prompt, plan=plan, max_new_tokens=tokens,
+            block_size=block_size, target=target,
         )
         steps += r.steps
         accepted += r.accepted_tokens

@@ -22,8 +22,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dflash.model.drafters.dflash_config import DFlashConfig
+
+#: SDPA backends for the drafter's attention. cuDNN is left out: it builds a new plan for
+#: every new key length (milliseconds of host time per call), and the context grows by
+#: every committed token, so each step would plan again; flash / memory-efficient kernels
+#: launch directly.
+_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class RMSNorm(nn.Module):
@@ -170,7 +177,8 @@ class DraftAttention(nn.Module):
             k = k.repeat_interleave(group, dim=1)  # [N, heads, C+Q, D]
             v = v.repeat_interleave(group, dim=1)
         mask = None if visible is None else visible[:, None]  # [N, 1, Q, C+Q]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
+        with sdpa_kernel(_BACKENDS):
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
         o = o.transpose(1, 2).reshape(n, q_len, self.num_heads * self.head_dim)
         out: Tensor = self.o_proj(o)
         return out

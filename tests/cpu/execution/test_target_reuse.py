@@ -1,0 +1,84 @@
+"""A ShardedTarget kept across generations: same tokens as fresh ones, refused when it
+cannot serve the run (naming why), and its CUDA graphs forgotten once the weights moved."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.execution import RollbackPolicy, ShardedTarget, generate, plan_shards
+from dflash.execution.graphs import ShardGraphs, ShardOutput
+from dflash.execution.oracle import reference_greedy
+from dflash.execution.run import timed_greedy
+from dflash.model import TargetModel, greedy_generate
+from dflash.model.drafters import PromptLookupDrafter
+
+PROMPTS = ([5, 17, 200, 3, 5, 17, 200, 3, 9], [1, 2, 3, 1, 2, 3, 1, 2], [42] * 6)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> TargetModel:
+    return TargetModel.tiny_default(seed=2)
+
+
+@pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap"])
+def test_a_kept_target_gives_the_fresh_tokens(tiny: TargetModel, mode: str) -> None:
+    plan = plan_shards(6, "cpu,cpu", "2,4")
+    kept = ShardedTarget(tiny, plan, max_len=64, max_draft=8)
+    greedy_kept = ShardedTarget(tiny, plan, max_len=64, max_draft=1)
+    for prompt in (*PROMPTS, PROMPTS[0]):  # a longer prompt after shorter ones, then again
+        policy = RollbackPolicy(mode=mode)  # type: ignore[arg-type]  # a literal of the set
+        fresh = generate(tiny, PromptLookupDrafter(), prompt, plan=plan, max_new_tokens=12,
+                         block_size=4, policy=policy)
+        again = generate(tiny, PromptLookupDrafter(), prompt, plan=plan, max_new_tokens=12,
+                         block_size=4, policy=policy, target=kept, check_parity=True,
+                         greedy_target=greedy_kept)
+        assert again.tokens == fresh.tokens == greedy_generate(tiny, prompt, 12)
+        assert again.parity is True and again.steps == fresh.steps
+        assert again.rollback.status == fresh.rollback.status
+        assert reference_greedy(tiny, plan, prompt, 12, target=greedy_kept) == fresh.tokens
+        assert timed_greedy(tiny, plan, prompt, 12, target=kept).tokens == fresh.tokens
+
+
+def test_a_target_that_cannot_serve_is_refused_with_the_reason(tiny: TargetModel) -> None:
+    plan = plan_shards(6)
+    kept = ShardedTarget(tiny, plan, max_len=24, max_draft=4)
+    prompt = PROMPTS[0]
+
+    def run(**kw: object) -> None:
+        args = {"plan": plan, "max_new_tokens": 4, "block_size": 4, "target": kept, **kw}
+        generate(tiny, PromptLookupDrafter(), prompt, **args)  # type: ignore[arg-type]
+
+    with pytest.raises(ValueError, match="holds 24 positions, the generation needs 28"):
+        run(max_new_tokens=14)
+    with pytest.raises(ValueError, match="captures 4 slots, the generation needs 8"):
+        run(block_size=8)
+    with pytest.raises(ValueError, match="layer split"):
+        run(plan=plan_shards(6, "cpu,cpu", "3,3"))
+    with pytest.raises(ValueError, match="another model"):
+        generate(TargetModel.tiny_default(seed=3), PromptLookupDrafter(), prompt, plan=plan,
+                 max_new_tokens=4, block_size=4, target=kept)
+    with pytest.raises(ValueError, match="graphs=True"):
+        run(graphs=True)
+    with pytest.raises(ValueError, match="greedy decode: it holds 24"):
+        reference_greedy(tiny, plan, prompt, 40, target=kept)
+    run()  # the refusals changed nothing: the target still serves a run that fits
+
+
+def _noted(work: object) -> tuple[object, ShardOutput]:
+    raise AssertionError("no capture runs in this test")
+
+
+def test_graphs_are_forgotten_when_the_weights_change(tiny: TargetModel) -> None:
+    model = TargetModel.tiny_default(seed=4)
+    plan = plan_shards(6)
+    target = ShardedTarget(model, plan, max_len=32, max_draft=4)
+    graphs = ShardGraphs(torch.device("cpu"), capture=_noted)  # type: ignore[arg-type]
+    graphs._graphs[("verify", 4, None, True)] = object()  # type: ignore[assignment]  # a captured graph
+    target.graphs = [graphs]
+    target.forward(PROMPTS[1], "prefill", 0)  # same weights: the graph is kept
+    assert graphs._graphs
+    layer = model.layers[0].mlp.down_proj
+    layer.load_state_dict({"weight": layer.weight.detach().clone()}, assign=True)
+    target.forward(PROMPTS[1], "prefill", 0)  # a replaced parameter: graphs would read freed memory
+    assert not graphs._graphs

@@ -62,7 +62,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         "--model",
         default="default",
         help="checkpoint directory (safetensors; pickle is refused), 'default' (the embedded "
-        "trained pair), or seeded weights: 'tiny' (default), 'nine-b-shape', "
+        "trained pair; the default), or seeded weights: 'tiny', 'nine-b-shape', "
         "'twenty-seven-b-shape' (the Qwen3.5-9B / 27B shapes)",
     )
     p.add_argument(

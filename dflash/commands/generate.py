@@ -167,7 +167,7 @@ def register(subparsers: Any) -> None:
         "--check-parity",
         action="store_true",
         help="compare the tokens with target-only greedy decoding, token for token (the "
-        "greedy baseline's run; one of its own with --no-baseline)",
+        "greedy baseline's run, which is compared anyway; one of its own with --no-baseline)",
     )
     p.add_argument(
         "--no-baseline",

@@ -128,7 +128,8 @@ def generate(
     for the decode-time forwards (None: wherever supported; False: eager). ``baseline``:
     afterwards decode the same number of tokens with plain target-only greedy
     (:func:`timed_greedy`, same shards and ``graphs``) and report its rate and the
-    speed-up over it; ``check_parity`` then compares against that same run unless
+    speed-up over it, and its tokens are compared with the speculative ones (``parity``);
+    ``check_parity`` compares against that same run (or decodes one) unless
     ``oracle_tokens`` are given. ``target`` / ``greedy_target``: a :class:`ShardedTarget`
     kept across calls for the speculative run / the greedy baseline (its CUDA graphs are
     then captured once, not per call); it must serve this model, plan, length and block
@@ -179,7 +180,7 @@ def generate(
         ref = greedy.tokens if ref is None else ref
     parity: bool | None = None
     parity_sha: str | None = None
-    if check_parity and ref is not None:  # ref is set whenever check_parity is
+    if (check_parity or greedy is not None) and ref is not None:  # a baseline is free parity
         parity = ref[: len(tokens)] == tokens
         parity_sha = token_sha256(ref[: len(tokens)])
     steps = len(engine.records)

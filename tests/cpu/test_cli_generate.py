@@ -66,11 +66,12 @@ def test_json_result_has_the_section_5_contract(capsys: pytest.CaptureFixture[st
     assert "capture gate" in err and "sha256" in err  # the summary table is on stderr
 
 
-def test_parity_is_null_without_check_and_replay_reports_off(
+def test_the_baseline_checks_parity_and_replay_reports_off(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     result, _ = _json_run(capsys, "--rollback", "replay")
-    assert result["parity"] is None
+    assert result["parity"] is True  # the greedy baseline's tokens, compared for free
+    assert result["parity_sha256"] == result["sha256"]
     assert result["rollback"]["status"] == "off" and result["rollback"]["fast"] == 0
 
 

@@ -181,16 +181,10 @@ class ShardedTarget:
         self.model, self.plan = model, plan
         self.max_len, self.max_draft = max_len, max_draft
         devices = [torch.device(d) for d in plan.devices]
-        model.embed_tokens.to(devices[0])
-        model.norm.to(devices[-1])
-        model.lm_head.to(devices[-1])
-        model.tie_weights_()
+        self._place()
         self.shards: list[Shard] = []
         for k, ((lo, hi), dev) in enumerate(zip(plan.ranges, devices, strict=True)):
-            for i in range(lo, hi):
-                model.layers[i].to(dev)
             self.shards.append(Shard(k, dev, range(lo, hi), self._new_caches(range(lo, hi), dev)))
-        fuse_linear_groups_(model)  # a layer moved to its device has new parameter storage
         self._weights = _weight_addresses(model)
         why_not = graphs_supported(model, devices)
         if graphs and why_not is not None:
@@ -223,10 +217,23 @@ class ShardedTarget:
             return f"graphs=True was asked for a target without graphs ({self.graphs_off_reason})"
         return None
 
+    def _place(self) -> None:
+        """Every layer on its shard's device (a no-op for layers already there)."""
+        model, devices = self.model, [torch.device(d) for d in self.plan.devices]
+        model.embed_tokens.to(devices[0])
+        model.norm.to(devices[-1])
+        model.lm_head.to(devices[-1])
+        model.tie_weights_()
+        for (lo, hi), dev in zip(self.plan.ranges, devices, strict=True):
+            for i in range(lo, hi):
+                model.layers[i].to(dev)
+        fuse_linear_groups_(model)  # a layer moved to its device has new parameter storage
+
     def _check_weights(self) -> None:
         """Forget the CUDA graphs when the model's parameters are no longer the tensors
-        they were captured with (a graph holds addresses: it would read freed memory)."""
-        fuse_linear_groups_(self.model)
+        they were captured with (a graph holds addresses: it would read freed memory),
+        e.g. after another target placed the layers elsewhere (they are placed back)."""
+        self._place()
         now = _weight_addresses(self.model)
         if now != self._weights:
             for graphs in self.graphs or ():

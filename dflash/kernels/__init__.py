@@ -5,6 +5,7 @@
 - :func:`causal_conv1d_capture`: depthwise causal conv1d + SiLU that captures its inputs.
 - :func:`rollback_restore`: live state and conv window <- slot ``commit_n - 1`` for all
   recurrent layers of a shard in one launch; :func:`slot_views` is the zero-copy remap.
+- :func:`gdn_gates`: Gated DeltaNet's ``beta`` and ``g`` gates in one launch.
 - :func:`rms_norm`: zero-centred or gated RMSNorm in one launch (batch-invariant rows).
 - :func:`linear`: ``x @ weight.T + bias`` whose rows do not depend on the row count M.
 - :func:`decode_attention`: causal decode/verify attention against a static KV cache,
@@ -21,6 +22,8 @@ from dflash.kernels.attention import decode_attention
 from dflash.kernels.attention_reference import decode_attention_reference
 from dflash.kernels.conv import causal_conv1d_capture
 from dflash.kernels.conv_reference import causal_conv1d_capture_reference
+from dflash.kernels.gates import gdn_gates
+from dflash.kernels.gates_reference import gdn_gates_reference
 from dflash.kernels.gdn import gdn_verify
 from dflash.kernels.gdn_reference import gdn_verify_reference
 from dflash.kernels.linear import linear
@@ -36,6 +39,8 @@ __all__ = [
     "causal_conv1d_capture_reference",
     "decode_attention",
     "decode_attention_reference",
+    "gdn_gates",
+    "gdn_gates_reference",
     "gdn_verify",
     "gdn_verify_reference",
     "linear",

@@ -27,8 +27,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash.geometry import ChainGeometry
-from dflash.kernels import causal_conv1d_capture, decode_attention, gdn_verify, linear, rms_norm
+from dflash.kernels import (
+    causal_conv1d_capture,
+    decode_attention,
+    gdn_gates,
+    gdn_verify,
+    linear,
+    rms_norm,
+)
 from dflash.kernels.checks import use_triton
+from dflash.kernels.gates_reference import gdn_decay_reference
 from dflash.model.config import HybridConfig
 from dflash.model.tiles import PositionTiles
 
@@ -415,8 +423,11 @@ class GatedDeltaNet(nn.Module):
         backend = ops.backend
         mixed, z, b_in, a_in = ops.linear_group(self.in_proj, x)  # [B, T, C | V | HV | HV]
         z = z.view(b, t, self.num_v_heads, self.head_v_dim)
-        beta = ops.each_token(torch.sigmoid, b_in)  # [B, T, HV]
-        g = ops.each_token(self._log_decay, a_in)  # [B, T, HV] f32
+        if ops.tiles is None:  # one launch on CUDA: beta [B, T, HV], g [B, T, HV] f32
+            beta, g = gdn_gates(a_in, b_in, self.A_log, self.dt_bias, backend=backend)
+        else:  # CPU: the same maths per position tile
+            beta = ops.each_token(torch.sigmoid, b_in)
+            g = ops.each_token(self._log_decay, a_in)
         weight = self.conv1d.weight.squeeze(1)  # [C, Kc]
         if capture is None:  # in place: conv inputs go to scratch, the new window is its tail
             captured = mixed.new_empty(b, kc1 + t, mixed.shape[-1])
@@ -443,7 +454,7 @@ class GatedDeltaNet(nn.Module):
 
     def _log_decay(self, a: Tensor) -> Tensor:
         """``g = -exp(A_log) · softplus(a + dt_bias)`` in float32."""
-        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return gdn_decay_reference(a, self.A_log, self.dt_bias)
 
 
 class DecoderLayer(nn.Module):

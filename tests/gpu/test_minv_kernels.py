@@ -129,3 +129,28 @@ def test_linear_graph_replay() -> None:
     out.fill_(NAN)
     graph.replay()
     assert torch.equal(out, linear(x[4:8], w, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gdn_gates_on_the_gpu_match_the_reference_and_are_row_invariant(
+    dtype: torch.dtype,
+) -> None:
+    """The 9B shape's HV = 32 gates, read as column slices of the grouped projection."""
+    from dflash.kernels import gdn_gates, gdn_gates_reference
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    buf = (torch.randn(16, 12352, device="cuda", generator=gen) * 12).to(dtype)
+    a, b = buf[:, -32:], buf[:, -64:-32]
+    A_log = torch.randn(32, device="cuda", generator=gen).to(dtype)
+    dt_bias = (torch.randn(32, device="cuda", generator=gen) * 4).to(dtype)
+    beta_out = torch.full((16, 32), NAN, dtype=dtype, device="cuda")
+    g_out = torch.full((16, 32), NAN, dtype=torch.float32, device="cuda")
+    beta, g = gdn_gates(a, b, A_log, dt_bias, beta_out=beta_out, g_out=g_out)
+    want_beta, want_g = gdn_gates_reference(a.double(), b.double(), A_log.double(),
+                                            dt_bias.double())
+    assert not beta.isnan().any() and not g.isnan().any()
+    torch.testing.assert_close(g.double(), want_g, rtol=1e-5, atol=0)
+    assert rel_rms(beta, want_beta) <= (1e-6 if dtype == torch.float32 else 1e-2)
+    for r in (0, 7, 15):
+        one_beta, one_g = gdn_gates(a[r : r + 1], b[r : r + 1], A_log, dt_bias)
+        assert torch.equal(one_beta[0], beta[r]) and torch.equal(one_g[0], g[r])

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 #: softplus(x) = x above this (torch's default threshold), log1p(exp(x)) below
-SOFTPLUS_THRESHOLD = 20.0
+SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # a constexpr: compiled kernels read no plain globals
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types

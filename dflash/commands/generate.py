@@ -176,6 +176,14 @@ def register(subparsers: Any) -> None:
         "(timings.greedy_tokens_per_s and speedup_vs_greedy are then null)",
     )
     p.add_argument(
+        "--warmup-tokens",
+        type=int,
+        default=None,
+        help="first decode this many tokens untimed, speculatively and (with the baseline) "
+        "greedily, on the same targets, so the timed runs compare steady states: Triton "
+        "compiled, CUDA graphs captured (default: 32 on CUDA, 0 on CPU)",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print the result as one JSON object on stdout (and nothing else there)",
@@ -402,6 +410,9 @@ def prepare(args: argparse.Namespace) -> Prepared:
     dtype = parse_dtype(args.dtype, args.model, first)
     if args.max_new_tokens < 1:
         raise UsageError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
+    warm = getattr(args, "warmup_tokens", None)
+    if warm is not None and warm < 0:
+        raise UsageError(f"--warmup-tokens must be >= 0 (got {warm})")
     if not 2 <= args.block_size <= MAX_SLOTS:
         raise UsageError(f"--block-size must be in [2, {MAX_SLOTS}] (got {args.block_size})")
     acceptance = synthetic_acceptance(args)
@@ -584,6 +595,9 @@ def execute(
         if printer is not None:  # generated so far: committed context + the pending token
             printer.update([*engine.context[prompt_len:], engine.last][:done])
 
+    graphs = False if getattr(args, "no_graphs", False) else None
+    baseline = not getattr(args, "no_baseline", False)
+    targets = _warmed_up(args, policy, ready, graphs=graphs, baseline=baseline)
     try:
         result = generate(
             ready.model,
@@ -597,14 +611,51 @@ def execute(
             oracle_tokens=ready.oracle,
             eos_id=ready.eos_id,
             on_progress=on_progress,
-            graphs=False if getattr(args, "no_graphs", False) else None,
-            baseline=not getattr(args, "no_baseline", False),
+            graphs=graphs,
+            baseline=baseline,
+            **targets,
         )
     finally:
         bar.close()
     if printer is None:
         return result
     return result.model_copy(update={"text": printer.finish(result.tokens)})
+
+
+def _warmed_up(
+    args: argparse.Namespace,
+    policy: RollbackPolicy,
+    ready: Prepared,
+    *,
+    graphs: bool | None,
+    baseline: bool,
+) -> dict[str, Any]:
+    """``--warmup-tokens``: an untimed generation on targets the timed one then reuses.
+
+    Returns the ``target`` / ``greedy_target`` arguments for the timed :func:`generate`
+    (empty without a warm-up). A drafter needs no reset: after a prefill the engine hands
+    it the features of the whole prompt, which replace any cached context.
+    """
+    from dflash.execution import ShardedTarget
+    from dflash.execution.run import generate
+
+    warm = args.warmup_tokens
+    if warm is None:
+        warm = 32 if any(d.startswith("cuda") for d in ready.plan.devices) else 0
+    if warm == 0:
+        return {}
+    n, block, prompt = args.max_new_tokens, args.block_size, ready.prompt
+    spec = ShardedTarget(ready.model, ready.plan, max_len=len(prompt) + n + block + 1,
+                         max_draft=block, graphs=graphs)
+    greedy = (
+        ShardedTarget(ready.model, ready.plan, max_len=len(prompt) + n, max_draft=1,
+                      graphs=graphs)
+        if baseline else None
+    )
+    generate(ready.model, ready.drafter, prompt, plan=ready.plan, max_new_tokens=min(warm, n),
+             block_size=block, policy=policy, eos_id=ready.eos_id, graphs=graphs,
+             baseline=baseline, target=spec, greedy_target=greedy)
+    return {"target": spec, "greedy_target": greedy}
 
 
 def run(args: argparse.Namespace) -> int:

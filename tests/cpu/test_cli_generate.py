@@ -338,3 +338,20 @@ def test_capture_storage_that_does_not_fit_is_reported_and_decoding_goes_on(
     assert rollback["fast"] == 0 and rollback["replay"] == data["steps"]
     assert "could not be allocated on cpu" in rollback["fast_unavailable_reason"]
     assert "fast rollback unavailable: shard 0: checkpoint storage of" in err
+
+
+def test_warmup_runs_untimed_on_the_targets_the_timed_run_reuses(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain, _ = _json_run(capsys, "--draft", "dflash")
+    calls = _count_greedy(monkeypatch)
+    warmed, _ = _json_run(capsys, "--draft", "dflash", "--warmup-tokens", "5")
+    assert warmed["tokens"] == plain["tokens"] and warmed["parity"] is True
+    assert [c["n"] for c in calls] == [5, 8]  # the warm-up's greedy, then the timed one's
+    kept = [c["target"] for c in calls]
+    assert kept[0] is not None and kept[0] is kept[1]  # one greedy target for both
+    calls.clear()
+    _json_run(capsys, "--warmup-tokens", "0")
+    assert [c["n"] for c in calls] == [8] and calls[0]["target"] is None  # CPU default: none
+    code = main(["generate", *FAST, "--warmup-tokens", "-2"])
+    assert code == 2 and "--warmup-tokens must be >= 0 (got -2)" in capsys.readouterr().err

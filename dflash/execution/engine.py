@@ -172,19 +172,23 @@ class SpecDecoder:
         B, step = self.block_size, len(self.records)
         self._forwards_before = self.target_forwards
         proposal = self.drafter.propose(list(self.context), self.last, B, self.features)
-        d = [self.last, *self._check_proposal(proposal)]  # d: [B]
+        guesses = self._check_proposal(proposal)
         if self.committed + B > self.target.max_len:
             raise ExecutionError(
                 f"KV cache capacity exhausted: a verify of {B} tokens at position "
                 f"{self.committed} needs {self.committed + B} positions, the caches hold "
                 f"max_len={self.target.max_len}"
             )
-        geometry = chain_of(len(d))
-        self.target.require_position(self.committed, what="before verify")
         # the gate runs for a fast mode only, and only on whole capture storage
         gate_run = (
             self.policy.fast and self.gate.pending and self.fast_unavailable_reason is None
         )
+        # the verify window: the whole block, or on CPU tiles the part that ends on a tile
+        # boundary (a prefix of the draft: lossless); the gate's step verifies the whole block
+        T = B if gate_run else self.target.verify_window(self.committed, B)
+        d = [self.last, *guesses[: T - 1]]  # d: [T]
+        geometry = chain_of(len(d))
+        self.target.require_position(self.committed, what="before verify")
         storages = self.target.storages() if gate_run else []
         if gate_run:
             self.gate.arm(storages)
@@ -202,7 +206,7 @@ class SpecDecoder:
         # argmax and acceptance on the device; reading them is the step's one host sync
         t_dev, count = greedy_acceptance(logits, device_ids(d, logits.device)[0])
         read = torch.cat([t_dev, count]).tolist()
-        t, accept_n = read[:B], read[B]  # t[i]: target's greedy token after d[0..i]
+        t, accept_n = read[:T], read[T]  # t[i]: target's greedy token after d[0..i]
         if accept_n != leading_accepted(d, t):
             raise ExecutionError(f"device acceptance count {accept_n} disagrees with {t}")
         emitted = [*d[1:accept_n], t[accept_n - 1]]

@@ -184,7 +184,7 @@ def generate(
         parity = ref[: len(tokens)] == tokens
         parity_sha = token_sha256(ref[: len(tokens)])
     steps = len(engine.records)
-    drafted = steps * (block_size - 1)
+    drafted = sum(len(r.draft) - 1 for r in engine.records)  # the verified guesses
     accepted = sum(r.accept_n - 1 for r in engine.records)
     decode_s = t2 - t1
     rate = decode_rate(len(tokens), decode_s)

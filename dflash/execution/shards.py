@@ -23,6 +23,7 @@ from dflash.geometry import ChainGeometry
 from dflash.model import KVCache, ShardCaches, TargetModel
 from dflash.model.layers import fuse_linear_groups_
 from dflash.model.target import Mode
+from dflash.model.tiles import tile_window
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ class ShardedTarget:
         for k, ((lo, hi), dev) in enumerate(zip(plan.ranges, devices, strict=True)):
             self.shards.append(Shard(k, dev, range(lo, hi), self._new_caches(range(lo, hi), dev)))
         self._weights = _weight_addresses(model)
+        self._tiled = all(d.type == "cpu" for d in devices)
         why_not = graphs_supported(model, devices)
         if graphs and why_not is not None:
             raise ValueError(f"'graphs'=True but {why_not}")
@@ -216,6 +218,11 @@ class ShardedTarget:
         if graphs and self.graphs is None:
             return f"graphs=True was asked for a target without graphs ({self.graphs_off_reason})"
         return None
+
+    def verify_window(self, start: int, block: int) -> int:
+        """How many tokens of a ``block``-token draft at position ``start`` to verify: on CPU
+        shards :func:`dflash.model.tiles.tile_window`, elsewhere the whole block."""
+        return tile_window(start, block) if self._tiled else block
 
     def _place(self) -> None:
         """Every layer on its shard's device (a no-op for layers already there)."""

@@ -24,6 +24,23 @@ import torch
 from torch import Tensor
 
 TILE_ROWS = 16  # rows per tile: the Triton linear kernel's row tile, so CPU and GPU agree
+#: the fewest tokens a tile-aligned verify window holds (a shorter room takes the whole block)
+MIN_WINDOW = 4
+
+
+def tile_window(start: int, block: int) -> int:
+    """The verify window for a ``block``-token draft whose first token sits at ``start``.
+
+    A forward costs one evaluation per tile it touches, so a verify that would spill a few
+    rows into a second tile stops at the tile boundary instead: ``TILE_ROWS - start mod
+    TILE_ROWS`` tokens when that is at least :data:`MIN_WINDOW` and less than ``block``,
+    else the whole block. Verifying a prefix of the draft is lossless (the rest was never
+    going to be accepted without it); only the expected number of accepted tokens changes.
+    """
+    if start < 0 or block < 1:
+        raise ValueError(f"'start' must be >= 0 and 'block' >= 1 (got {start}, {block})")
+    room = TILE_ROWS - start % TILE_ROWS
+    return room if MIN_WINDOW <= room < block else block
 
 
 class PositionTiles:

@@ -101,7 +101,8 @@ def test_every_mode_matches_plain_greedy(
         assert result.rollback.replay_after_failure == 0
     if p == 1.0:
         assert result.acceptance_rate == 1.0  # every step all-accepted
-        assert result.avg_commit == block
+        # every verified token committed (on CPU a window may end early, at a tile boundary)
+        assert result.avg_commit == (result.drafted_tokens + result.steps) / result.steps
     if p == 0.0:
         assert result.acceptance_rate == 0.0 and result.avg_commit == 1.0  # none accepted
 

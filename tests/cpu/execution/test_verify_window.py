@@ -1,0 +1,58 @@
+"""Tile-aligned verify windows on CPU: a verify that would spill a few rows into a second
+16-row position tile stops at the boundary; decoding stays identical to plain greedy."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash.execution import RollbackPolicy, ShardedTarget, SpecDecoder, generate, plan_shards
+from dflash.model import TargetModel, greedy_generate
+from dflash.model.drafters import PromptLookupDrafter, SyntheticDrafter
+from dflash.model.tiles import MIN_WINDOW, TILE_ROWS, tile_window
+
+
+def test_the_window_rule() -> None:
+    assert TILE_ROWS == 16 and MIN_WINDOW == 4
+    assert [tile_window(s, 16) for s in (0, 1, 5, 12, 13, 15, 16, 21)] == [
+        16, 15, 11, 4, 16, 16, 16, 11,
+    ]
+    assert tile_window(3, 8) == 8  # the room (13) is not smaller than the block
+    assert tile_window(10, 8) == 6  # 6 rows left in the tile
+    assert tile_window(14, 8) == 8  # 2 rows left: fewer than MIN_WINDOW, the whole block
+    assert tile_window(9, 3) == 3  # blocks up to MIN_WINDOW are never cut
+    with pytest.raises(ValueError, match="got -1, 4"):
+        tile_window(-1, 4)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> TargetModel:
+    return TargetModel.tiny_default(seed=5)
+
+
+@pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap"])
+def test_cpu_steps_verify_tile_aligned_windows_losslessly(tiny: TargetModel, mode: str) -> None:
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    oracle = greedy_generate(tiny, prompt, 60)
+    drafter = SyntheticDrafter(prompt + oracle, 0.9, tiny.config.vocab_size, seed=3)
+    target = ShardedTarget(tiny, plan_shards(6), max_len=len(prompt) + 80, max_draft=16)
+    engine = SpecDecoder(target, drafter, block_size=16,
+                         policy=RollbackPolicy(mode=mode))  # type: ignore[arg-type]
+    out = [engine.prefill(prompt)]
+    starts = []
+    while len(out) < 60:
+        starts.append(engine.committed)
+        out.extend(engine.step())
+    assert out[:60] == oracle
+    windows = [len(r.draft) for r in engine.records]
+    gate_steps = {0} if mode != "replay" else set()  # the capture gate verifies the block
+    want = [16 if i in gate_steps else tile_window(s, 16) for i, s in enumerate(starts)]
+    assert windows == want and any(w < 16 for w in windows)
+
+
+def test_drafted_tokens_count_the_verified_guesses(tiny: TargetModel) -> None:
+    prompt = [7, 7, 1, 2, 7, 7, 1, 2, 7, 7, 1]
+    r = generate(tiny, PromptLookupDrafter(), prompt, plan=plan_shards(6), max_new_tokens=40,
+                 block_size=16, check_parity=True)
+    assert r.parity is True
+    assert r.drafted_tokens < r.steps * 15  # some windows were cut at a tile boundary
+    assert r.acceptance_rate == r.accepted_tokens / r.drafted_tokens

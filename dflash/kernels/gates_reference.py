@@ -13,14 +13,6 @@ import torch
 import torch.nn.functional as F
 
 
-def gdn_decay_reference(
-    a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
-) -> torch.Tensor:
-    """``g = -exp(A_log) · softplus(a + dt_bias)`` in float32 (float64 for float64 ``a``)."""
-    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
-    return -A_log.to(acc).exp() * F.softplus(a.to(acc) + dt_bias.to(acc))
-
-
 def gdn_gates_reference(
     a: torch.Tensor,        # [..., HV]
     b: torch.Tensor,        # [..., HV]
@@ -31,8 +23,9 @@ def gdn_gates_reference(
     g_out: torch.Tensor | None = None,     # [..., HV] float32 (float64 for float64 a)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference twin of :func:`dflash.kernels.gdn_gates` (same arguments and results)."""
+    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
     beta = torch.sigmoid(b)
-    g = gdn_decay_reference(a, A_log, dt_bias)
+    g = -A_log.to(acc).exp() * F.softplus(a.to(acc) + dt_bias.to(acc))
     if beta_out is not None:
         beta = beta_out.copy_(beta)
     if g_out is not None:

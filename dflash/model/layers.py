@@ -36,7 +36,6 @@ from dflash.kernels import (
     rms_norm,
 )
 from dflash.kernels.checks import use_triton
-from dflash.kernels.gates_reference import gdn_decay_reference
 from dflash.model.config import HybridConfig
 from dflash.model.tiles import PositionTiles
 
@@ -97,6 +96,14 @@ class Ops:
         if self.tiles is None:
             return fn(*xs)
         return self.tiles.apply(fn, *xs)
+
+    def each_token_many(
+        self, fn: Callable[..., tuple[Tensor, ...]], *xs: Tensor
+    ) -> tuple[Tensor, ...]:
+        """:meth:`each_token` for an ``fn`` with several results."""
+        if self.tiles is None:
+            return fn(*xs)
+        return self.tiles.apply_many(fn, *xs)
 
 
 class _TileLinear:
@@ -423,11 +430,9 @@ class GatedDeltaNet(nn.Module):
         backend = ops.backend
         mixed, z, b_in, a_in = ops.linear_group(self.in_proj, x)  # [B, T, C | V | HV | HV]
         z = z.view(b, t, self.num_v_heads, self.head_v_dim)
-        if ops.tiles is None:  # one launch on CUDA: beta [B, T, HV], g [B, T, HV] f32
-            beta, g = gdn_gates(a_in, b_in, self.A_log, self.dt_bias, backend=backend)
-        else:  # CPU: the same maths per position tile
-            beta = ops.each_token(torch.sigmoid, b_in)
-            g = ops.each_token(self._log_decay, a_in)
+        beta, g = ops.each_token_many(  # [B, T, HV]; g float32 (one launch on CUDA)
+            lambda a, b_: gdn_gates(a, b_, self.A_log, self.dt_bias, backend=backend), a_in, b_in
+        )
         weight = self.conv1d.weight.squeeze(1)  # [C, Kc]
         if capture is None:  # in place: conv inputs go to scratch, the new window is its tail
             captured = mixed.new_empty(b, kc1 + t, mixed.shape[-1])
@@ -451,10 +456,6 @@ class GatedDeltaNet(nn.Module):
             )
         o = ops.each_token(self.norm, o, z)  # [B, T, HV, V]
         return ops.linear(self.out_proj, o.reshape(b, t, self.value_dim))
-
-    def _log_decay(self, a: Tensor) -> Tensor:
-        """``g = -exp(A_log) · softplus(a + dt_bias)`` in float32."""
-        return gdn_decay_reference(a, self.A_log, self.dt_bias)
 
 
 class DecoderLayer(nn.Module):

@@ -53,11 +53,7 @@ class SparseMoE(nn.Module):
             shared_gate = self.shared_expert_gate(x)
         else:
             logits = ops.linear(self.gate, x)  # [B, T, E]
-            if ops.tiles is not None:  # routing per position tile (see dflash.model.tiles)
-                weights = ops.each_token(lambda lg: self._route(lg)[0], logits)
-                chosen = ops.each_token(lambda lg: self._route(lg)[1], logits)
-            else:
-                weights, chosen = self._route(logits)
+            weights, chosen = ops.each_token_many(self._route, logits)
             shared_gate = ops.linear(self.shared_expert_gate, x)
         flat = x.reshape(-1, shape[-1])  # [N, hidden]
         weights, chosen = weights.reshape(flat.shape[0], -1), chosen.reshape(flat.shape[0], -1)

@@ -61,6 +61,12 @@ class PositionTiles:
         dimensions). It sees contiguous ``[B, TILE_ROWS, ...]`` tiles, zero outside the
         call's rows, and returns ``[B, TILE_ROWS, ...]``.
         """
+        return self.apply_many(lambda *tile: (fn(*tile),), *xs)[0]
+
+    def apply_many(
+        self, fn: Callable[..., tuple[Tensor, ...]], *xs: Tensor
+    ) -> tuple[Tensor, ...]:
+        """:meth:`apply` for an ``fn`` that returns several ``[B, TILE_ROWS, ...]`` results."""
         b, t = xs[0].shape[:2]
         if t == 0:
             return fn(*xs)
@@ -75,14 +81,17 @@ class PositionTiles:
             buf = x.new_zeros(b, tiles * TILE_ROWS, *x.shape[2:])
             buf[:, offset : offset + t] = x
             padded.append(buf)
-        outs = []
+        outs: list[tuple[Tensor, ...]] = []
         for i in range(tiles):
             rows = slice(i * TILE_ROWS, (i + 1) * TILE_ROWS)
             out = fn(*(p[:, rows].contiguous() for p in padded))
-            if out.shape[:2] != (b, TILE_ROWS):
+            if any(o.shape[:2] != (b, TILE_ROWS) for o in out):
+                shapes = [tuple(o.shape) for o in out]
                 raise ValueError(
-                    f"a tile function must return [B, {TILE_ROWS}, ...] (got {tuple(out.shape)})"
+                    f"a tile function must return [B, {TILE_ROWS}, ...] results (got {shapes})"
                 )
             outs.append(out)
-        whole = outs[0] if tiles == 1 else torch.cat(outs, dim=1)
-        return whole[:, offset : offset + t]
+        wholes = outs[0] if tiles == 1 else tuple(
+            torch.cat(parts, dim=1) for parts in zip(*outs, strict=True)
+        )
+        return tuple(w[:, offset : offset + t] for w in wholes)

@@ -317,15 +317,13 @@ def _bench(
     oracle_sha = token_sha256(oracle)
     # one target for every speculative run and one for the greedy baseline, kept across
     # runs: CUDA graphs are captured once (in the warm-up), as a serving process would
-    from dflash.execution.shards import ShardedTarget
+    from dflash.execution.oracle import greedy_target as new_greedy_target
+    from dflash.execution.run import spec_target as new_spec_target
 
-    spec_target = ShardedTarget(
-        model, plan, max_len=len(prompt) + args.max_new_tokens + args.block_size + 1,
-        max_draft=args.block_size, graphs=graphs,
+    spec_target = new_spec_target(
+        model, plan, len(prompt), args.max_new_tokens, args.block_size, graphs=graphs
     )
-    greedy_target = ShardedTarget(
-        model, plan, max_len=len(prompt) + len(oracle), max_draft=1, graphs=graphs
-    )
+    greedy_target = new_greedy_target(model, plan, len(prompt), len(oracle), graphs=graphs)
 
     def measure(mode: RollbackMode, name: str) -> Phase:
         policy = RollbackPolicy(mode=mode)

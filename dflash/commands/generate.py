@@ -636,8 +636,8 @@ def _warmed_up(
     (empty without a warm-up). A drafter needs no reset: after a prefill the engine hands
     it the features of the whole prompt, which replace any cached context.
     """
-    from dflash.execution import ShardedTarget
-    from dflash.execution.run import generate
+    from dflash.execution.oracle import greedy_target
+    from dflash.execution.run import generate, spec_target
 
     warm = args.warmup_tokens
     if warm is None:
@@ -645,13 +645,10 @@ def _warmed_up(
     if warm == 0:
         return {}
     n, block, prompt = args.max_new_tokens, args.block_size, ready.prompt
-    spec = ShardedTarget(ready.model, ready.plan, max_len=len(prompt) + n + block + 1,
-                         max_draft=block, graphs=graphs)
-    greedy = (
-        ShardedTarget(ready.model, ready.plan, max_len=len(prompt) + n, max_draft=1,
-                      graphs=graphs)
-        if baseline else None
-    )
+    spec = spec_target(ready.model, ready.plan, len(prompt), n, block, graphs=graphs)
+    greedy = None
+    if baseline:
+        greedy = greedy_target(ready.model, ready.plan, len(prompt), n, graphs=graphs)
     generate(ready.model, ready.drafter, prompt, plan=ready.plan, max_new_tokens=min(warm, n),
              block_size=block, policy=policy, eos_id=ready.eos_id, graphs=graphs,
              baseline=baseline, target=spec, greedy_target=greedy)

@@ -17,6 +17,14 @@ from dflash.model import TargetModel
 
 
 @torch.inference_mode()
+def greedy_target(
+    model: TargetModel, plan: ShardPlan, prompt_len: int, n: int, *, graphs: bool | None = None
+) -> ShardedTarget:
+    """A target for :func:`reference_greedy` of ``n`` tokens after a ``prompt_len``-token
+    prompt (keep it and pass it as ``target=`` to decode again without new CUDA graphs)."""
+    return ShardedTarget(model, plan, max_len=prompt_len + n, max_draft=1, graphs=graphs)
+
+
 def reference_greedy(
     model: TargetModel,
     plan: ShardPlan,
@@ -38,11 +46,10 @@ def reference_greedy(
     if n <= 0:
         return []
     if target is None:
-        target = ShardedTarget(model, plan, max_len=len(prompt) + n, max_draft=1, graphs=graphs)
+        target = greedy_target(model, plan, len(prompt), n, graphs=graphs)
     else:
-        why = target.cannot_serve(model, plan, max_len=len(prompt) + n, max_draft=1, graphs=graphs)
-        if why is not None:
-            raise ValueError(f"'target' cannot run this greedy decode: {why}")
+        target.require_serves(model, plan, max_len=len(prompt) + n, max_draft=1,
+                              graphs=graphs, what="greedy decode")
     logits, _ = target.forward(list(prompt), "prefill", 0)
     out = [int(logits[-1].argmax())]
     if on_prefill is not None:

@@ -64,22 +64,24 @@ def timed_greedy(
     return GreedyRun(tokens, decode_s, decode_rate(len(tokens), decode_s))
 
 
-def _target_for(
-    given: ShardedTarget | None,
+def spec_capacity(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    """KV positions the target of a :func:`generate` run holds."""
+    return prompt_len + max_new_tokens + block_size + 1
+
+
+def spec_target(
     model: TargetModel,
     plan: ShardPlan,
+    prompt_len: int,
+    max_new_tokens: int,
+    block_size: int,
     *,
-    max_len: int,
-    max_draft: int,
-    graphs: bool | None,
+    graphs: bool | None = None,
 ) -> ShardedTarget:
-    """``given`` when it can serve the run (``ValueError`` naming why not), else a new one."""
-    if given is None:
-        return ShardedTarget(model, plan, max_len=max_len, max_draft=max_draft, graphs=graphs)
-    why = given.cannot_serve(model, plan, max_len=max_len, max_draft=max_draft, graphs=graphs)
-    if why is not None:
-        raise ValueError(f"'target' cannot run this generation: {why}")
-    return given
+    """A target for :func:`generate` runs of these sizes (keep it and pass it as
+    ``target=`` to run again without new CUDA graphs)."""
+    return ShardedTarget(model, plan, max_len=spec_capacity(prompt_len, max_new_tokens, block_size),
+                         max_draft=block_size, graphs=graphs)
 
 
 def positions_needed(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -144,14 +146,13 @@ def generate(
         raise ValueError(f"'max_new_tokens' must be an int >= 1 (got {max_new_tokens!r})")
     check_positions(model, len(prompt), max_new_tokens, block_size)
     policy = policy or RollbackPolicy()
-    target = _target_for(
-        target if faults is None else None,
-        model,
-        plan,
-        max_len=len(prompt) + max_new_tokens + block_size + 1,
-        max_draft=block_size,
-        graphs=graphs,
-    )
+    if target is None or faults is not None:
+        target = spec_target(model, plan, len(prompt), max_new_tokens, block_size, graphs=graphs)
+    else:
+        target.require_serves(
+            model, plan, max_len=spec_capacity(len(prompt), max_new_tokens, block_size),
+            max_draft=block_size, graphs=graphs, what="generation",
+        )
     engine = SpecDecoder(target, drafter, block_size=block_size, policy=policy, faults=faults)
     _sync(plan)
     t0 = time.perf_counter()

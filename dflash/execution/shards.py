@@ -236,6 +236,17 @@ class ShardedTarget:
                 model.layers[i].to(dev)
         fuse_linear_groups_(model)  # a layer moved to its device has new parameter storage
 
+    def require_serves(
+        self, model: TargetModel, plan: ShardPlan, *, max_len: int, max_draft: int,
+        graphs: bool | None, what: str,
+    ) -> ShardedTarget:
+        """``self`` when it can run ``what`` with these settings, else ``ValueError`` naming
+        why (:meth:`cannot_serve`)."""
+        why = self.cannot_serve(model, plan, max_len=max_len, max_draft=max_draft, graphs=graphs)
+        if why is not None:
+            raise ValueError(f"'target' cannot run this {what}: {why}")
+        return self
+
     def _check_weights(self) -> None:
         """Forget the CUDA graphs when the model's parameters are no longer the tensors
         they were captured with (a graph holds addresses: it would read freed memory),

@@ -193,14 +193,12 @@ def _eval_target(
     model: TargetModel, prompts: Sequence[list[int]], tokens: int, block_size: int
 ) -> tuple[ShardPlan, ShardedTarget]:
     """One target for every held-out prompt (its CUDA graphs are captured once)."""
-    from dflash.execution import ShardedTarget, plan_shards
+    from dflash.execution import plan_shards
+    from dflash.execution.run import spec_target
 
     plan = plan_shards(model.config.num_hidden_layers, str(model.embed_tokens.weight.device))
     longest = max((len(p) for p in prompts), default=1)
-    target = ShardedTarget(
-        model, plan, max_len=longest + tokens + block_size + 1, max_draft=block_size
-    )
-    return plan, target
+    return plan, spec_target(model, plan, longest, tokens, block_size)
 
 
 def evaluate(

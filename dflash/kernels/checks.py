@@ -70,6 +70,23 @@ def output(
     return value
 
 
+def rows_view(name: str, t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` as a ``[R, width]`` view (unit stride along the last dimension, leading
+    dimensions collapsed into one row stride; a column slice of a wider buffer qualifies),
+    else :class:`KernelBoundsError` naming it."""
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise KernelBoundsError(
+            f"'{name}' must have a contiguous last dimension (got strides {t.stride()})"
+        )
+    try:
+        return t.view(-1, width)
+    except RuntimeError:
+        raise KernelBoundsError(
+            f"'{name}' leading dimensions must be collapsible into rows without a copy "
+            f"(got shape {tuple(t.shape)}, strides {t.stride()})"
+        ) from None
+
+
 def disjoint(name: str, value: torch.Tensor, others: dict[str, torch.Tensor | None]) -> None:
     """``value`` (an output) shares no storage with any of ``others`` (inputs, other outputs)."""
     if value.numel() == 0:

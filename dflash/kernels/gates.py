@@ -9,21 +9,6 @@ from dflash.kernels import checks
 from dflash.kernels.gates_reference import gdn_gates_reference
 
 
-def _rows(name: str, t: torch.Tensor) -> None:
-    """``t`` must be viewable as ``[R, HV]`` rows without a copy (a column slice is fine)."""
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise KernelBoundsError(
-            f"'{name}' must be contiguous along heads (got strides {t.stride()})"
-        )
-    try:
-        t.view(-1, t.shape[-1])
-    except RuntimeError:
-        raise KernelBoundsError(
-            f"'{name}' leading dimensions must collapse into rows without a copy "
-            f"(got shape {tuple(t.shape)}, strides {t.stride()})"
-        ) from None
-
-
 def gdn_gates(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -72,8 +57,8 @@ def gdn_gates(
     checks.shape("A_log", A_log, (HV,), "[HV] with HV from a")
     dt_bias = checks.tensor("dt_bias", dt_bias, 1)
     checks.shape("dt_bias", dt_bias, (HV,), "[HV] with HV from a")
-    _rows("a", a)
-    _rows("b", b)
+    checks.rows_view("a", a, HV)
+    checks.rows_view("b", b, HV)
     g_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
     inputs: dict[str, torch.Tensor | None] = {"a": a, "b": b, "A_log": A_log, "dt_bias": dt_bias}
     if beta_out is not None:

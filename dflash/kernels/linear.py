@@ -11,21 +11,6 @@ from dflash.kernels.linear_reference import linear_reference
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _rows_view(name: str, t: torch.Tensor, width: int) -> torch.Tensor:
-    """``t`` as a ``[M, width]`` view with unit stride along the last dimension, or raise."""
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
-        raise ValueError(
-            f"'{name}' must have a contiguous last dimension (got strides {t.stride()})"
-        )
-    try:
-        return t.view(-1, width)
-    except RuntimeError as exc:
-        raise ValueError(
-            f"'{name}' leading dimensions must be collapsible into rows without a copy "
-            f"(got shape {tuple(t.shape)}, strides {t.stride()})"
-        ) from exc
-
-
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -90,7 +75,7 @@ def linear(
         out = checks.tensor("out", out, x.ndim)
         checks.shape("out", out, (*x.shape[:-1], N), "[..., N] with x's leading shape")
         checks.dtype("out", out, x.dtype)
-        _rows_view("out", out, N)
+        checks.rows_view("out", out, N)
     device = checks.same_device({"x": x, "weight": weight, "bias": bias, "out": out})
     if not checks.use_triton(backend, device):
         return linear_reference(x, weight, bias, out=out)

@@ -86,7 +86,7 @@ def test_bad_arguments_are_named() -> None:
         gdn_gates(a, b, A_log[:3], dt_bias)
     with pytest.raises(KernelBoundsError, match="'dt_bias' must have 1 dimensions"):
         gdn_gates(a, b, A_log, dt_bias[None])
-    with pytest.raises(KernelBoundsError, match="'a' must be contiguous along heads"):
+    with pytest.raises(KernelBoundsError, match="'a' must have a contiguous last dimension"):
         gdn_gates(a.t().contiguous().t(), b, A_log, dt_bias)
     with pytest.raises(KernelBoundsError, match=r"'g_out' must be torch\.float32"):
         gdn_gates(a, b, A_log, dt_bias, g_out=torch.empty(4, 8, dtype=torch.bfloat16))

@@ -317,13 +317,13 @@ def _bench(
     oracle_sha = token_sha256(oracle)
     # one target for every speculative run and one for the greedy baseline, kept across
     # runs: CUDA graphs are captured once (in the warm-up), as a serving process would
-    from dflash.execution.oracle import greedy_target as new_greedy_target
-    from dflash.execution.run import spec_target as new_spec_target
+    from dflash.execution.oracle import greedy_target
+    from dflash.execution.run import spec_target
 
-    spec_target = new_spec_target(
+    spec_kept = spec_target(
         model, plan, len(prompt), args.max_new_tokens, args.block_size, graphs=graphs
     )
-    greedy_target = new_greedy_target(model, plan, len(prompt), len(oracle), graphs=graphs)
+    greedy_kept = greedy_target(model, plan, len(prompt), len(oracle), graphs=graphs)
 
     def measure(mode: RollbackMode, name: str) -> Phase:
         policy = RollbackPolicy(mode=mode)
@@ -339,7 +339,7 @@ def _bench(
                 policy=policy,
                 eos_id=args.eos_id,
                 graphs=graphs,
-                target=spec_target,
+                target=spec_kept,
             )
             print(
                 f"dflash bench: {name} {mode} run {i + 1}/{args.warmup + args.runs}: "
@@ -365,7 +365,7 @@ def _bench(
         rates, ok = [], True
         for i in range(args.warmup + args.runs):
             g = timed_greedy(
-                model, plan, prompt, len(oracle), graphs=graphs, target=greedy_target
+                model, plan, prompt, len(oracle), graphs=graphs, target=greedy_kept
             )
             if g.tokens_per_s is None:  # unreachable: A1 already refused an EOS from the prefill
                 raise ExecutionError("the greedy baseline has no decode step to time")

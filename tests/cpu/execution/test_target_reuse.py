@@ -22,17 +22,29 @@ def tiny() -> TargetModel:
 
 
 @pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap"])
-def test_a_kept_target_gives_the_fresh_tokens(tiny: TargetModel, mode: str) -> None:
+def test_a_kept_target_gives_the_fresh_tokens(
+    tiny: TargetModel, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     plan = plan_shards(6, "cpu,cpu", "2,4")
     kept = ShardedTarget(tiny, plan, max_len=64, max_draft=8)
     greedy_kept = ShardedTarget(tiny, plan, max_len=64, max_draft=1)
+    built: list[ShardedTarget] = []
+    real_init = ShardedTarget.__init__
+
+    def counting_init(self: ShardedTarget, *args: object, **kwargs: object) -> None:
+        built.append(self)
+        real_init(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ShardedTarget, "__init__", counting_init)
     for prompt in (*PROMPTS, PROMPTS[0]):  # a longer prompt after shorter ones, then again
         policy = RollbackPolicy(mode=mode)  # type: ignore[arg-type]  # a literal of the set
         fresh = generate(tiny, PromptLookupDrafter(), prompt, plan=plan, max_new_tokens=12,
                          block_size=4, policy=policy)
+        built.clear()
         again = generate(tiny, PromptLookupDrafter(), prompt, plan=plan, max_new_tokens=12,
                          block_size=4, policy=policy, target=kept, check_parity=True,
                          greedy_target=greedy_kept)
+        assert built == []  # both runs went through the kept targets
         assert again.tokens == fresh.tokens == greedy_generate(tiny, prompt, 12)
         assert again.parity is True and again.steps == fresh.steps
         assert again.rollback.status == fresh.rollback.status

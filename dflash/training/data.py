@@ -44,7 +44,10 @@ def data_files(paths: Sequence[str | Path]) -> list[Path]:
                 p for p in path.rglob("*") if p.is_file() and p.suffix in (".npy", *TEXT_SUFFIXES)
             )
             if not found:
-                raise DataError(f"data directory {str(path)!r} holds no .npy or text files")
+                raise DataError(
+                    f"data directory {str(path)!r} holds no .npy or text files "
+                    f"({', '.join(TEXT_SUFFIXES)}; other files can be named one by one)"
+                )
             files.extend(found)
         elif path.is_file():
             files.append(path)

@@ -203,11 +203,16 @@ class SpecDecoder:
             after_shard=(lambda k: self.gate.after_shard(k, storages)) if gate_run else None,
         )  # logits: [B, vocab]
         self.target_forwards += 1
-        # argmax and acceptance on the device; reading them is the step's one host sync
+        # argmax and acceptance on the device; a fast rollback is enqueued on the device's
+        # count before the step's one host synchronisation reads the tokens and the count
         t_dev, count = greedy_acceptance(logits, device_ids(d, logits.device)[0])
+        fast = status_before is RollbackStatus.EFFECTIVE  # never the gate's step
+        started = self._start_fast_rollback(d, count, step) if fast else None
         read = torch.cat([t_dev, count]).tolist()
         t, accept_n = read[:T], read[T]  # t[i]: target's greedy token after d[0..i]
         if accept_n != leading_accepted(d, t):
+            if fast:  # put back the pre-verify state the enqueued rollback replaced
+                self._undo_enqueued()
             raise ExecutionError(f"device acceptance count {accept_n} disagrees with {t}")
         emitted = [*d[1:accept_n], t[accept_n - 1]]
         commit_n = accept_n
@@ -218,8 +223,12 @@ class SpecDecoder:
         self._pending = (d, commit_n, emitted, status_before)
         if saved is not None:
             path, failure = self._self_test_rollback(d, commit_n, saved, step), None
+        elif fast:
+            path, failure = self._finish_fast_rollback(commit_n, step, started)
         else:
-            path, failure = self._rollback(d, commit_n, step)
+            self._replay(d, commit_n)
+            self.life.move("rollback")
+            path, failure = "replay", None
         return self._commit(path, failure)
 
     def _self_test_rollback(
@@ -278,11 +287,12 @@ class SpecDecoder:
 
     # -- rollback paths -------------------------------------------------------------------
 
-    def _rollback(self, d: list[int], commit_n: int, step: int) -> tuple[str, str | None]:
-        if self.status is not RollbackStatus.EFFECTIVE:
-            self._replay(d, commit_n)
-            self.life.move("rollback")
-            return "replay", None
+    def _start_fast_rollback(
+        self, d: list[int], count: Tensor, step: int
+    ) -> tuple[str, bool] | None:
+        """Enqueue every shard's fast rollback on the device's accepted ``count`` (faults
+        fire between the shards, on the host). Returns None, or ``(failure, changed)`` when
+        it failed: ``changed`` once a shard's rollback may have begun changing state."""
         changed = False
         try:
             self.faults.fire(FaultPhase.BEFORE_RESTORE, step)
@@ -291,27 +301,46 @@ class SpecDecoder:
                 if shard.index > 0:
                     self.faults.fire(FaultPhase.MID_RESTORE, step, shard.index)
                 changed = True
-                with shard.on_device():
-                    if self.policy.mode == "checkpoint":
-                        shard.caches.pool.restore_checkpoint(commit_n)
-                    else:
-                        shard.caches.pool.remap(commit_n)
-            for shard in self.target.shards:
-                shard.truncate_kv(self.committed + commit_n)
-                if shard.index == 0:
-                    self.faults.fire(FaultPhase.KV_TRUNCATE, step)
-            self.faults.fire(FaultPhase.AFTER_RESTORE, step)
+                self.target.enqueue_rollback(shard, self.policy.mode, count)
         except ShardPositionError:
             raise
-        except Exception as exc:  # fail closed: any failure falls back to the legacy path
-            failure = f"{type(exc).__name__}: {exc}"
-            if changed:
-                self.life.move("fail")
-                self.counts["poison_events"] += 1
-            self.recover_pending(failure)
-            return "replay_after_failure", failure
-        self.life.move("rollback")
-        return "fast", None
+        except Exception as exc:  # fail closed: completed through the legacy path
+            return f"{type(exc).__name__}: {exc}", changed
+        return None
+
+    def _finish_fast_rollback(
+        self, commit_n: int, step: int, started: tuple[str, bool] | None
+    ) -> tuple[str, str | None]:
+        """The host side of the enqueued rollback (mirrors, KV truncation) once
+        ``commit_n`` was read back; any failure, here or while enqueueing, falls back to
+        the legacy path (restore the pre-verify state, replay), poisoning first when state
+        had begun to change."""
+        failure, changed = started if started is not None else (None, True)
+        if failure is None:
+            try:
+                for shard in self.target.shards:
+                    self.target.finish_rollback(shard, self.policy.mode, commit_n, self.committed)
+                    if shard.index == 0:
+                        self.faults.fire(FaultPhase.KV_TRUNCATE, step)
+                self.faults.fire(FaultPhase.AFTER_RESTORE, step)
+                self.life.move("rollback")
+                return "fast", None
+            except ShardPositionError:
+                raise
+            except Exception as exc:
+                failure = f"{type(exc).__name__}: {exc}"
+        if changed:
+            self.life.move("fail")
+            self.counts["poison_events"] += 1
+        self.recover_pending(failure)
+        return "replay_after_failure", failure
+
+    def _undo_enqueued(self) -> None:
+        """Every shard back to its pre-verify state after an enqueued rollback that will
+        not be finished (the verify stays on record, awaiting its rollback)."""
+        for shard in self.target.shards:
+            with shard.on_device():
+                shard.caches.pool.cancel_device_rollback()
 
     def recover_pending(self, failure: str = "") -> None:
         """Restore the pre-verify state on every shard and replay the pending step's tokens.

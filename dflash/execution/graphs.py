@@ -4,10 +4,11 @@ A shard's forward is host bookkeeping (``TargetModel.begin_layers`` / ``end_laye
 checks, cache lengths) around device work (``compute_layers``, plus the embedding on the
 first shard and the LM head on the last) that reads every runtime value — positions, the
 KV length — from device tensors and never synchronises with the host. That device work
-is what is captured: a graph per shard and per *key* ``(mode, T, live_slot)``; the live
-slot is part of the key because after a remap the verify reads its initial state from
-that checkpoint slot (a different address). Inputs are copied into a static buffer
-before each replay; outputs are the graph's own tensors, valid until its next replay.
+is what is captured: a graph per shard and per *key* ``(mode, T)``. The live recurrent
+slot of a remap is not part of the key: the kernels read it on the device
+(``RecurrentPool.live``), so one graph serves every slot. Inputs are copied into a static
+buffer before each replay; outputs are the graph's own tensors, valid until its next
+replay.
 
 Policy: the first forward of each ``(mode, T)`` runs eagerly (it compiles the Triton
 kernels and warms the allocator); the next forward of a key captures the graph and
@@ -17,14 +18,21 @@ capture-safe) leaves that key eager for the target's lifetime and is recorded in
 on: :meth:`ShardGraphs.reset` forgets them when capture storage is rebuilt. Every graph
 has its own memory pool, so no graph's intermediates can overwrite another's outputs.
 
+The rollback of a fast step is captured too (:meth:`ShardGraphs.run_rollback`, key
+``("rollback:<mode>", 1, False)``): its input is the accepted count, still on the device
+(the restore or remap reads it there), so the step enqueues the rollback before its one
+host synchronisation.
+
 The prefill, the capture gate's step (which inspects storage between shards), the
-self-test and fault injection never run inside a graph.
+self-test and fault injection never run inside a graph (faults fire on the host, between
+the graphs of a step).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -35,12 +43,15 @@ from dflash.model import TargetModel
 ShardOutput = tuple[Tensor, Tensor | None, dict[int, Tensor]]
 #: ``compute(x, on_layer)``: the device work of one shard's forward
 ShardCompute = Callable[[Tensor, Callable[[int], None] | None], ShardOutput]
-GraphKey = tuple[str, int, int | None, bool]  # mode, T, live slot, logits wanted
+GraphKey = tuple[str, int, bool]  # mode, T, logits wanted
 #: ``capture(work) -> (replay, outputs)``: record ``work()`` once; ``replay()`` runs it
-Capture = Callable[[Callable[[], ShardOutput]], tuple[Callable[[], None], ShardOutput]]
+Capture = Callable[[Callable[[], Any]], tuple[Callable[[], None], Any]]
+#: a rollback's device work on the accepted count ``commit_n: [1]`` int64
+RollbackWork = Callable[[Tensor], None]
+W = TypeVar("W")
 
 
-def cuda_capture(work: Callable[[], ShardOutput]) -> tuple[Callable[[], None], ShardOutput]:
+def cuda_capture(work: Callable[[], W]) -> tuple[Callable[[], None], W]:
     """Capture ``work`` in a CUDA graph with its own memory pool (nothing runs yet)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -52,7 +63,7 @@ def cuda_capture(work: Callable[[], ShardOutput]) -> tuple[Callable[[], None], S
 class _Captured:
     replay: Callable[[], None]
     static_in: Tensor
-    outputs: ShardOutput
+    outputs: Any  # what the captured work returned (a ShardOutput; None for a rollback)
 
 
 class ShardGraphs:
@@ -72,6 +83,11 @@ class ShardGraphs:
         self.captures = 0
         self.replays = 0
 
+    @property
+    def captured_keys(self) -> tuple[GraphKey, ...]:
+        """The keys of the graphs held now, in capture order."""
+        return tuple(self._graphs)
+
     def run(
         self,
         key: GraphKey,
@@ -80,25 +96,41 @@ class ShardGraphs:
         on_layer: Callable[[int], None] | None,
     ) -> ShardOutput:
         """The shard's forward on input ``x``: replayed, captured then replayed, or eager."""
+        out: ShardOutput = self._run(
+            key, x, lambda: compute(x, on_layer), lambda static: compute(static, None)
+        )
+        return out
+
+    def run_rollback(self, mode: str, commit_n: Tensor, work: RollbackWork) -> None:
+        """A fast rollback's device work ``work(commit_n)`` (``commit_n``: the accepted
+        count, int64 ``[1]`` on this shard's device): replayed, captured, or eager."""
+        self._run((f"rollback:{mode}", 1, False), commit_n, lambda: work(commit_n), work)
+
+    def _run(
+        self, key: GraphKey, x: Tensor, eager: Callable[[], W], work: Callable[[Tensor], W]
+    ) -> W:
         captured = self._graphs.get(key)
         if captured is None:
             warm = (key[0], key[1])
             if warm not in self._warm or key in self._eager_only:
                 self._warm.add(warm)
-                return compute(x, on_layer)
-            made = self._capture(key, x, compute)
+                return eager()
+            made = self._capture(key, x, work)
             if made is None:
-                return compute(x, on_layer)
+                return eager()
             captured = made
         captured.static_in.copy_(x)
         captured.replay()
         self.replays += 1
-        return captured.outputs
+        out: W = captured.outputs
+        return out
 
-    def _capture(self, key: GraphKey, x: Tensor, compute: ShardCompute) -> _Captured | None:
+    def _capture(
+        self, key: GraphKey, x: Tensor, work: Callable[[Tensor], object]
+    ) -> _Captured | None:
         static_in = x.clone()
         try:
-            replay, outputs = self._capture_work(lambda: compute(static_in, None))
+            replay, outputs = self._capture_work(lambda: work(static_in))
         except Exception as exc:  # not capture-safe: this key stays eager
             self._eager_only.add(key)
             self.failures.append(f"{key}: {type(exc).__name__}: {exc}")

@@ -345,7 +345,7 @@ class ShardedTarget:
                 pool = shard.caches.pool
                 mark = pool.end_verify_layer if mode == "verify" else None
                 if graphed and self.graphs is not None:
-                    key = (str(mode), t, pool.live_slot, logits)
+                    key = (str(mode), t, logits)
                     x, out_logits, got = self.graphs[shard.index].run(key, x, compute, mark)
                 else:
                     x, out_logits, got = compute(x, mark)
@@ -380,6 +380,30 @@ class ShardedTarget:
             return hidden, head, got
 
         return compute
+
+    # -- rollback with the accepted count on the device ---------------------------------
+
+    def enqueue_rollback(self, shard: Shard, mode: str, commit_n: Tensor) -> None:
+        """Enqueue ``shard``'s fast rollback (``"checkpoint"`` or ``"remap"``) on the
+        accepted count ``commit_n`` (int64 ``[1]``, still on the device): host checks,
+        then the device work — replayed from a CUDA graph when graphs are on. The count
+        is read back later; :meth:`finish_rollback` then updates the host mirrors."""
+        pool = shard.caches.pool
+        with shard.on_device():
+            pool.mark_device_rollback()
+            n = commit_n if commit_n.device == shard.device else commit_n.to(shard.device)
+            if self.graphs is None:
+                pool.rollback_on_device(mode, n)
+            else:
+                self.graphs[shard.index].run_rollback(
+                    mode, n, lambda count: pool.rollback_on_device(mode, count)
+                )
+
+    def finish_rollback(self, shard: Shard, mode: str, commit_n: int, committed: int) -> None:
+        """Host side of ``shard``'s enqueued rollback: the pool's mirrors with the count
+        read back, and the KV cache truncated to ``committed + commit_n``."""
+        shard.caches.pool.finish_rollback(mode, commit_n)
+        shard.truncate_kv(committed + commit_n)
 
     # -- positions -----------------------------------------------------------------------
 

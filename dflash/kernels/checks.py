@@ -87,6 +87,19 @@ def rows_view(name: str, t: torch.Tensor, width: int) -> torch.Tensor:
         ) from None
 
 
+def device_index(name: str, value: object) -> torch.Tensor:
+    """Return ``value`` if it is a one-element int64 tensor (an index the kernel reads on the
+    device: checking its value here would synchronise with the device), else raise naming it."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"'{name}' must be a torch.Tensor (got {type(value).__name__})")
+    if value.dtype != torch.int64 or value.numel() != 1:
+        raise KernelBoundsError(
+            f"'{name}' must be a one-element int64 tensor (got dtype {value.dtype}, "
+            f"shape {tuple(value.shape)})"
+        )
+    return value
+
+
 def disjoint(name: str, value: torch.Tensor, others: dict[str, torch.Tensor | None]) -> None:
     """``value`` (an output) shares no storage with any of ``others`` (inputs, other outputs)."""
     if value.numel() == 0:

@@ -28,6 +28,8 @@ def gdn_verify(
     use_qk_l2norm: bool = True,
     final_state_only: bool = False,
     snapshot: torch.Tensor | None = None,
+    slot_bank: torch.Tensor | None = None,
+    live_slot: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     backend: checks.Backend = "auto",
 ) -> torch.Tensor:
@@ -49,7 +51,14 @@ def gdn_verify(
             ``initial_state``). ``None`` only with ``final_state_only=True``.
         scale: query scale, default ``K ** -0.5``.
         use_qk_l2norm: L2-normalise q and k per head (eps 1e-6) inside the kernel.
-        snapshot: optional ``[B, HV, K, V]`` float32, receives a copy of ``initial_state``.
+        snapshot: optional ``[B, HV, K, V]`` float32, receives a copy of the initial state.
+        slot_bank, live_slot: given together or not at all. ``slot_bank``
+            ``[B, S', HV, K, V]`` float32 and ``live_slot`` a one-element int64 tensor read
+            *on the device*: when it holds ``s >= 0`` the initial state is
+            ``slot_bank[:, s]`` instead of ``initial_state`` (slot remap without a host
+            value, so one CUDA graph serves every slot; ``slot_bank`` may be
+            ``checkpoints``). Its value is not checked on the host (that would synchronise);
+            the kernel clamps it to ``S' - 1`` so a wrong value cannot read out of bounds.
         out: ``None`` (allocated) or a contiguous ``[B, T, HV, V]`` tensor in v's dtype on
             the inputs' device, sharing no memory with any other argument; receives ``o``.
         backend: ``"auto"`` (Triton on CUDA, or on CPU under ``TRITON_INTERPRET=1``;
@@ -98,11 +107,27 @@ def gdn_verify(
         snapshot = checks.tensor("snapshot", snapshot, 4)
         checks.shape("snapshot", snapshot, (B, HV, K, V), "[B, HV, K, V]")
         checks.dtype("snapshot", snapshot, torch.float32)
+    if (slot_bank is None) != (live_slot is None):
+        raise KernelBoundsError(
+            "'slot_bank' and 'live_slot' are given together or not at all "
+            f"(got slot_bank={'a tensor' if slot_bank is not None else None}, "
+            f"live_slot={'a tensor' if live_slot is not None else None})"
+        )
+    if slot_bank is not None:
+        slot_bank = checks.tensor("slot_bank", slot_bank, 5)
+        if slot_bank.shape[1] < 1:
+            raise KernelBoundsError("'slot_bank' needs at least one slot (got S'=0)")
+        checks.shape(
+            "slot_bank", slot_bank, (B, slot_bank.shape[1], HV, K, V), "[B, S', HV, K, V]"
+        )
+        checks.dtype("slot_bank", slot_bank, torch.float32)
+        live_slot = checks.device_index("live_slot", live_slot)
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise KernelBoundsError(f"'scale' must be a finite number or None (got {scale!r})")
     inputs: dict[str, torch.Tensor | None] = {
         "q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
-        "checkpoints": checkpoints, "snapshot": snapshot,
+        "checkpoints": checkpoints, "snapshot": snapshot, "slot_bank": slot_bank,
+        "live_slot": live_slot,
     }
     if out is not None:
         out = checks.output("out", out, (B, T, HV, V), v.dtype, "v.shape [B, T, HV, V]")
@@ -111,6 +136,9 @@ def gdn_verify(
     parents = checks.geometry_parents(geometry, T, final_state_only)
 
     if not checks.use_triton(backend, device):
+        if slot_bank is not None and live_slot is not None:  # the reference reads it here
+            s = min(int(live_slot.reshape(())), slot_bank.shape[1] - 1)
+            initial_state = initial_state if s < 0 else slot_bank[:, s]
         return gdn_verify_reference(
             q, k, v, g, beta, initial_state, checkpoints, geometry, scale=scale,
             use_qk_l2norm=use_qk_l2norm, final_state_only=final_state_only, snapshot=snapshot,
@@ -123,5 +151,6 @@ def gdn_verify(
     return launch_gdn_verify(
         q, k, v, g, beta, initial_state, checkpoints, parents,
         scale=K**-0.5 if scale is None else float(scale), use_qk_l2norm=use_qk_l2norm,
-        final_state_only=final_state_only, snapshot=snapshot, out=out,
+        final_state_only=final_state_only, snapshot=snapshot, slot_bank=slot_bank,
+        live_slot=live_slot, out=out,
     )

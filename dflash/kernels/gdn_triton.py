@@ -21,14 +21,26 @@ import triton
 import triton.language as tl
 
 _DUMMY_PARENTS: dict[torch.device, torch.Tensor] = {}
+_NO_SLOT: dict[torch.device, torch.Tensor] = {}  # int64 [1] = -1: the initial state is h0
 
 
-@triton.jit(do_not_specialize=["T", "slot_step", "has_snapshot", "is_tree"])  # type: ignore[untyped-decorator]  # triton ships no types
+def _constant(cache: dict[torch.device, torch.Tensor], device: torch.device,
+              dtype: torch.dtype) -> torch.Tensor:
+    """A one-element tensor holding -1 on ``device`` (made once per device)."""
+    got = cache.get(device)
+    if got is None:
+        got = cache.setdefault(device, torch.full((1,), -1, dtype=dtype, device=device))
+    return got
+
+
+@triton.jit(do_not_specialize=["T", "slot_step", "has_snapshot", "is_tree", "bank_slots"])  # type: ignore[untyped-decorator]  # triton ships no types
 def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
     q, k, v, g, beta, o,               # inputs [B,T,HK,K] x2, [B,T,HV,V], [B,T,HV] x2; o like v
     h0, ckpt, snap, parents,           # state [B,HV,K,V], slots [B,S,HV,K,V], snapshot, int32 [T]
-    scale, T, slot_step, has_snapshot, is_tree,
+    bank, live,                        # slots [B,S',HV,K,V] read when *live >= 0; int64 [1]
+    scale, T, slot_step, has_snapshot, is_tree, bank_slots,
     s_h0_b, s_h0_h, s_h0_k, s_h0_v,
+    s_bk_b, s_bk_s, s_bk_h, s_bk_k, s_bk_v,
     s_ck_b, s_ck_s, s_ck_h, s_ck_k, s_ck_v,
     s_sn_b, s_sn_h, s_sn_k, s_sn_v,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -50,7 +62,15 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
     p_h0 = h0 + i_b * s_h0_b + i_hv * s_h0_h + o_k[:, None] * s_h0_k + o_v[None, :] * s_h0_v
     o_ck = i_b * s_ck_b + i_hv * s_ck_h + o_k[:, None] * s_ck_k + o_v[None, :] * s_ck_v
 
-    b_h = tl.load(p_h0, mask=m_h, other=0).to(tl.float32)
+    # the live slot is read on the device (slot remap); clamped so it stays in bounds
+    slot = tl.minimum(tl.load(live), bank_slots - 1)
+    if slot >= 0:
+        p_bk = bank + i_b * s_bk_b + slot * s_bk_s + i_hv * s_bk_h
+        b_h = tl.load(p_bk + o_k[:, None] * s_bk_k + o_v[None, :] * s_bk_v, mask=m_h, other=0).to(
+            tl.float32
+        )
+    else:
+        b_h = tl.load(p_h0, mask=m_h, other=0).to(tl.float32)
     if has_snapshot != 0:
         p_sn = snap + i_b * s_sn_b + i_hv * s_sn_h + o_k[:, None] * s_sn_k + o_v[None, :] * s_sn_v
         tl.store(p_sn, b_h, mask=m_h)
@@ -134,7 +154,8 @@ def launch_gdn_verify(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     initial_state: torch.Tensor, checkpoints: torch.Tensor, parents: tuple[int, ...] | None,
     *, scale: float, use_qk_l2norm: bool, final_state_only: bool,
-    snapshot: torch.Tensor | None, out: torch.Tensor | None = None,
+    snapshot: torch.Tensor | None, slot_bank: torch.Tensor | None = None,
+    live_slot: torch.Tensor | None = None, out: torch.Tensor | None = None,
     block_v: int | None = None, num_warps: int | None = None, store_hint: int = 1,
 ) -> torch.Tensor:
     """Launch :func:`gdn_verify_kernel` on validated inputs; returns ``o`` in v's dtype.
@@ -151,21 +172,19 @@ def launch_gdn_verify(
     BV = block_v or BV
     warps = num_warps or warps
     if parents is None:
-        p_parents = _DUMMY_PARENTS.get(q.device)
-        if p_parents is None:
-            p_parents = _DUMMY_PARENTS.setdefault(
-                q.device, torch.full((1,), -1, dtype=torch.int32, device=q.device)
-            )
+        p_parents = _constant(_DUMMY_PARENTS, q.device, torch.int32)
     else:
         p_parents = torch.tensor(parents, dtype=torch.int32).to(q.device, non_blocking=True)
     snap = initial_state if snapshot is None else snapshot
+    bank = checkpoints if slot_bank is None else slot_bank
+    live = _constant(_NO_SLOT, q.device, torch.int64) if live_slot is None else live_slot
     grid = (triton.cdiv(V, BV), B * HV)
     gdn_verify_kernel[grid](
         q, k, v, g, beta, o,
-        initial_state, checkpoints, snap, p_parents,
+        initial_state, checkpoints, snap, p_parents, bank, live,
         scale, T, 0 if final_state_only else 1, 0 if snapshot is None else 1,
-        0 if parents is None else 1,
-        *initial_state.stride(), *checkpoints.stride(), *snap.stride(),
+        0 if parents is None else 1, bank.shape[1],
+        *initial_state.stride(), *bank.stride(), *checkpoints.stride(), *snap.stride(),
         HK=HK, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
         USE_QK_L2NORM=use_qk_l2norm, STORE_HINT=store_hint, num_warps=warps,
     )

@@ -28,9 +28,18 @@ def _present(name: str, value: object, ndim: int) -> torch.Tensor:
     return value
 
 
-def _commit(commit_n: object, S: int) -> int:
+def _commit(commit_n: object, S: int) -> int | torch.Tensor:
+    if isinstance(commit_n, torch.Tensor):  # read on the device: its range is not checked here
+        if commit_n.dtype != torch.int64 or commit_n.numel() != 1:
+            raise RollbackBoundsError(
+                f"a tensor 'commit_n' must be one int64 element (got dtype {commit_n.dtype}, "
+                f"shape {tuple(commit_n.shape)})"
+            )
+        return commit_n
     if isinstance(commit_n, bool) or not isinstance(commit_n, int):
-        raise RollbackBoundsError(f"'commit_n' must be an int (got {commit_n!r})")
+        raise RollbackBoundsError(
+            f"'commit_n' must be an int or a one-element int64 tensor (got {commit_n!r})"
+        )
     if not 1 <= commit_n <= S:
         raise RollbackBoundsError(
             f"'commit_n' must satisfy 1 <= commit_n <= S={S} (got {commit_n})"
@@ -40,7 +49,7 @@ def _commit(commit_n: object, S: int) -> int:
 
 def _check_storage(
     checkpoints: object, captured: object, commit_n: object
-) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+) -> tuple[torch.Tensor, torch.Tensor, int | torch.Tensor, int]:
     """Validate the checkpoint banks; return them with ``commit_n`` and ``Kc - 1``."""
     ck = _present("checkpoints", checkpoints, 6)
     cap = _present("captured", captured, 4)
@@ -83,6 +92,8 @@ def slot_views(
             ``commit_n`` outside ``1 .. S``.
     """
     ck, cap, n, Kc1 = _check_storage(checkpoints, captured, commit_n)
+    if not isinstance(n, int):
+        raise RollbackBoundsError("slot_views needs a host int 'commit_n' (got a tensor)")
     return ck.select(2, n - 1), cap.narrow(2, n, Kc1)  # select/narrow: cheaper than [] on the host
 
 
@@ -91,8 +102,9 @@ def rollback_restore(
     conv_rows: torch.Tensor,
     checkpoints: torch.Tensor,
     captured: torch.Tensor,
-    commit_n: int,
+    commit_n: int | torch.Tensor,
     *,
+    rows_only: bool = False,
     backend: checks.Backend = "auto",
 ) -> None:
     """Restore all ``L`` recurrent layers of a shard to the state after ``commit_n`` tokens.
@@ -108,7 +120,12 @@ def rollback_restore(
         conv_rows: ``[L, B, Kc-1, C]`` the live conv windows.
         checkpoints: ``[L, B, S, HV, K, V]`` float32, written by ``gdn_verify``.
         captured: ``[L, B, Kc-1+S, C]`` written by ``causal_conv1d_capture``.
-        commit_n: accepted tokens, ``1 <= commit_n <= S``.
+        commit_n: accepted tokens, ``1 <= commit_n <= S``: a host int, or a one-element
+            int64 tensor on the storage's device that the kernel reads (so the launch needs
+            no host value and a CUDA graph can hold it). A tensor's range is not checked on
+            the host (that would synchronise); the copy clamps it to ``1 .. S``, and the
+            caller checks the value it read back.
+        rows_only: copy only the conv rows (a remap: the states stay in their slot).
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
 
     Raises:
@@ -148,8 +165,12 @@ def rollback_restore(
                 f"'{name}' is on {t.device} but 'checkpoints' is on {ck.device}"
             )
 
+    if isinstance(n, torch.Tensor) and n.device != ck.device:
+        raise RollbackBoundsError(
+            f"'commit_n' is on {n.device} but 'checkpoints' is on {ck.device}"
+        )
     if not checks.use_triton(backend, ck.device):
-        rollback_restore_reference(st, rows, ck, cap, n)
+        rollback_restore_reference(st, rows, ck, cap, n, rows_only=rows_only)
         return
     inner = (
         ("states", st, 2, (K * V, V, 1)), ("checkpoints", ck, 3, (K * V, V, 1)),
@@ -163,4 +184,4 @@ def rollback_restore(
             )
     from dflash.kernels.rollback_triton import launch_rollback_restore
 
-    launch_rollback_restore(st, rows, ck, cap, n)
+    launch_rollback_restore(st, rows, ck, cap, n, rows_only=rows_only)

@@ -13,14 +13,19 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["slot"])  # type: ignore[untyped-decorator]  # triton ships no types
+@triton.jit(do_not_specialize=["slot", "S"])  # type: ignore[untyped-decorator]  # triton ships no types
 def rollback_restore_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
     states, ckpt, rows, cap,           # [L,B,HV,K,V], [L,B,S,HV,K,V], [L,B,Kc-1,C], [L,B,Kc-1+S,C]
-    slot, B, N_STATE, N_CONV, NS_CHUNKS, NC_CHUNKS, n_state_programs,
+    slot, commit_ptr, S, B, N_STATE, N_CONV, NS_CHUNKS, NC_CHUNKS, n_state_programs,
     s_st_l, s_st_b, s_ck_l, s_ck_b, s_ck_s, s_rw_l, s_rw_b, s_cp_l, s_cp_b, s_cp_t,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, COMMIT_ON_DEVICE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
+    # commit_n read on the device, clamped to the slots 0 .. S-1 (a compile-time branch)
+    if COMMIT_ON_DEVICE:  # noqa: SIM108 - a constexpr if, not an expression, for Triton
+        i_slot = tl.minimum(tl.maximum(tl.load(commit_ptr) - 1, 0), S - 1)
+    else:
+        i_slot = slot
     o = tl.arange(0, BLOCK)
     # the two branches use distinct names: Triton merges same-named values across an if
     if pid < n_state_programs:
@@ -28,7 +33,7 @@ def rollback_restore_kernel(  # type: ignore[no-untyped-def]  # Triton pointers 
         s_l, s_b = s_lb // B, s_lb % B
         o_s = s_chunk * BLOCK + o
         m_s = o_s < N_STATE
-        p_src = ckpt + s_l * s_ck_l + s_b * s_ck_b + slot * s_ck_s + o_s
+        p_src = ckpt + s_l * s_ck_l + s_b * s_ck_b + i_slot * s_ck_s + o_s
         b_state = tl.load(p_src, mask=m_s)
         tl.store(states + s_l * s_st_l + s_b * s_st_b + o_s, b_state, mask=m_s)
     else:
@@ -38,31 +43,36 @@ def rollback_restore_kernel(  # type: ignore[no-untyped-def]  # Triton pointers 
         o_c = c_chunk * BLOCK + o
         m_c = o_c < N_CONV
         # rows commit_n .. commit_n+Kc-2 = slot+1 .. slot+Kc-1
-        p_rows = cap + c_l * s_cp_l + c_b * s_cp_b + (slot + 1) * s_cp_t + o_c
+        p_rows = cap + c_l * s_cp_l + c_b * s_cp_b + (i_slot + 1) * s_cp_t + o_c
         b_rows = tl.load(p_rows, mask=m_c)
         tl.store(rows + c_l * s_rw_l + c_b * s_rw_b + o_c, b_rows, mask=m_c)
 
 
 def launch_rollback_restore(
     states: torch.Tensor, conv_rows: torch.Tensor, checkpoints: torch.Tensor,
-    captured: torch.Tensor, commit_n: int, *, block: int = 4096, num_warps: int = 8,
+    captured: torch.Tensor, commit_n: int | torch.Tensor, *, rows_only: bool = False,
+    block: int = 4096, num_warps: int = 8,
 ) -> None:
-    """Launch :func:`rollback_restore_kernel` on validated inputs (inner runs contiguous)."""
+    """Launch :func:`rollback_restore_kernel` on validated inputs (inner runs contiguous);
+    ``commit_n`` a host int or a one-element int64 device tensor; ``rows_only``: the conv
+    rows alone (no state programs)."""
     L, B = states.shape[:2]
     n_state = states[0, 0].numel()
     n_conv = conv_rows[0, 0].numel()
     ns_chunks = triton.cdiv(n_state, block)
     nc_chunks = triton.cdiv(n_conv, block)
-    n_state_programs = L * B * ns_chunks
+    n_state_programs = 0 if rows_only else L * B * ns_chunks
     grid = (n_state_programs + L * B * nc_chunks,)
+    on_device = isinstance(commit_n, torch.Tensor)
     if grid[0] == 0:
         return
     rollback_restore_kernel[grid](
         states, checkpoints, conv_rows, captured,
-        commit_n - 1, B, n_state, n_conv, ns_chunks, nc_chunks, n_state_programs,
+        0 if on_device else commit_n - 1, commit_n if on_device else states,
+        checkpoints.shape[2], B, n_state, n_conv, ns_chunks, nc_chunks, n_state_programs,
         states.stride(0), states.stride(1),
         checkpoints.stride(0), checkpoints.stride(1), checkpoints.stride(2),
         conv_rows.stride(0), conv_rows.stride(1),
         captured.stride(0), captured.stride(1), captured.stride(2),
-        BLOCK=block, num_warps=num_warps,
+        BLOCK=block, COMMIT_ON_DEVICE=on_device, num_warps=num_warps,
     )

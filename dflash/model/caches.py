@@ -6,14 +6,27 @@
   ``rollback_restore`` launch restores them all.
 - :class:`ShardCaches` — one of each.
 
-Where the live recurrent state is (``RecurrentPool.live_slot``):
+Where the live recurrent state is (``RecurrentPool.live_slot`` on the host, mirrored
+on the device by ``RecurrentPool.live``, which the kernels read):
 
-======================  ==========================================================
-``live_slot``           live state / conv window of layer ``l``
-======================  ==========================================================
-``None``                ``state[l]`` / ``conv[l]``
-``j`` (after a remap)   ``checkpoints[l, :, j]`` / ``captured[l, :, j+1 : j+Kc]``
-======================  ==========================================================
+=====================  =========================  ==========================
+``live_slot``          live state of layer ``l``  live conv window
+=====================  =========================  ==========================
+``None`` (``live=-1``) ``state[l]``               ``conv[l]``
+``j`` (after a remap)  ``checkpoints[l, :, j]``   ``conv[l]`` (the remap copies
+                                                  its ``Kc-1`` rows there)
+=====================  =========================  ==========================
+
+A remap moves no recurrent state (the large part: ``HV·K·V`` floats per layer); it copies
+the ``Kc-1`` conv rows of the accepted window home, so the conv window is always
+``conv[l]`` and only the state's location depends on the slot. Because the slot is read
+on the device, one CUDA graph of a forward or of a rollback serves every slot.
+
+A rollback has a host form (``restore_checkpoint`` / ``remap`` with a host ``commit_n``)
+and a device form for a step whose accepted count is still on the device:
+``check_device_rollback`` (host checks, before), ``rollback_on_device`` (device work only,
+capture-safe, reading the count) and ``finish_rollback`` (host mirrors, after the count
+was read back).
 """
 
 from __future__ import annotations
@@ -169,7 +182,9 @@ class RecurrentPool:
                 f"could not be allocated on {device}: {_first_line(exc)}; "
                 "neither fast nor replay rollback can run"
             ) from None
+        #: the live slot on the host (None: home); ``live`` is its device copy (-1: home)
         self.live_slot: int | None = None
+        self.live = torch.full((1,), -1, dtype=torch.int64, device=device)
         # the committed position: ``length`` on the host (for checks), ``position`` on the
         # device (what the kernels read); only this pool's methods and the forward that
         # advances it (``advance_device`` then ``advance``) change them
@@ -183,6 +198,7 @@ class RecurrentPool:
         self._slot_before_verify: int | None = None
         self._snapshot_written = [False] * n
         self.awaiting_rollback = False
+        self.rolled_on_device = False  # a device rollback was enqueued, not yet finished
 
     def _allocate_capture(
         self,
@@ -242,6 +258,10 @@ class RecurrentPool:
         self._length = n
         self.position.fill_(n)
 
+    def _set_live(self, slot: int | None) -> None:
+        self.live_slot = slot
+        self.live.fill_(-1 if slot is None else slot)
+
     @property
     def checkpoint_bytes(self) -> int:
         """Exact bytes of the capture storage: checkpoints + captured + snapshot."""
@@ -255,12 +275,21 @@ class RecurrentPool:
         return tuple(layer for layer, ok in written if ok) if self.verify_start is not None else ()
 
     def live_views(self, layer: int) -> tuple[Tensor, Tensor]:
-        """The live ``(state [B,HV,K,V], conv window [B,Kc-1,C])`` of one layer (views)."""
+        """The live ``(state [B,HV,K,V], conv window [B,Kc-1,C])`` of one layer (views; the
+        state's location from the host's ``live_slot``)."""
         i = self._index[layer]
         j = self.live_slot
         if j is None:
             return self.state[i], self.conv[i]
-        return self.checkpoints[i, :, j], self.captured[i, :, j + 1 : j + self.conv_kernel]
+        return self.checkpoints[i, :, j], self.conv[i]
+
+    def kernel_views(self, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """What a forward's kernels take for one layer: ``(state [B,HV,K,V], conv window
+        [B,Kc-1,C], slot bank [B,S,HV,K,V], live [1])`` — home state and window, and the
+        slots the live state is read from when ``live >= 0`` (read on the device)."""
+        i = self._index[layer]
+        bank = self.checkpoints[0 if self.shared_capture else i]
+        return self.state[i], self.conv[i], bank, self.live
 
     def capture_views(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
         """``(checkpoints [B,S,HV,K,V], captured [B,Kc-1+S,C], snapshot [B,HV,K,V])``."""
@@ -271,27 +300,14 @@ class RecurrentPool:
     # -- verify bookkeeping (called by TargetModel.run_layers) -----------------------------
 
     def begin_verify(self, start: int, n: int) -> None:
-        """Record a verify of ``n`` slots at ``start``; park the live conv window in ``conv``.
-
-        After a remap the live conv rows lie inside ``captured``, which the verify
-        overwrites; copying these ``Kc-1`` rows per layer first keeps the pre-verify window
-        in ``conv`` (the recurrent state's copy is the kernel's ``snapshot`` write). This
-        copy runs before the verify's device work (outside any CUDA graph of it).
-        """
+        """Record a verify of ``n`` slots at ``start`` (host bookkeeping only: the verify
+        reads the live state through :meth:`kernel_views` and leaves ``conv`` alone)."""
         self.check_can_advance("verify")
         if n > self.max_draft:
             raise CacheError(f"verify of {n} slots exceeds 'max_draft'={self.max_draft}")
-        j = self.live_slot
-        if j is not None and self.layer_ids:
-            self.conv.copy_(self.captured[:, :, j + 1 : j + self.conv_kernel])
         self.verify_start, self.verified_n = start, n
-        self._slot_before_verify = j
+        self._slot_before_verify = self.live_slot
         self._snapshot_written = [False] * len(self.layer_ids)
-
-    def live_for_verify(self, layer: int) -> tuple[Tensor, Tensor]:
-        """Initial state and conv rows a verify reads (conv parked by :meth:`begin_verify`)."""
-        state, _ = self.live_views(layer)
-        return state, self.conv[self._index[layer]]
 
     def end_verify_layer(self, layer: int) -> None:
         self._snapshot_written[self._index[layer]] = True
@@ -301,8 +317,10 @@ class RecurrentPool:
         self.awaiting_rollback = True
 
     def advance_device(self, n: int) -> None:
-        """Device part of a prefill / decode / replay: ``position += n`` (capture-safe)."""
+        """Device part of a prefill / decode / replay: ``position += n``, and the live state
+        is home again (the kernels wrote it to ``state``); capture-safe."""
         self.position.add_(n)
+        self.live.fill_(-1)
 
     def advance(self, start: int, n: int) -> None:
         """Host part: the forward absorbed ``n`` tokens from ``start`` into the live state
@@ -313,6 +331,7 @@ class RecurrentPool:
                 f"recurrent tokens from {start} do not continue length {self._length}"
             )
         self._length = start + n
+        self.live_slot = None  # advance_device moved it home on the device
 
     def adopt_live(self, other: RecurrentPool) -> None:
         """Take ``other``'s live state, conv window and length (storage rebuild)."""
@@ -325,7 +344,7 @@ class RecurrentPool:
             state, conv = other.live_views(layer)
             self.state[i].copy_(state)
             self.conv[i].copy_(conv)
-        self.live_slot = None
+        self._set_live(None)
         self._move_to(other.length)
 
     def check_can_advance(self, mode: str) -> None:
@@ -338,13 +357,14 @@ class RecurrentPool:
 
     # -- rollback ---------------------------------------------------------------------------
 
-    def _check_commit(self, commit_n: int) -> int:
+    def _check_verified(self) -> None:
+        """Raise unless a complete verify of every layer awaits its fast rollback."""
         if self.fast_unavailable_reason is not None:
             raise CacheError(
                 f"fast rollback is unavailable ({self.fast_unavailable_reason}); "
                 "use restore_snapshot and replay"
             )
-        if self.verify_start is None or not self.awaiting_rollback:
+        if self.verify_start is None or not self.awaiting_rollback or self.rolled_on_device:
             raise CacheError("no completed verify to roll back to (run a verify first)")
         written = zip(self.layer_ids, self._snapshot_written, strict=True)
         unwritten = [layer for layer, ok in written if not ok]
@@ -353,27 +373,91 @@ class RecurrentPool:
                 f"the last verify did not run recurrent layers {unwritten} of this pool; "
                 "their checkpoint slots hold no draft states (use restore_snapshot)"
             )
+
+    def _check_commit(self, commit_n: int) -> int:
+        """The position after accepting ``commit_n`` slots of the last verify."""
         if isinstance(commit_n, bool) or not isinstance(commit_n, int):
             raise CacheError(f"'commit_n' must be an int (got {commit_n!r})")
         if not 1 <= commit_n <= self.verified_n:
             raise CacheError(
                 f"'commit_n' must be in [1, verified slots={self.verified_n}] (got {commit_n})"
             )
+        assert self.verify_start is not None  # checked by _check_verified
         return self.verify_start + commit_n
 
     def restore_checkpoint(self, commit_n: int) -> None:
         """Live state ← checkpoint slot ``commit_n-1`` (one ``rollback_restore`` launch)."""
+        self._check_verified()
         new_length = self._check_commit(commit_n)
         rollback_restore(self.state, self.conv, self.checkpoints, self.captured, commit_n)
-        self.live_slot = None
+        self._set_live(None)
         self._move_to(new_length)
         self._clear_verify()
 
     def remap(self, commit_n: int) -> None:
-        """Make checkpoint slot ``commit_n-1`` the live state; moves no bytes."""
+        """Make checkpoint slot ``commit_n-1`` the live state (no state moves; the
+        ``Kc-1`` conv rows of the window are copied home)."""
+        self._check_verified()
         new_length = self._check_commit(commit_n)
-        self.live_slot = commit_n - 1
+        rollback_restore(
+            self.state, self.conv, self.checkpoints, self.captured, commit_n, rows_only=True
+        )
+        self._set_live(commit_n - 1)
         self._move_to(new_length)
+        self._clear_verify()
+
+    # -- rollback with the accepted count on the device --------------------------------------
+
+    def check_device_rollback(self) -> None:
+        """Host checks of :meth:`rollback_on_device` (run before it; nothing changes)."""
+        self._check_verified()
+
+    def rollback_on_device(self, mode: str, commit_n: Tensor) -> None:
+        """The device work of a ``mode`` rollback (``"checkpoint"`` or ``"remap"``) whose
+        accepted count ``commit_n`` (int64 ``[1]``) is still on the device: restore (or
+        remap) from slot ``commit_n-1`` and ``position += commit_n``. Capture-safe: no host
+        value, no synchronisation. Follow with :meth:`finish_rollback` once the count has
+        been read back; :meth:`check_device_rollback` first."""
+        rows_only = mode == "remap"
+        rollback_restore(
+            self.state, self.conv, self.checkpoints, self.captured, commit_n,
+            rows_only=rows_only,
+        )
+        if rows_only:
+            torch.sub(commit_n, 1, out=self.live)
+        else:
+            self.live.fill_(-1)
+        self.position.add_(commit_n)
+
+    def mark_device_rollback(self) -> None:
+        """Record that :meth:`rollback_on_device` was enqueued (host side)."""
+        self.check_device_rollback()
+        self.rolled_on_device = True
+
+    def cancel_device_rollback(self) -> None:
+        """Undo an enqueued device rollback (a no-op without one): live state ← the
+        pre-verify state (every layer's snapshot; the window from captured rows
+        ``0 … Kc-2``), home; the verify stays on record, awaiting its rollback."""
+        if not self.rolled_on_device:
+            return
+        assert self.verify_start is not None  # mark_device_rollback checked it
+        self.state.copy_(self.snapshot)
+        if self.layer_ids:
+            self.conv.copy_(self.captured[:, :, : self.conv_kernel - 1])
+        self._set_live(None)
+        self._slot_before_verify = None
+        self.position.fill_(self.verify_start)
+        self.rolled_on_device = False
+
+    def finish_rollback(self, mode: str, commit_n: int) -> None:
+        """Host mirrors of an enqueued device rollback, with the count read back; a count
+        outside ``1 … verified slots`` raises (the device clamped it: the state is then
+        not the committed one and the caller must fail closed)."""
+        if not self.rolled_on_device:
+            raise CacheError("finish_rollback without an enqueued device rollback")
+        new_length = self._check_commit(commit_n)
+        self.live_slot = commit_n - 1 if mode == "remap" else None
+        self._length = new_length
         self._clear_verify()
 
     def undo_rollback(self, start: int) -> None:
@@ -393,15 +477,17 @@ class RecurrentPool:
             )
         self.state.copy_(self.snapshot)
         self.conv.copy_(self.captured[:, :, : self.conv_kernel - 1])
-        self.live_slot = None
+        self._set_live(None)
         self._move_to(start)
 
     def restore_snapshot(self) -> None:
         """Live state ← the pre-verify state, ``live_slot`` ← None (the fail-closed path).
 
         Layers whose verify wrote a snapshot take it; layers the verify never reached
-        still hold their pre-verify state where it was. The conv window was parked in
-        ``conv`` by :meth:`begin_verify`.
+        still hold their pre-verify state where it was. A verify leaves ``conv`` alone; a
+        device rollback enqueued but not finished (:attr:`rolled_on_device`) may have
+        copied accepted rows there, so the pre-verify window is then taken back from the
+        captured rows ``0 … Kc-2`` (every layer was verified: the device rollback checks it).
         """
         if self.verify_start is None:
             raise CacheError("no verify to undo (restore_snapshot needs a preceding verify)")
@@ -411,7 +497,9 @@ class RecurrentPool:
                 self.state[i].copy_(self.snapshot[i])
             elif j is not None:
                 self.state[i].copy_(self.checkpoints[i, :, j])
-        self.live_slot = None
+        if self.rolled_on_device and self.layer_ids:
+            self.conv.copy_(self.captured[:, :, : self.conv_kernel - 1])
+        self._set_live(None)
         self._move_to(self.verify_start)
         self._clear_verify()
 
@@ -419,12 +507,13 @@ class RecurrentPool:
         self.verify_start = None
         self.verified_n = 0
         self.awaiting_rollback = False
+        self.rolled_on_device = False
 
     def reset(self) -> None:
         """Empty state (before a prefill)."""
         self.state.zero_()
         self.conv.zero_()
-        self.live_slot = None
+        self._set_live(None)
         self._move_to(0)
         self._clear_verify()
 

@@ -415,16 +415,21 @@ class GatedDeltaNet(nn.Module):
         geometry: ChainGeometry | None,
         capture: tuple[Tensor, Tensor, Tensor] | None,
         ops: Ops,
+        remap: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """``x: [B, T, hidden]`` → ``[B, T, hidden]``.
 
-        ``state: [B, HV, K, V]`` f32 and ``conv_rows: [B, Kc-1, C]`` are the live recurrent
-        state and conv window (views into the pool). ``capture`` is None to advance them in
-        place (prefill / decode / replay), or ``(checkpoints [B, S, HV, K, V],
-        captured [B, Kc-1+S, C], snapshot [B, HV, K, V])`` for verify: the per-token states
-        and conv inputs go there, the pre-verify state into ``snapshot``, and the live
-        ``state``/``conv_rows`` are only read (``geometry`` is the validated chain).
+        ``state: [B, HV, K, V]`` f32 and ``conv_rows: [B, Kc-1, C]`` are the home recurrent
+        state and the live conv window (views into the pool); ``remap = (slot bank
+        [B, S, HV, K, V], live [1] int64)``: when ``live >= 0`` (read on the device) the
+        live state is ``bank[:, live]`` instead of ``state``. ``capture`` is None to advance
+        in place (prefill / decode / replay: the new state goes to ``state``), or
+        ``(checkpoints [B, S, HV, K, V], captured [B, Kc-1+S, C], snapshot [B, HV, K, V])``
+        for verify: the per-token states and conv inputs go there, the pre-verify state
+        into ``snapshot``, and the live state and ``conv_rows`` are only read
+        (``geometry`` is the validated chain).
         """
+        bank, live = remap if remap is not None else (None, None)
         b, t, _ = x.shape
         kc1 = self.conv_kernel - 1
         backend = ops.backend
@@ -445,14 +450,14 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(b, t, self.num_v_heads, self.head_v_dim)
         if capture is None:
             conv_rows.copy_(captured[:, t : t + kc1])
-            o = gdn_verify(  # state <- state after the last token, in place
+            o = gdn_verify(  # state <- state after the last token (from the live one)
                 q, k, v, g, beta, state, state.unsqueeze(1), None,
-                final_state_only=True, backend=backend,
+                final_state_only=True, slot_bank=bank, live_slot=live, backend=backend,
             )
         else:
             o = gdn_verify(
                 q, k, v, g, beta, state, checkpoints, geometry,
-                snapshot=snapshot, backend=backend,
+                snapshot=snapshot, slot_bank=bank, live_slot=live, backend=backend,
             )
         o = ops.each_token(self.norm, o, z)  # [B, T, HV, V]
         return ops.linear(self.out_proj, o.reshape(b, t, self.value_dim))

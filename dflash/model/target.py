@@ -238,14 +238,14 @@ class TargetModel(nn.Module):
                 kind = type(layer).__name__
                 raise TypeError(f"layer {layer_id} is a {kind}, not a decoder layer")
             elif mode == "verify":
-                state, conv_rows = pool.live_for_verify(layer_id)
+                state, conv_rows, bank, live = pool.kernel_views(layer_id)
                 capture = pool.capture_views(layer_id)
-                x = layer.linear_attn(x, state, conv_rows, chain, capture, ops)
+                x = layer.linear_attn(x, state, conv_rows, chain, capture, ops, (bank, live))
                 if on_layer is not None:
                     on_layer(layer_id)
             else:
-                state, conv_rows = pool.live_views(layer_id)
-                x = layer.linear_attn(x, state, conv_rows, None, None, ops)
+                state, conv_rows, bank, live = pool.kernel_views(layer_id)
+                x = layer.linear_attn(x, state, conv_rows, None, None, ops, (bank, live))
             hidden = hidden + x
             hidden = hidden + layer.mlp(ops.each_token(layer.post_attention_layernorm, hidden), ops)
             if layer_id in wanted:

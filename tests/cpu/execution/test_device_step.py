@@ -81,11 +81,12 @@ def test_graphs_are_refused_with_the_reason_on_cpu(tiny: TargetModel) -> None:
 
 
 def _stand_in_capture(
-    work: Callable[[], ShardOutput],
-) -> tuple[Callable[[], None], ShardOutput]:
+    work: Callable[[], ShardOutput | None],
+) -> tuple[Callable[[], None], ShardOutput | None]:
     """A CPU stand-in for a CUDA graph: the capture call does the work once (a real capture
     records it and the first replay runs it); every later replay does it again and writes
-    the results into the captured output tensors, as a graph replay does."""
+    the results into the captured output tensors, as a graph replay does (a rollback's
+    work returns nothing)."""
     outputs = work()
     fresh = [True]
 
@@ -93,7 +94,10 @@ def _stand_in_capture(
         if fresh[0]:
             fresh[0] = False
             return
-        hidden, logits, taps = work()
+        again = work()
+        if outputs is None or again is None:
+            return
+        hidden, logits, taps = again
         outputs[0].copy_(hidden)
         if logits is not None:
             assert outputs[1] is not None
@@ -125,4 +129,5 @@ def test_graph_path_bookkeeping_on_cpu_stand_in(
     assert out[:36] == oracle[:36]
     for g in target.graphs:
         assert g.captures >= 2 and g.replays >= 4 and not g.failures, (g.captures, g.replays)
+        assert (("rollback:" + mode, 1, False) in g.captured_keys) == (mode != "replay")
     assert engine.counts["replay_after_failure"] == 0

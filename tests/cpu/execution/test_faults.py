@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from dflash.execution import (
     FaultInjector,
@@ -133,11 +134,11 @@ def test_broken_restore_kernel_still_decodes_through_the_models_replay(
     out += engine.step()  # the gate validates on this step
     assert engine.status is RollbackStatus.EFFECTIVE
 
-    def broken(commit_n: int) -> None:
-        raise RuntimeError(f"restore kernel failed for commit_n={commit_n}")
+    def broken(mode: str, commit_n: torch.Tensor) -> None:
+        raise RuntimeError(f"{mode} restore kernel failed for commit_n={int(commit_n)}")
 
     for shard in engine.target.shards:
-        shard.caches.pool.restore_checkpoint = broken  # type: ignore[method-assign]
+        shard.caches.pool.rollback_on_device = broken  # type: ignore[method-assign]
     while len(out) < N:
         out += engine.step()
     assert out[:N] == oracle[:N]

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from dflash.execution import RollbackPolicy, ShardedTarget, SpecDecoder, plan_shards
-from dflash.execution.graphs import GraphKey, ShardCompute, ShardGraphs, ShardOutput
+from dflash.execution.graphs import ShardGraphs, ShardOutput
 from dflash.kernels.checks import INTERPRET
 from dflash.model import HybridConfig, TargetModel, greedy_generate
 from dflash.model.drafters import SyntheticDrafter
@@ -155,36 +155,38 @@ def _decode(
 
 @pytest.mark.usefixtures("record_launches")
 def test_remap_through_recorded_graphs_is_plain_greedy(oracle: list[int]) -> None:
-    """Commits of several lengths: a verify graph per live slot, captured on the slot it
-    reads, replayed on it; the tokens are plain greedy's."""
+    """Commits of several lengths: one verify graph serves every live slot (the kernels read
+    the slot on the device), the remap itself is a replayed graph on the device's count; the
+    tokens are plain greedy's."""
     out, slots, graphs = _decode(oracle, "remap", 40)
     assert out == oracle[:40]
     assert len({s for s in slots if s is not None}) >= 3, slots  # several slots were live
     g = graphs[0]
-    assert g.captures >= 3 and g.replays >= 3 and not g.failures, (g.captures, g.replays)
-
-
-class _SlotBlindGraphs(ShardGraphs):
-    """A deliberately wrong key: one verify graph for every live slot."""
-
-    def run(
-        self,
-        key: GraphKey,
-        x: torch.Tensor,
-        compute: ShardCompute,
-        on_layer: Callable[[int], None] | None,
-    ) -> ShardOutput:
-        return super().run((key[0], key[1], None, key[3]), x, compute, on_layer)
+    keys = g.captured_keys
+    assert [k for k in keys if k[0] == "verify"] == [("verify", BLOCK, True)], keys
+    assert ("rollback:remap", 1, False) in keys, keys
+    assert g.replays >= 6 and not g.failures, (g.replays, g.failures)
 
 
 @pytest.mark.usefixtures("record_launches")
-def test_recorded_graphs_catch_a_key_without_the_live_slot(oracle: list[int]) -> None:
-    """The recorded replay is faithful enough to fail a graph that reads the slot it was
-    captured on after the live state moved to another slot."""
+def test_recorded_graphs_catch_a_forward_that_bakes_in_the_slot(
+    oracle: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recorded replay is faithful enough to fail a graph whose forward reads the live
+    state at the address of the slot live at capture time (a host value baked in), once the
+    live state moved to another slot."""
+    from dflash.model.caches import RecurrentPool
     from dflash.model.drafters.errors import OracleMismatchError
 
+    def host_slot_views(
+        self: RecurrentPool, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        state, conv = self.live_views(layer)  # the host's slot, as an address
+        return state, conv, self.checkpoints[0], torch.full((1,), -1)
+
+    monkeypatch.setattr(RecurrentPool, "kernel_views", host_slot_views)
     try:
-        out, _, _ = _decode(oracle, "remap", 40, graphs=_SlotBlindGraphs)
+        out, _, _ = _decode(oracle, "remap", 40)
     except OracleMismatchError:
         return
     assert out != oracle[:40]

@@ -259,3 +259,81 @@ def test_bad_arguments_are_named() -> None:
         with pytest.raises(error, match=match):
             run(i, ck, geo, out=out)
     assert torch.isnan(ck).all(), "a refused call writes nothing"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("slot", [-1, 0, 2])
+def test_live_slot_read_on_the_device_selects_the_initial_state(backend: str, slot: int) -> None:
+    """``slot_bank`` + ``live_slot`` (an int64 device tensor): slot ``s >= 0`` starts from
+    ``slot_bank[:, s]``, ``-1`` from ``initial_state`` — the same bits as passing that
+    state directly, for a verify (bank = the checkpoints it writes) and a decode."""
+    B, T, HV, K, V, S = 2, 3, 2, 16, 16, 4
+    first = gdn_inputs(B, T, 1, HV, K, V, torch.float32, seed=11)
+    bank = nan_slots(B, S, HV, K, V, torch.float32)
+    run(first, bank, chain(T), backend=backend)
+    bank[:, T] = first["initial_state"] * 2  # every slot a real state
+    second = gdn_inputs(B, T, 1, HV, K, V, torch.float32, seed=12)
+    chosen = second["initial_state"] if slot < 0 else bank[:, slot].clone()
+    live = torch.tensor([slot])
+
+    want_bank, want_snap = bank.clone(), torch.full((B, HV, K, V), NAN)
+    want = run({**second, "initial_state": chosen}, want_bank, chain(T), snapshot=want_snap,
+               backend=backend)
+    got_snap = torch.full((B, HV, K, V), NAN)
+    got = run(second, bank, chain(T), snapshot=got_snap, slot_bank=bank, live_slot=live,
+              backend=backend)
+    assert not got.isnan().any() and torch.equal(got, want)
+    assert torch.equal(bank[:, :T], want_bank[:, :T]) and torch.equal(got_snap, want_snap)
+
+    # a decode: the live state is read from the slot, the new state goes home
+    one = gdn_inputs(B, 1, 1, HV, K, V, torch.float32, seed=13)
+    home = torch.full((B, HV, K, V), NAN) if slot >= 0 else one["initial_state"].clone()
+    start = bank[:, slot].clone() if slot >= 0 else home.clone()
+    ref_state = start.clone()
+    o_ref = run({**one, "initial_state": ref_state}, ref_state.unsqueeze(1), None,
+                final_state_only=True, backend=backend)
+    o = run({**one, "initial_state": home}, home.unsqueeze(1), None, final_state_only=True,
+            slot_bank=bank, live_slot=live, backend=backend)
+    assert torch.equal(o, o_ref) and torch.equal(home, ref_state)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_live_slot_past_the_bank_is_clamped(backend: str) -> None:
+    """A live slot past the bank (never set by the pool) reads the last slot, not memory
+    beyond the bank."""
+    B, T, HV, K, V, S = 1, 2, 2, 16, 16, 3
+    i = gdn_inputs(B, T, 1, HV, K, V, torch.float32, seed=14)
+    bank = torch.randn(B, S, HV, K, V, generator=torch.Generator().manual_seed(1))
+    want = run({**i, "initial_state": bank[:, S - 1].clone()}, nan_slots(B, S, HV, K, V,
+               torch.float32), chain(T), backend=backend)
+    got = run(i, nan_slots(B, S, HV, K, V, torch.float32), chain(T), slot_bank=bank,
+              live_slot=torch.tensor([S + 5]), backend=backend)
+    assert torch.equal(got, want)
+
+
+def test_live_slot_arguments_are_named() -> None:
+    i = gdn_inputs(1, 3, 2, 4, 16, 16, torch.float32, seed=0)
+    ck = nan_slots(1, 3, 4, 16, 16, torch.float32)
+    geo, live = chain(3), torch.tensor([0])
+    cases: list[tuple[dict[str, object], type[Exception], str]] = [
+        ({"slot_bank": ck}, KernelBoundsError, "given together or not at all"),
+        ({"live_slot": live}, KernelBoundsError, "given together or not at all"),
+        ({"slot_bank": ck, "live_slot": 0}, TypeError, "'live_slot' must be a torch.Tensor"),
+        ({"slot_bank": ck, "live_slot": live.int()}, KernelBoundsError,
+         "'live_slot' must be a one-element int64 tensor \\(got dtype torch.int32"),
+        ({"slot_bank": ck, "live_slot": torch.tensor([0, 1])}, KernelBoundsError,
+         "one-element int64 tensor \\(got dtype torch.int64, shape \\(2,\\)"),
+        ({"slot_bank": ck[:, :, :2], "live_slot": live}, KernelBoundsError,
+         "'slot_bank' must have shape"),
+        ({"slot_bank": ck.double(), "live_slot": live}, KernelBoundsError,
+         "'slot_bank' must be torch.float32"),
+        ({"slot_bank": ck[:, :0], "live_slot": live}, KernelBoundsError, "at least one slot"),
+        ({"slot_bank": ck, "live_slot": live.to("meta")}, KernelBoundsError,
+         "'live_slot' is on meta"),
+    ]
+    for kw, error, match in cases:
+        with pytest.raises(error, match=match):
+            run(i, ck, geo, **kw)
+    assert torch.isnan(ck).all(), "a refused call writes nothing"

@@ -72,8 +72,11 @@ def test_non_dense_inner_block_refused_for_triton() -> None:
 BAD = [
     ({}, 0, "1 <= commit_n <= S=4 \\(got 0\\)"),
     ({}, 5, "got 5"),
-    ({}, True, "must be an int \\(got True\\)"),
-    ({}, 2.0, "must be an int \\(got 2.0\\)"),
+    ({}, True, "must be an int or a one-element int64 tensor \\(got True\\)"),
+    ({}, 2.0, "must be an int or a one-element int64 tensor \\(got 2.0\\)"),
+    ({}, torch.tensor([2]).int(), "one int64 element \\(got dtype torch.int32"),
+    ({}, torch.tensor([1, 2]), "one int64 element \\(got dtype torch.int64, shape \\(2,\\)"),
+    ({}, torch.tensor([2], device="meta"), "'commit_n' is on meta"),
     ({"checkpoints": None}, 1, "'checkpoints' storage is missing"),
     ({"captured": None}, 1, "'captured' storage is missing"),
     ({"states": None}, 1, "'states' storage is missing"),
@@ -106,6 +109,39 @@ def test_bounds_refused_before_launch(
         restore({**b, **bad}, commit_n)  # type: ignore[dict-item]
     assert isinstance(info.value, ValueError)
     assert torch.isnan(b["states"]).all() and torch.isnan(b["conv_rows"].float()).all()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("rows_only", [False, True])
+@pytest.mark.parametrize("commit_n", [1, 3, 4])
+def test_device_commit_count_matches_host_int(backend: str, rows_only: bool, commit_n: int) -> None:
+    """A one-element int64 ``commit_n`` read by the kernel restores exactly what the host int
+    does; ``rows_only`` copies the conv rows and leaves the states untouched."""
+    L, B, S, HV, K, V, Kc, C = 3, 2, 4, 2, 16, 16, 4, 24
+    dev = banks(L, B, S, HV, K, V, Kc, C, seed=commit_n)
+    host = {n: t.clone() for n, t in dev.items()}
+    restore(dev, torch.tensor([commit_n]), rows_only=rows_only, backend=backend)
+    restore(host, commit_n, rows_only=rows_only, backend=backend)
+    assert torch.equal(dev["conv_rows"], dev["captured"][:, :, commit_n : commit_n + Kc - 1])
+    assert torch.equal(dev["conv_rows"], host["conv_rows"])
+    if rows_only:
+        assert torch.isnan(dev["states"]).all() and torch.isnan(host["states"]).all()
+    else:
+        assert torch.equal(dev["states"], dev["checkpoints"][:, :, commit_n - 1])
+        assert torch.equal(dev["states"], host["states"])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize(("given", "used"), [(0, 1), (-3, 1), (9, 4)])
+def test_device_commit_count_out_of_range_is_clamped(backend: str, given: int, used: int) -> None:
+    """A device count outside 1..S (never produced by the step; the caller checks the value
+    it reads back) is clamped, so the copy stays inside the banks."""
+    b = banks(2, 1, 4, 2, 16, 16, 4, 24, seed=3)
+    restore(b, torch.tensor([given]), backend=backend)
+    assert torch.equal(b["states"], b["checkpoints"][:, :, used - 1])
+    assert torch.equal(b["conv_rows"], b["captured"][:, :, used : used + 3])
 
 
 def test_slot_views_move_no_bytes() -> None:

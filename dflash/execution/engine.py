@@ -33,7 +33,7 @@ from dflash.execution.policy import RollbackPolicy, RollbackStatus, parse_mode
 from dflash.execution.shards import ShardedTarget, device_ids
 from dflash.geometry import ChainGeometry, require_chain
 from dflash.model import RecurrentPool
-from dflash.model.drafters import Drafter, stack_tap_features
+from dflash.model.drafters import DeviceDrafter, Drafter, stack_tap_features
 
 
 @dataclass(frozen=True)
@@ -113,6 +113,10 @@ class SpecDecoder:
         self.status_at_start = self.status
         self._pending: tuple[list[int], int, list[int], RollbackStatus] | None = None
         self._forwards_before = 0
+        #: the drafter drafts on the device (a DeviceDrafter on a target with CUDA graphs):
+        #: each step enqueues the next step's proposal and reads it with the step's tokens
+        self.device_drafter: DeviceDrafter | None = None
+        self._next_guesses: list[int] | None = None
 
     # -- status ---------------------------------------------------------------------------
 
@@ -151,7 +155,27 @@ class SpecDecoder:
         self.last = int(logits[-1].argmax())
         self._set_features(taps, len(prompt))
         self.target.require_position(self.committed, what="after prefill")
+        self._start_device_drafting()
         return self.last
+
+    def _start_device_drafting(self) -> None:
+        """Draft on the device when the drafter can and the target runs CUDA graphs: the
+        first proposal now, from the prompt's features (eager), the rest inside the steps."""
+        self._next_guesses = None
+        graphs = self.target.graphs
+        drafter = self.drafter
+        if graphs is None or not self.taps or not isinstance(drafter, DeviceDrafter):
+            self.device_drafter = None
+            return
+        assert self.features is not None  # set from the prefill's taps
+        first = self.target.shards[0]
+        with first.on_device():
+            guesses = drafter.start_device(
+                self.features, self.last, self.target.max_len + self.block_size, self.block_size
+            )
+        graphs[0].bind("draft", (id(drafter), drafter.device_buffers_version))
+        self.device_drafter = drafter
+        self._next_guesses = [int(g) for g in guesses.tolist()]
 
     def _set_features(self, taps: dict[int, Tensor], rows: int) -> None:
         if not self.taps:
@@ -171,7 +195,10 @@ class SpecDecoder:
             self.life.move("verify")
         B, step = self.block_size, len(self.records)
         self._forwards_before = self.target_forwards
-        proposal = self.drafter.propose(list(self.context), self.last, B, self.features)
+        if self._next_guesses is not None:  # drafted on the device by the previous step
+            proposal, self._next_guesses = self._next_guesses, None
+        else:
+            proposal = self.drafter.propose(list(self.context), self.last, B, self.features)
         guesses = self._check_proposal(proposal)
         if self.committed + B > self.target.max_len:
             raise ExecutionError(
@@ -208,7 +235,9 @@ class SpecDecoder:
         t_dev, count = greedy_acceptance(logits, device_ids(d, logits.device)[0])
         fast = status_before is RollbackStatus.EFFECTIVE  # never the gate's step
         started = self._start_fast_rollback(d, count, step) if fast else None
-        read = torch.cat([t_dev, count]).tolist()
+        drafted = self._draft_on_device(taps, count, t_dev)  # the next step's guesses
+        parts = [t_dev, count] if drafted is None else [t_dev, count, drafted.to(count.device)]
+        read = torch.cat(parts).tolist()
         t, accept_n = read[:T], read[T]  # t[i]: target's greedy token after d[0..i]
         if accept_n != leading_accepted(d, t):
             if fast:  # put back the pre-verify state the enqueued rollback replaced
@@ -219,7 +248,10 @@ class SpecDecoder:
         saved = None
         if gate_run and self.gate.judge(storages, B, taps, self.taps):
             saved = self.gate.save_slot(storages, commit_n - 1)
-        self._set_features(taps, commit_n)
+        if drafted is None:
+            self._set_features(taps, commit_n)
+        else:
+            self._next_guesses = read[T + 1 :]
         self._pending = (d, commit_n, emitted, status_before)
         if saved is not None:
             path, failure = self._self_test_rollback(d, commit_n, saved, step), None
@@ -286,6 +318,23 @@ class SpecDecoder:
         return list(emitted)
 
     # -- rollback paths -------------------------------------------------------------------
+
+    def _draft_on_device(
+        self, taps: dict[int, Tensor], count: Tensor, t_dev: Tensor
+    ) -> Tensor | None:
+        """Enqueue the device drafter's next proposal (None when not drafting on the device):
+        the verify's tap rows, the accepted count and the target's tokens stay on the
+        device; the drafter's step replays from the first shard's graphs."""
+        drafter, graphs = self.device_drafter, self.target.graphs
+        if drafter is None or graphs is None:
+            return None
+        first = self.target.shards[0]
+        rows = stack_tap_features({k: v.to(first.device) for k, v in taps.items()}, self.taps)
+        with first.on_device():
+            drafter.set_device_inputs(rows, count.to(first.device), t_dev.to(first.device))
+            out: Tensor = graphs[0].run_static(("draft", self.block_size, False),
+                                               drafter.device_step)
+        return out
 
     def _start_fast_rollback(
         self, d: list[int], count: Tensor, step: int

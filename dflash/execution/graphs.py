@@ -23,6 +23,11 @@ The rollback of a fast step is captured too (:meth:`ShardGraphs.run_rollback`, k
 (the restore or remap reads it there), so the step enqueues the rollback before its one
 host synchronisation.
 
+The DFlash drafter's step runs on the first shard's graphs as well
+(:meth:`ShardGraphs.run_static`, key ``("draft", B, False)``): device work over the
+drafter's own static buffers, which it fills before each call; :meth:`ShardGraphs.bind`
+drops those graphs when another drafter, or new buffers, take over.
+
 The prefill, the capture gate's step (which inspects storage between shards), the
 self-test and fault injection never run inside a graph (faults fire on the host, between
 the graphs of a step).
@@ -82,6 +87,8 @@ class ShardGraphs:
         self.failures: list[str] = []
         self.captures = 0
         self.replays = 0
+        self._bound: dict[str, object] = {}
+        self._no_input = torch.empty(0, device=device)
 
     @property
     def captured_keys(self) -> tuple[GraphKey, ...]:
@@ -105,6 +112,21 @@ class ShardGraphs:
         """A fast rollback's device work ``work(commit_n)`` (``commit_n``: the accepted
         count, int64 ``[1]`` on this shard's device): replayed, captured, or eager."""
         self._run((f"rollback:{mode}", 1, False), commit_n, lambda: work(commit_n), work)
+
+    def run_static(self, key: GraphKey, work: Callable[[], W]) -> W:
+        """Device work ``work()`` that reads only static buffers its owner fills before
+        each call (no input is copied): replayed, captured then replayed, or eager."""
+        return self._run(key, self._no_input, work, lambda _: work())
+
+    def bind(self, kind: str, owner: object) -> None:
+        """The graphs of key kind ``kind`` belong to ``owner`` (compared by equality); a
+        different owner drops them (they hold the previous owner's buffers)."""
+        if kind in self._bound and self._bound[kind] != owner:
+            for key in [k for k in self._graphs if k[0] == kind]:
+                del self._graphs[key]
+            self._eager_only = {k for k in self._eager_only if k[0] != kind}
+            self._warm = {w for w in self._warm if w[0] != kind}
+        self._bound[kind] = owner
 
     def _run(
         self, key: GraphKey, x: Tensor, eager: Callable[[], W], work: Callable[[Tensor], W]

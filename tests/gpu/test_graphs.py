@@ -97,7 +97,7 @@ def _storage(engine: SpecDecoder) -> list[tuple[str, torch.Tensor]]:
         kv, pool = s.caches.kv, s.caches.pool
         for name in ("k", "v"):
             out.append((f"shard {s.index} kv.{name}", getattr(kv, name)))
-        for name in ("state", "conv", "checkpoints", "captured", "snapshot", "position"):
+        for name in ("state", "conv", "checkpoints", "captured", "snapshot", "position", "live"):
             out.append((f"shard {s.index} pool.{name}", getattr(pool, name)))
     return out
 
@@ -142,6 +142,11 @@ def test_graphs_equal_eager_tokens_and_storage_in_every_mode(model: TargetModel)
         assert captures >= 1 and replays >= step - 3, (captures, replays, step)
         if mode != "replay":
             assert graphed.counts["fast"] == step - 1  # only the gate step replays
+            graphs = graphed.target.graphs
+            assert graphs is not None
+            assert (f"rollback:{mode}", 1, False) in graphs[0].captured_keys, (
+                graphs[0].captured_keys
+            )
         print("\n" + ROWS[-1])
 
 
@@ -292,7 +297,7 @@ def test_smaller_shape_float16_float32_every_mode_is_plain_greedy(dtype_name: st
     print("\n".join(["", "summary:", *ROWS]))
 
 
-# -- remap with commits of several lengths (a verify graph per live slot) ----------------
+# -- remap with commits of several lengths (one verify graph reads every live slot) -----
 
 
 def _eight_layer_bf16() -> TargetModel:
@@ -392,7 +397,13 @@ def test_remap_with_varied_commits_graphs_and_eager_are_plain_greedy(drafter_nam
         assert out_e[:n] == oracle[:n] and out_g[:n] == oracle[:n], "\n".join(log[-4:])
         assert not failures, summary
         if drafter_name == "synthetic":
-            assert len(slots) >= 3, summary  # several live slots, several verify graphs
+            assert len(slots) >= 3, summary  # several live slots ...
+        graphs = graphed.target.graphs
+        assert graphs is not None
+        keys = graphs[0].captured_keys
+        verify_keys = [k for k in keys if k[0] == "verify"]
+        assert verify_keys == [("verify", BLOCK, True)], keys  # ... one verify graph
+        assert ("rollback:remap", 1, False) in keys, keys
     finally:
         del m
         torch.cuda.empty_cache()

@@ -7,7 +7,7 @@
   against the target's own greedy continuation.
 """
 
-from dflash.model.drafters.base import Drafter, stack_tap_features
+from dflash.model.drafters.base import DeviceDrafter, Drafter, stack_tap_features
 from dflash.model.drafters.dflash_config import DFlashConfig, default_tap_layers
 from dflash.model.drafters.dflash_drafter import DFlashDrafter
 from dflash.model.drafters.errors import (
@@ -40,6 +40,7 @@ __all__ = [
     "ConfigFieldError",
     "DFlashConfig",
     "DFlashDrafter",
+    "DeviceDrafter",
     "DraftArgumentError",
     "DraftTarget",
     "Drafter",

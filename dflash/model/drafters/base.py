@@ -43,6 +43,25 @@ class Drafter(Protocol):
         ...
 
 
+@runtime_checkable
+class DeviceDrafter(Drafter, Protocol):
+    """A drafter that can also draft on the device: after ``start_device`` (the prompt's
+    tap rows), each step's inputs stay on the device (``set_device_inputs``: the verify's
+    tap rows, the accepted count, the target's tokens) and ``device_step`` — capture-safe
+    device work over static buffers — returns the next ``[B-1]`` guesses as a tensor. The
+    engine uses it when the target runs CUDA graphs, and captures ``device_step`` too."""
+
+    device_buffers_version: int  # changes when the static buffers are allocated anew
+
+    def start_device(
+        self, features: Tensor, last: int, capacity: int, block_size: int
+    ) -> Tensor: ...
+
+    def set_device_inputs(self, rows: Tensor, commit_n: Tensor, tokens: Tensor) -> None: ...
+
+    def device_step(self) -> Tensor: ...
+
+
 def check_block_size(block_size: object) -> int:
     """``block_size`` must be an int >= 2 (a block is ``last`` plus at least one guess)."""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:

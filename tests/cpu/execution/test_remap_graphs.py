@@ -1,4 +1,5 @@
-"""The graph path after slot remaps, on CPU, through a replay that behaves like a CUDA graph.
+"""The graph path on CPU — slot remaps, the rollback and the DFlash drafter's step —
+through a replay that behaves like a CUDA graph.
 
 The stand-in of ``test_device_step.py`` re-runs the shard's Python on every replay, so it
 recomputes every view and host value afresh. A CUDA graph does not: it replays the
@@ -27,7 +28,7 @@ from dflash.execution import RollbackPolicy, ShardedTarget, SpecDecoder, plan_sh
 from dflash.execution.graphs import ShardGraphs, ShardOutput
 from dflash.kernels.checks import INTERPRET
 from dflash.model import HybridConfig, TargetModel, greedy_generate
-from dflash.model.drafters import SyntheticDrafter
+from dflash.model.drafters import DFlashConfig, DFlashDrafter, SyntheticDrafter
 
 pytestmark = pytest.mark.skipif(
     not INTERPRET, reason="the model's Triton kernels on CPU need TRITON_INTERPRET=1"
@@ -190,3 +191,51 @@ def test_recorded_graphs_catch_a_forward_that_bakes_in_the_slot(
     except OracleMismatchError:
         return
     assert out != oracle[:40]
+
+
+def _dflash(model: TargetModel, **changes: object) -> DFlashDrafter:
+    cfg = DFlashConfig.for_target(
+        hidden_size=64, vocab_size=256, num_target_layers=6, num_hidden_layers=2,
+        block_size=BLOCK,
+    ).model_copy(update=changes)
+    return DFlashDrafter.random(cfg, model.embed_tokens.weight, model.lm_head.weight, seed=2)
+
+
+def _dflash_run(mode: str, n: int, graphs: bool, **changes: object) -> SpecDecoder:
+    model = TargetModel.seeded(HybridConfig.tiny_default(), seed=0)
+    model.kernel_backend = "triton"
+    target = ShardedTarget(model, plan_shards(6, "cpu,cpu", "2,4"),
+                           max_len=len(PROMPT) + n + BLOCK + 1, max_draft=BLOCK)
+    target._tiled = False  # whole-block verifies, as on CUDA: a static drafting shape
+    if graphs:
+        target.graphs = [ShardGraphs(s.device, capture=recorded_capture) for s in target.shards]
+    engine = SpecDecoder(target, _dflash(model, **changes), block_size=BLOCK,
+                         policy=RollbackPolicy(mode=mode))
+    out = [engine.prefill(PROMPT)]
+    while len(out) < n:
+        out.extend(engine.step())
+    return engine
+
+
+@pytest.mark.usefixtures("record_launches")
+def test_dflash_drafting_in_recorded_graphs_proposes_what_the_host_path_does(
+    oracle: list[int],
+) -> None:
+    """With graphs the DFlash drafter drafts on the device: its step (context rows on the
+    accepted count, the block after the new pending token) is a replayed graph of static
+    buffers. Every draft equals the host path's (the cropped context cache), every token is
+    plain greedy's (a sliding-window layer and a full one; remap). Commits of several
+    lengths: tests/cpu/model/test_drafters_dflash_device.py."""
+    changes = {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 3}
+    host = _dflash_run("remap", 12, graphs=False, **changes)
+    dev = _dflash_run("remap", 12, graphs=True, **changes)
+    assert host.device_drafter is None and dev.device_drafter is not None
+    drafts_h = [r.draft for r in host.records]
+    drafts_d = [r.draft for r in dev.records]
+    assert drafts_d == drafts_h
+    tokens = [t for r in dev.records for t in r.emitted]
+    assert tokens[:10] == oracle[1:11]
+    g = dev.target.graphs
+    assert g is not None
+    assert ("draft", BLOCK, False) in g[0].captured_keys and not g[0].failures
+    assert g[0].replays > 5

@@ -1,0 +1,97 @@
+"""DFlash drafting on the device (static cache, the accepted count as a tensor) against the
+host path (the cropped, growing context cache): the same proposals after commits of every
+length, with full-attention and sliding-window layers; its argument checks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash.model.drafters import DeviceDrafter, DFlashConfig, DFlashDrafter
+from dflash.model.drafters.errors import DraftArgumentError
+
+H, VOCAB, TARGET_LAYERS, B = 64, 256, 6, 5
+
+
+def _pair(**changes: object) -> tuple[DFlashDrafter, DFlashDrafter]:
+    gen = torch.Generator().manual_seed(0)
+    embed = torch.randn(VOCAB, H, generator=gen)
+    head = torch.randn(VOCAB, H, generator=gen) * 0.2
+    cfg = DFlashConfig.for_target(
+        hidden_size=H, vocab_size=VOCAB, num_target_layers=TARGET_LAYERS,
+        num_hidden_layers=2, block_size=B,
+    ).model_copy(update=changes)
+    return (DFlashDrafter.random(cfg, embed, head, seed=3),
+            DFlashDrafter.random(cfg, embed, head, seed=3))
+
+
+@pytest.mark.parametrize("changes", [
+    {},
+    {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 4},
+    {"layer_types": ("full_attention", "sliding_attention"), "sliding_window": 2,
+     "is_causal": False},
+])
+def test_device_proposals_equal_the_host_path_after_commits_of_every_length(
+    changes: dict[str, object],
+) -> None:
+    host, dev = _pair(**changes)
+    assert isinstance(dev, DeviceDrafter)
+    rng = random.Random(1)
+    width = host.config.feature_size
+    n, total = 7, 7 + 12 * B
+    feats = torch.randn(total + B, width, generator=torch.Generator().manual_seed(2))
+    context = [rng.randrange(VOCAB - 1) for _ in range(total + B)]
+    last = context[n]
+    want = host.propose(context[:n], last, B, feats[:n])
+    got = dev.start_device(feats[:n], last, capacity=total + 2 * B, block_size=B)
+    assert got.dtype == torch.int64 and got.tolist() == want
+    for step in range(12):
+        commit = 1 + step % B  # 1 … B rows committed
+        tokens = torch.tensor([rng.randrange(VOCAB - 1) for _ in range(B)])
+        last = int(tokens[commit - 1])
+        # the verify's rows: the pending token and the guesses; the first `commit` commit
+        rows = feats[n : n + B]
+        dev.set_device_inputs(rows, torch.tensor([commit]), tokens)
+        got = dev.device_step()
+        context[n : n + commit] = [context[n], *tokens[: commit - 1].tolist()]
+        n += commit
+        want = host.propose(context[:n], last, B, rows[:commit])
+        assert got.tolist() == want, f"step {step}, commit {commit}"
+
+
+def test_device_drafting_arguments_are_named() -> None:
+    _, dev = _pair()
+    width = dev.config.feature_size
+    with pytest.raises(DraftArgumentError, match="start_device\\(\\) first"):
+        dev.device_step()
+    feats = torch.randn(6, width)
+    with pytest.raises(DraftArgumentError, match="'capacity' must be an int >= 11"):
+        dev.start_device(feats, 3, capacity=10, block_size=B)
+    with pytest.raises(DraftArgumentError, match="'last'"):
+        dev.start_device(feats, VOCAB, capacity=32, block_size=B)
+    with pytest.raises(DraftArgumentError, match="'features' must have shape"):
+        dev.start_device(feats[:, :4], 3, capacity=32, block_size=B)
+    dev.start_device(feats, 3, capacity=32, block_size=B)
+    one = torch.tensor([1])
+    for rows, count, tokens, match in [
+        (torch.randn(B + 1, width), one, torch.zeros(B + 1, dtype=torch.long), "1 <= T <= 5"),
+        (torch.randn(2, width + 1), one, torch.zeros(2, dtype=torch.long), "'rows' must be"),
+        (torch.randn(2, width), one, torch.zeros(3, dtype=torch.long), "'tokens' must be \\[2\\]"),
+        (torch.randn(2, width), torch.tensor([1, 1]), torch.zeros(2, dtype=torch.long),
+         "'commit_n' \\[1\\]"),
+    ]:
+        with pytest.raises(DraftArgumentError, match=match):
+            dev.set_device_inputs(rows, count, tokens)
+
+
+def test_new_buffers_bump_the_version() -> None:
+    _, dev = _pair()
+    feats = torch.randn(4, dev.config.feature_size)
+    dev.start_device(feats, 1, capacity=32, block_size=B)
+    v = dev.device_buffers_version
+    dev.start_device(feats, 1, capacity=20, block_size=B)  # fits: the same buffers
+    assert dev.device_buffers_version == v
+    dev.start_device(feats, 1, capacity=64, block_size=B)  # larger: new buffers
+    assert dev.device_buffers_version == v + 1

@@ -46,6 +46,7 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
     STORE_HINT: tl.constexpr = 0,      # slot stores: 0 plain, 1 streaming (.cs), 2 evict_first
+    READ_LIVE: tl.constexpr = 0,       # 1: the initial state may be a bank slot (``*live``)
 ):
     i_v = tl.program_id(0).to(tl.int64)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -62,13 +63,28 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
     p_h0 = h0 + i_b * s_h0_b + i_hv * s_h0_h + o_k[:, None] * s_h0_k + o_v[None, :] * s_h0_v
     o_ck = i_b * s_ck_b + i_hv * s_ck_h + o_k[:, None] * s_ck_k + o_v[None, :] * s_ck_v
 
-    # the live slot is read on the device (slot remap); clamped so it stays in bounds
-    slot = tl.minimum(tl.load(live), bank_slots - 1)
-    if slot >= 0:
-        p_bk = bank + i_b * s_bk_b + slot * s_bk_s + i_hv * s_bk_h
-        b_h = tl.load(p_bk + o_k[:, None] * s_bk_k + o_v[None, :] * s_bk_v, mask=m_h, other=0).to(
-            tl.float32
-        )
+    p_q = q + (i_b * T * HK + i_hk) * K + o_k
+    p_k = k + (i_b * T * HK + i_hk) * K + o_k
+    p_v = v + (i_b * T * HV + i_hv) * V + o_v
+    p_o = o + (i_b * T * HV + i_hv) * V + o_v
+    p_g = g + i_b * T * HV + i_hv
+    p_beta = beta + i_b * T * HV + i_hv
+
+    # the live slot (slot remap) is issued first: its latency overlaps the first token's
+    # loads below instead of delaying the state tile
+    if READ_LIVE:
+        live_slot = tl.load(live)
+    # token t's inputs are loaded during token t-1 (a hand-written one-deep pipeline)
+    b_q = tl.load(p_q, mask=m_k, other=0).to(tl.float32)
+    b_k = tl.load(p_k, mask=m_k, other=0).to(tl.float32)
+    b_v = tl.load(p_v, mask=m_v, other=0).to(tl.float32)
+    b_g = tl.load(p_g).to(tl.float32)
+    b_beta = tl.load(p_beta).to(tl.float32)
+    if READ_LIVE:  # slot >= 0: the live state is bank[:, slot] (clamped: stays in bounds)
+        slot = tl.minimum(live_slot, bank_slots - 1)
+        p_bk = (bank + i_b * s_bk_b + tl.maximum(slot, 0) * s_bk_s + i_hv * s_bk_h
+                + o_k[:, None] * s_bk_k + o_v[None, :] * s_bk_v)
+        b_h = tl.load(tl.where(slot >= 0, p_bk, p_h0), mask=m_h, other=0).to(tl.float32)
     else:
         b_h = tl.load(p_h0, mask=m_h, other=0).to(tl.float32)
     if has_snapshot != 0:
@@ -77,19 +93,6 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
     # every read of the initial tile happens before any write of a slot (alias safety)
     tl.debug_barrier()
 
-    p_q = q + (i_b * T * HK + i_hk) * K + o_k
-    p_k = k + (i_b * T * HK + i_hk) * K + o_k
-    p_v = v + (i_b * T * HV + i_hv) * V + o_v
-    p_o = o + (i_b * T * HV + i_hv) * V + o_v
-    p_g = g + i_b * T * HV + i_hv
-    p_beta = beta + i_b * T * HV + i_hv
-
-    # token t's inputs are loaded during token t-1 (a hand-written one-deep pipeline)
-    b_q = tl.load(p_q, mask=m_k, other=0).to(tl.float32)
-    b_k = tl.load(p_k, mask=m_k, other=0).to(tl.float32)
-    b_v = tl.load(p_v, mask=m_v, other=0).to(tl.float32)
-    b_g = tl.load(p_g).to(tl.float32)
-    b_beta = tl.load(p_beta).to(tl.float32)
     t = T * 0  # an int32 scalar, like the loop bound
     while t < T:  # a while loop: the interpreter cannot range() over a runtime bound
         if is_tree != 0:
@@ -186,6 +189,7 @@ def launch_gdn_verify(
         0 if parents is None else 1, bank.shape[1],
         *initial_state.stride(), *bank.stride(), *checkpoints.stride(), *snap.stride(),
         HK=HK, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
-        USE_QK_L2NORM=use_qk_l2norm, STORE_HINT=store_hint, num_warps=warps,
+        USE_QK_L2NORM=use_qk_l2norm, STORE_HINT=store_hint,
+        READ_LIVE=0 if live_slot is None else 1, num_warps=warps,
     )
     return o

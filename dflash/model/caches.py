@@ -19,8 +19,10 @@ on the device by ``RecurrentPool.live``, which the kernels read):
 
 A remap moves no recurrent state (the large part: ``HV·K·V`` floats per layer); it copies
 the ``Kc-1`` conv rows of the accepted window home, so the conv window is always
-``conv[l]`` and only the state's location depends on the slot. Because the slot is read
-on the device, one CUDA graph of a forward or of a rollback serves every slot.
+``conv[l]`` and only the state's location depends on the slot. A verify reads the slot
+on the device, so one CUDA graph of it (and of the rollback) serves every slot; a decode
+or replay after a remap first moves the live states home (``move_live_home``: outside
+any graph, before its device work) and never reads the slot.
 
 A rollback has a host form (``restore_checkpoint`` / ``remap`` with a host ``commit_n``)
 and a device form for a step whose accepted count is still on the device:
@@ -317,10 +319,19 @@ class RecurrentPool:
         self.awaiting_rollback = True
 
     def advance_device(self, n: int) -> None:
-        """Device part of a prefill / decode / replay: ``position += n``, and the live state
-        is home again (the kernels wrote it to ``state``); capture-safe."""
+        """Device part of a prefill / decode / replay: ``position += n`` (capture-safe)."""
         self.position.add_(n)
-        self.live.fill_(-1)
+
+    def move_live_home(self) -> None:
+        """After a remap, copy the live states from their slot to ``state`` (one copy for
+        every layer; a no-op when they are home): what a decode or replay needs, which read
+        and write the home state. Host-indexed; runs before a forward's device work."""
+        j = self.live_slot
+        if j is None:
+            return
+        if self.layer_ids:
+            self.state.copy_(self.checkpoints[:, :, j])
+        self._set_live(None)
 
     def advance(self, start: int, n: int) -> None:
         """Host part: the forward absorbed ``n`` tokens from ``start`` into the live state
@@ -331,7 +342,6 @@ class RecurrentPool:
                 f"recurrent tokens from {start} do not continue length {self._length}"
             )
         self._length = start + n
-        self.live_slot = None  # advance_device moved it home on the device
 
     def adopt_live(self, other: RecurrentPool) -> None:
         """Take ``other``'s live state, conv window and length (storage rebuild)."""

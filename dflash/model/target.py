@@ -197,6 +197,7 @@ class TargetModel(nn.Module):
             pool.begin_verify(start_pos, t)
         else:
             pool.check_can_advance(mode)
+            pool.move_live_home()  # decode / replay read and write the home state
         return t
 
     def compute_layers(
@@ -243,9 +244,9 @@ class TargetModel(nn.Module):
                 x = layer.linear_attn(x, state, conv_rows, chain, capture, ops, (bank, live))
                 if on_layer is not None:
                     on_layer(layer_id)
-            else:
-                state, conv_rows, bank, live = pool.kernel_views(layer_id)
-                x = layer.linear_attn(x, state, conv_rows, None, None, ops, (bank, live))
+            else:  # the live state is home (begin_layers moved it there)
+                state, conv_rows, _, _ = pool.kernel_views(layer_id)
+                x = layer.linear_attn(x, state, conv_rows, None, None, ops)
             hidden = hidden + x
             hidden = hidden + layer.mlp(ops.each_token(layer.post_attention_layernorm, hidden), ops)
             if layer_id in wanted:

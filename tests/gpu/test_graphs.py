@@ -445,7 +445,9 @@ def test_dflash_drafting_on_the_device_in_graphs_is_plain_greedy() -> None:
                     assert engine.device_drafter is not None
                     g = target.graphs
                     assert g is not None
-                    assert ("draft", BLOCK, False) in g[0].captured_keys, g[0].captured_keys
+                    assert ("draft", BLOCK, False) in g[0].captured_keys, (
+                        g[0].captured_keys, g[0].failures
+                    )
                     assert not [f for x in g for f in x.failures]
             same = sum(a == b for a, b in zip(drafts[0], drafts[1], strict=False))
             ROWS.append(f"dflash on device {mode}: {same}/{len(drafts[1])} drafts equal the "

@@ -106,10 +106,14 @@ class Rotary:
 
     def __init__(self, config: DFlashConfig) -> None:
         self.inv_freq, self.scale = inverse_frequencies(config)
+        # per device, made once: a host-to-device copy cannot run inside a CUDA graph
+        self._on: dict[torch.device, Tensor] = {self.inv_freq.device: self.inv_freq}
 
     def __call__(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """positions: [..., T] → cos, sin: [..., T, head_dim] in ``dtype`` (float32 maths)."""
-        inv = self.inv_freq.to(positions.device)
+        inv = self._on.get(positions.device)
+        if inv is None:
+            inv = self._on.setdefault(positions.device, self.inv_freq.to(positions.device))
         freqs = positions.float()[..., None] * inv  # [..., T, D/2]
         angles = torch.cat([freqs, freqs], dim=-1)  # [..., T, D]
         return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)

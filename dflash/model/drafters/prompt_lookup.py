@@ -57,12 +57,29 @@ class PromptLookupDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.max_search = max_search
+        # the context of the previous call, every entry validated: a context that extends
+        # it (the engine's, step after step) needs only its new entries checked
+        self._checked: list[int] = []
+
+    def _check_context(self, context: object) -> list[int]:
+        """``check_context(context)``, re-checking only what the previous call did not."""
+        if not isinstance(context, (list, tuple)):
+            return check_context(context)  # raises, naming the type
+        known = self._checked
+        k = len(known)
+        if not (k and len(context) >= k and context[k - 1] == known[-1]
+                and list(context[:k]) == known):
+            k = 0
+        for i in range(k, len(context)):
+            check_token(f"context[{i}]", context[i])
+        self._checked = list(context)
+        return self._checked
 
     def lookup(self, context: list[int], last: int, block_size: int) -> LookupResult:
         """The proposal for ``context + [last]`` with its provenance."""
         check_block_size(block_size)
         check_token("last", last)
-        seq = [*check_context(context), last]
+        seq = [*self._check_context(context), last]
         if self.max_search is not None:
             seq = seq[-self.max_search :]
         length = len(seq)
@@ -91,9 +108,15 @@ def _longest_recent_match(seq: list[int], max_ngram: int) -> tuple[int, int] | N
     most recent first."""
     length = len(seq)
     last = seq[-1]
-    ends = [i for i, token in enumerate(seq[:-1]) if token == last]
+    backwards = seq[-2::-1]  # seq[:-1] reversed: r-th entry is seq[length - 2 - r]
     best: tuple[int, int] | None = None
-    for i in reversed(ends):
+    r = -1
+    while True:  # the earlier occurrences of seq[-1], most recent first (searched in C)
+        try:
+            r = backwards.index(last, r + 1)
+        except ValueError:
+            return best
+        i = length - 2 - r
         # n = common suffix length of seq[:i+1] and seq, capped by max_ngram and by i+1
         n = 1
         while n < max_ngram and n <= i and seq[i - n] == seq[length - 1 - n]:
@@ -101,5 +124,4 @@ def _longest_recent_match(seq: list[int], max_ngram: int) -> tuple[int, int] | N
         if best is None or n > best[0]:
             best = (n, i - n + 1)
             if n == max_ngram:
-                break
-    return best
+                return best

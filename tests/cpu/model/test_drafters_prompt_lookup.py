@@ -135,3 +135,47 @@ def test_bad_propose_arguments() -> None:
         drafter.propose([1, "x"], 3, 4, None)  # type: ignore[list-item]  # deliberately bad
     with pytest.raises(DraftArgumentError, match=r"'context' must be a list .*\(got str\)"):
         drafter.propose("123", 3, 4, None)  # type: ignore[arg-type]  # deliberately bad
+
+
+def _brute_force_match(seq: list[int], max_ngram: int) -> tuple[int, int] | None:
+    """The rule, spelled out: the largest n, then the most recent earlier occurrence."""
+    for n in range(min(max_ngram, len(seq) - 1), 0, -1):
+        suffix = seq[-n:]
+        for j in range(len(seq) - n - 1, -1, -1):
+            if seq[j : j + n] == suffix:
+                return n, j
+    return None
+
+
+def test_lookup_equals_the_brute_force_rule_on_random_contexts() -> None:
+    import random
+
+    rng = random.Random(5)
+    for trial in range(400):
+        vocab = rng.choice([2, 3, 5, 50])
+        max_ngram = rng.randrange(1, 5)
+        drafter = PromptLookupDrafter(max_ngram=max_ngram)
+        context = [rng.randrange(vocab) for _ in range(rng.randrange(0, 40))]
+        for _ in range(3):  # a growing context, then one that changed earlier
+            last = rng.randrange(vocab)
+            got = drafter.lookup(context, last, 6)
+            want = _brute_force_match([*context, last], max_ngram)
+            if want is None:
+                assert got.ngram == 0 and got.tokens == (last,) * 5, trial
+            else:
+                assert (got.ngram, got.match_start) == want, (trial, context, last)
+            context = [*context, last, rng.randrange(vocab)]
+        context[0] = vocab  # an edit before the checked prefix: checked again from 0
+
+
+def test_every_call_names_a_bad_context_entry() -> None:
+    drafter = PromptLookupDrafter()
+    context = [1, 2, 3, 1, 2]
+    drafter.propose(context, 3, 4)
+    with pytest.raises(DraftArgumentError, match=r"'context\[6\]'"):
+        drafter.propose([*context, 4, -1], 3, 4)  # a new entry
+    with pytest.raises(DraftArgumentError, match=r"'context\[1\]'"):
+        drafter.propose([1, -2, 3, 1, 2, 4], 3, 4)  # an entry the last call had checked
+    with pytest.raises(DraftArgumentError, match=r"'context\[0\]'"):
+        drafter.propose([True, 2, 3], 3, 4)
+    assert drafter.propose([*context, 4], 3, 4) == drafter.propose([*context, 4], 3, 4)

@@ -9,8 +9,11 @@ on, measures
 
 each as wall time per call (host-synchronised, after warm-up so graphs are captured) and
 as GPU time per call (sum of the kernel and copy durations torch.profiler records over the
-same calls). ``wall / GPU`` near 1 means the host keeps the GPU busy. Prints a table and,
-with ``--json``, writes the numbers. GPU only; ~1-2 minutes on an H200.
+same calls). ``wall / GPU`` near 1 means the host keeps the GPU busy. Each row starts
+from a collected heap (the previous row's target, engine and graphs released), so the
+wall time of a row holds its own host work, not a collector pause over earlier rows'
+objects. Prints a table and, with ``--json``, writes the numbers. GPU only; ~1-2 minutes
+on an H200.
 
     python benchmarks/profile_step.py [--calls 16] [--prompt-len 1024] [--block 16]
         [--layers 32] [--json out.json] [--table]
@@ -19,6 +22,7 @@ with ``--json``, writes the numbers. GPU only; ~1-2 minutes on an H200.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
@@ -46,9 +50,11 @@ def _device_us(prof: profile) -> float:
 
 
 def _measure(run: Callable[[], object], calls: int, warmup: int) -> tuple[float, float]:
-    """(wall ms, GPU ms) per call of ``run``."""
+    """(wall ms, GPU ms) per call of ``run``; the garbage of earlier rows (targets, engines,
+    graphs) is collected first, so no collector pause of theirs lands in this row."""
     for _ in range(warmup):
         run()
+    gc.collect()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -117,6 +123,8 @@ def main() -> None:
             del target
 
             for mode in ("replay", "checkpoint", "remap"):
+                gc.collect()  # the previous row's target, engine and graphs (reference cycles)
+                torch.cuda.empty_cache()
                 target = ShardedTarget(
                     model, plan, max_len=args.prompt_len + budget, max_draft=block,
                     graphs=graphs,

@@ -8,11 +8,11 @@ on, measures
 - one speculative step per rollback mode (verify + rollback, replay mode: + the replay);
 
 each as wall time per call (host-synchronised, after warm-up so graphs are captured) and
-as GPU time per call (sum of the kernel and copy durations torch.profiler records over the
-same calls). ``wall / GPU`` near 1 means the host keeps the GPU busy. Each row starts
-from a collected heap (the previous row's target, engine and graphs released), so the
-wall time of a row holds its own host work, not a collector pause over earlier rows'
-objects. Prints a table and, with ``--json``, writes the numbers. GPU only; ~1-2 minutes
+as GPU time per call (sum of the kernel and copy durations torch.profiler records over as
+many further calls). ``wall / GPU`` near 1 means the host keeps the GPU busy. Every wall time is
+taken before the first profile (the profiler's CUPTI hooks stay installed in the process
+once it has run, and slow each later CUDA API call), and from a collected heap. Prints a
+table and, with ``--json``, writes the numbers. GPU only; ~1-2 minutes
 on an H200.
 
     python benchmarks/profile_step.py [--calls 16] [--prompt-len 1024] [--block 16]
@@ -49,9 +49,8 @@ def _device_us(prof: profile) -> float:
     return total
 
 
-def _measure(run: Callable[[], object], calls: int, warmup: int) -> tuple[float, float]:
-    """(wall ms, GPU ms) per call of ``run``; the garbage of earlier rows (targets, engines,
-    graphs) is collected first, so no collector pause of theirs lands in this row."""
+def _wall(run: Callable[[], object], calls: int, warmup: int) -> float:
+    """Wall ms per call of ``run`` after ``warmup`` calls (host-synchronised)."""
     for _ in range(warmup):
         run()
     gc.collect()
@@ -60,12 +59,16 @@ def _measure(run: Callable[[], object], calls: int, warmup: int) -> tuple[float,
     for _ in range(calls):
         run()
     torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / calls
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
+def _gpu(run: Callable[[], object], calls: int) -> float:
+    """GPU ms per call of ``run``: kernel and copy durations recorded by torch.profiler."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             run()
         torch.cuda.synchronize()
-    return wall * 1e3, _device_us(prof) / calls / 1e3
+    return _device_us(prof) / calls / 1e3
 
 
 def main() -> None:
@@ -95,6 +98,15 @@ def main() -> None:
         print(f"{what:<34} graphs {'on ' if graphs else 'off'}  wall {wall:8.3f} ms  "
               f"GPU {gpu:8.3f} ms  wall/GPU {ratio:5.2f}  {extra}", flush=True)
 
+    # every wall time is taken before the first profile: once torch.profiler has run in a
+    # process its CUPTI hooks stay installed and slow every later CUDA API call, which
+    # would inflate the wall time of each row measured after another row's profile
+    walls: list[tuple[str, bool, float, Callable[[], object], Callable[[], str]]] = []
+    keep: list[object] = []  # the targets and engines the GPU-time pass runs again
+
+    def no_extra() -> str:
+        return ""
+
     with torch.inference_mode():
         for graphs in (True,) if args.graphs_only else (False, True):
             # one decode forward (T = 1): plain greedy decoding's unit of work
@@ -109,7 +121,8 @@ def main() -> None:
                 state["pos"] += 1
                 state["tok"] = int(out[0].argmax())  # the per-token host read of greedy
 
-            record("decode forward (T=1)", graphs, *_measure(decode, calls, warm))
+            walls.append(("decode forward (T=1)", graphs, _wall(decode, calls, warm), decode,
+                          no_extra))
 
             # one verify forward (T = block), rolled back by a snapshot restore each time
             def verify(target: ShardedTarget = target, state: dict[str, int] = state) -> None:
@@ -119,36 +132,41 @@ def main() -> None:
                     shard.caches.pool.restore_snapshot()
                     shard.truncate_kv(state["pos"])
 
-            record(f"verify forward (T={block})", graphs, *_measure(verify, calls, warm))
-            del target
+            walls.append((f"verify forward (T={block})", graphs, _wall(verify, calls, warm),
+                          verify, no_extra))
+            keep.append(target)
 
             for mode in ("replay", "checkpoint", "remap"):
-                gc.collect()  # the previous row's target, engine and graphs (reference cycles)
-                torch.cuda.empty_cache()
-                target = ShardedTarget(
+                spec_target = ShardedTarget(
                     model, plan, max_len=args.prompt_len + budget, max_draft=block,
                     graphs=graphs,
                 )
                 engine = SpecDecoder(
-                    target, PromptLookupDrafter(), block_size=block,
+                    spec_target, PromptLookupDrafter(), block_size=block,
                     policy=RollbackPolicy(mode=mode),
                 )
                 engine.prefill(prompt)
-                wall, gpu = _measure(engine.step, calls, warm)
-                avg = sum(r.accept_n for r in engine.records) / len(engine.records)
-                record(f"spec step, {mode}", graphs, wall, gpu,
-                       f"(status {engine.status.value}, avg commit {avg:.2f})")
-                if args.table and graphs and mode == "checkpoint":
-                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-                        for _ in range(4):
-                            engine.step()
-                        torch.cuda.synchronize()
-                    print(p.key_averages().table(sort_by="cpu_time_total", row_limit=20))
-                if target.graphs is not None:
-                    fails = [f for g in target.graphs for f in g.failures]
+                wall = _wall(engine.step, calls, warm)
+
+                def extra(engine: SpecDecoder = engine) -> str:
+                    avg = sum(r.accept_n for r in engine.records) / len(engine.records)
+                    return f"(status {engine.status.value}, avg commit {avg:.2f})"
+
+                walls.append((f"spec step, {mode}", graphs, wall, engine.step, extra))
+                keep.append(engine)
+                if spec_target.graphs is not None:
+                    fails = [f for g in spec_target.graphs for f in g.failures]
                     if fails:
                         print(f"  capture failures: {fails}", flush=True)
-                del engine, target
+        for what, graphs, wall, run, describe in walls:  # then the GPU times
+            record(what, graphs, wall, _gpu(run, calls), describe())
+        if args.table:
+            step = next(run for what, g, _, run, _ in walls if g and what.endswith("checkpoint"))
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                for _ in range(4):
+                    step()
+                torch.cuda.synchronize()
+            print(p.key_averages().table(sort_by="cpu_time_total", row_limit=20))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"prompt_len": args.prompt_len, "block": block, "layers": args.layers,

@@ -131,3 +131,81 @@ def test_graph_path_bookkeeping_on_cpu_stand_in(
         assert g.captures >= 2 and g.replays >= 4 and not g.failures, (g.captures, g.replays)
         assert (("rollback:" + mode, 1, False) in g.captured_keys) == (mode != "replay")
     assert engine.counts["replay_after_failure"] == 0
+
+
+def test_static_work_runs_eager_then_captured_and_bind_drops_only_its_kind() -> None:
+    """``run_static``: eager on the first call of a key, captured on the second, replayed
+    after; ``bind`` with another owner drops that kind's graphs (and their warm-up), never
+    another kind's."""
+    calls: list[str] = []
+    captured: list[str] = []
+
+    def capture(work: Callable[[], object]) -> tuple[Callable[[], None], object]:
+        # as a CUDA capture: the work is recorded (here: run) once, the first replay is
+        # that run, later replays run it again
+        captured.append("capture")
+        out = work()
+        first = [True]
+
+        def replay() -> None:
+            if first[0]:
+                first[0] = False
+                return
+            calls.append("replay")
+
+        return replay, out
+
+    g = ShardGraphs(torch.device("cpu"), capture=capture)
+    buf = torch.zeros(1)
+
+    def work() -> torch.Tensor:
+        calls.append("work")
+        return buf + 1
+
+    key = ("draft", 4, False)
+    g.bind("draft", "drafter A")
+    for _ in range(3):
+        g.run_static(key, work)
+    assert calls == ["work", "work", "replay"] and g.captures == 1
+    g.run_rollback("checkpoint", torch.ones(1, dtype=torch.int64), lambda n: None)
+    g.run_rollback("checkpoint", torch.ones(1, dtype=torch.int64), lambda n: None)
+    assert ("rollback:checkpoint", 1, False) in g.captured_keys
+    g.bind("draft", "drafter A")  # the same owner: nothing dropped
+    assert key in g.captured_keys
+    g.bind("draft", "drafter B")
+    assert key not in g.captured_keys and ("rollback:checkpoint", 1, False) in g.captured_keys
+    calls.clear()
+    g.run_static(key, work)  # warm-up forgotten too: eager again, then a new capture
+    g.run_static(key, work)
+    assert calls == ["work", "work"] and g.captures == 3
+
+
+def test_a_count_disagreement_puts_the_enqueued_rollback_back(
+    tiny: TargetModel, greedy: Callable[..., list[int]], prompts: dict[str, list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """If the host's recount disagrees with the device's, the step raises before anything
+    is committed, and the fast rollback it had already enqueued is undone: every shard is
+    back at its pre-verify position with the live state home and equal to the snapshot."""
+    import dflash.execution.engine as engine_module
+
+    oracle = greedy("repeat", 24)
+    drafter = SyntheticDrafter(prompts["repeat"] + oracle, 0.9, tiny.config.vocab_size, seed=2)
+    for mode in ("checkpoint", "remap"):
+        target = ShardedTarget(tiny, plan_shards(6, "cpu,cpu", "3,3"), max_len=64, max_draft=4)
+        engine = SpecDecoder(target, drafter, block_size=4, policy=RollbackPolicy(mode=mode))
+        engine.prefill(prompts["repeat"])
+        while engine.counts["fast"] < 2:  # a remap leaves a live slot behind
+            engine.step()
+        committed = engine.committed
+        monkeypatch.setattr(engine_module, "leading_accepted", lambda d, t: -1)
+        with pytest.raises(ExecutionError, match="disagrees"):
+            engine.step()
+        monkeypatch.undo()
+        assert engine.committed == committed
+        for shard in target.shards:
+            pool = shard.caches.pool
+            assert pool.position.tolist() == [committed] and not pool.rolled_on_device
+            assert pool.live_slot is None and pool.live.tolist() == [-1]
+            assert torch.equal(pool.state, pool.snapshot)
+            assert pool.verify_start == committed  # the verify still awaits its rollback

@@ -38,6 +38,19 @@ def tensor(name: str, value: object, ndim: int) -> torch.Tensor:
     return value
 
 
+def rows(name: str, value: object) -> torch.Tensor:
+    """Return ``value`` if it is a floating tensor of rank >= 1 (rows of its last dimension,
+    any leading shape), else raise naming it."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"'{name}' must be a torch.Tensor (got {type(value).__name__})")
+    if value.ndim < 1 or value.dtype not in FLOAT_DTYPES:
+        raise KernelBoundsError(
+            f"'{name}' must be a floating tensor of rank >= 1 "
+            f"(got {value.dtype}, {tuple(value.shape)})"
+        )
+    return value
+
+
 def shape(name: str, value: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
     if tuple(value.shape) != expected:
         raise KernelBoundsError(

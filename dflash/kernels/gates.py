@@ -41,12 +41,7 @@ def gdn_gates(
         TypeError: an argument is not a tensor.
         KernelBoundsError: shapes, dtypes, devices, strides or outputs are wrong.
     """
-    if not isinstance(a, torch.Tensor):
-        raise TypeError(f"'a' must be a torch.Tensor (got {type(a).__name__})")
-    if a.ndim < 1 or a.dtype not in checks.FLOAT_DTYPES:
-        raise KernelBoundsError(
-            f"'a' must be a floating tensor of rank >= 1 (got {a.dtype}, {tuple(a.shape)})"
-        )
+    a = checks.rows("a", a)
     HV = a.shape[-1]
     if HV < 1:
         raise KernelBoundsError(f"'a' last dimension HV must be >= 1 (got {HV})")

@@ -48,12 +48,7 @@ def linear(
         TypeError: ``x``, ``weight``, ``bias`` or ``out`` is not a tensor.
         ValueError: shapes, dtypes, devices or strides are wrong, or ``backend`` is unknown.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"'x' must be a torch.Tensor (got {type(x).__name__})")
-    if x.ndim < 1 or x.dtype not in checks.FLOAT_DTYPES:
-        raise ValueError(
-            f"'x' must be a floating tensor of rank >= 1 (got {x.dtype}, {tuple(x.shape)})"
-        )
+    x = checks.rows("x", x)
     K = x.shape[-1]
     if K < 1:
         raise ValueError(f"'x' last dimension K must be >= 1 (got {K})")

@@ -45,12 +45,7 @@ def rms_norm(
         KernelBoundsError: shapes, dtypes, devices, ``eps`` or ``out`` are wrong (a
             ``ValueError``).
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"'x' must be a torch.Tensor (got {type(x).__name__})")
-    if x.ndim < 1 or x.dtype not in checks.FLOAT_DTYPES:
-        raise KernelBoundsError(
-            f"'x' must be a floating tensor of rank >= 1 (got {x.dtype}, {tuple(x.shape)})"
-        )
+    x = checks.rows("x", x)
     D = x.shape[-1]
     if not 1 <= D <= MAX_DIM:
         raise KernelBoundsError(f"'x' last dimension must be in [1, {MAX_DIM}] (got {D})")

@@ -67,8 +67,9 @@ class PromptLookupDrafter:
             return check_context(context)  # raises, naming the type
         known = self._checked
         k = len(known)
-        if not (k and len(context) >= k and context[k - 1] == known[-1]
-                and list(context[:k]) == known):
+        prefix = list(context[:k])
+        # equal values are not enough: True == 1 and 1.0 == 1, so the types must be int too
+        if not (k and len(context) >= k and prefix == known and set(map(type, prefix)) == {int}):
             k = 0
         for i in range(k, len(context)):
             check_token(f"context[{i}]", context[i])

@@ -178,4 +178,8 @@ def test_every_call_names_a_bad_context_entry() -> None:
         drafter.propose([1, -2, 3, 1, 2, 4], 3, 4)  # an entry the last call had checked
     with pytest.raises(DraftArgumentError, match=r"'context\[0\]'"):
         drafter.propose([True, 2, 3], 3, 4)
+    drafter.propose([1, 2, 3], 3, 4)
+    for equal_but_not_int in (True, 1.0):  # == 1, so the prefix compares equal
+        with pytest.raises(DraftArgumentError, match=r"'context\[0\]'"):
+            drafter.propose([equal_but_not_int, 2, 3, 4], 3, 4)
     assert drafter.propose([*context, 4], 3, 4) == drafter.propose([*context, 4], 3, 4)

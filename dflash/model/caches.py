@@ -26,7 +26,7 @@ any graph, before its device work) and never reads the slot.
 
 A rollback has a host form (``restore_checkpoint`` / ``remap`` with a host ``commit_n``)
 and a device form for a step whose accepted count is still on the device:
-``check_device_rollback`` (host checks, before), ``rollback_on_device`` (device work only,
+``mark_device_rollback`` (host checks, before), ``rollback_on_device`` (device work only,
 capture-safe, reading the count) and ``finish_rollback`` (host mirrors, after the count
 was read back).
 """
@@ -418,16 +418,12 @@ class RecurrentPool:
 
     # -- rollback with the accepted count on the device --------------------------------------
 
-    def check_device_rollback(self) -> None:
-        """Host checks of :meth:`rollback_on_device` (run before it; nothing changes)."""
-        self._check_verified()
-
     def rollback_on_device(self, mode: str, commit_n: Tensor) -> None:
         """The device work of a ``mode`` rollback (``"checkpoint"`` or ``"remap"``) whose
         accepted count ``commit_n`` (int64 ``[1]``) is still on the device: restore (or
         remap) from slot ``commit_n-1`` and ``position += commit_n``. Capture-safe: no host
         value, no synchronisation. Follow with :meth:`finish_rollback` once the count has
-        been read back; :meth:`check_device_rollback` first."""
+        been read back; :meth:`mark_device_rollback` first."""
         rows_only = mode == "remap"
         rollback_restore(
             self.state, self.conv, self.checkpoints, self.captured, commit_n,
@@ -440,8 +436,9 @@ class RecurrentPool:
         self.position.add_(commit_n)
 
     def mark_device_rollback(self) -> None:
-        """Record that :meth:`rollback_on_device` was enqueued (host side)."""
-        self.check_device_rollback()
+        """Host side of :meth:`rollback_on_device`, run before it: the checks (nothing
+        changes when one fails), then the record that a device rollback is enqueued."""
+        self._check_verified()
         self.rolled_on_device = True
 
     def cancel_device_rollback(self) -> None:

@@ -245,7 +245,7 @@ class TargetModel(nn.Module):
                 if on_layer is not None:
                     on_layer(layer_id)
             else:  # the live state is home (begin_layers moved it there)
-                state, conv_rows, _, _ = pool.kernel_views(layer_id)
+                state, conv_rows = pool.live_views(layer_id)
                 x = layer.linear_attn(x, state, conv_rows, None, None, ops)
             hidden = hidden + x
             hidden = hidden + layer.mlp(ops.each_token(layer.post_attention_layernorm, hidden), ops)

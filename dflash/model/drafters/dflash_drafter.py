@@ -107,7 +107,7 @@ class DFlashDrafter(nn.Module):
         object.__setattr__(self, "_lm_head_weight", lm_head_weight)
         self._cache: list[tuple[Tensor, Tensor]] = []  # per layer k, v [1, kv_heads, cap, D]
         self._tokens: list[int] = []  # the committed tokens whose K/V are cached
-        self.rows_projected = 0  # context rows run through fc so far (cost accounting)
+        self.rows_projected = 0  # context rows the host path ran through fc (cost accounting)
         self._device: _DeviceCache | None = None
         #: bumped whenever the device buffers are allocated anew (graphs of the old ones
         #: must be dropped: they hold their addresses)
@@ -442,7 +442,6 @@ class DFlashDrafter(nn.Module):
         """Keys/values of ``rows [R, F]`` at positions ``position … position+R-1``;
         ``position += count`` (all ``R`` rows when ``count`` is None)."""
         r = rows.shape[0]
-        self.rows_projected += int(r)
         ctx = self.hidden_norm(self.fc(rows))[None]  # [1, R, H]
         positions = dev.position + (dev.block_index if r == dev.block_size
                                     else torch.arange(r, device=self.device))  # [R]

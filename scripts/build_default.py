@@ -30,9 +30,11 @@ The data is the Python standard library of the interpreter running this script (
 Everything is written under ``--out``, every file ≤ 16 MiB (the checkpoint is sharded if
 it would be larger). The step counts are arguments, never derived from the clock; the
 recipe prints its measured throughput early, with the projected duration. On CUDA,
-``torch.use_deterministic_algorithms(True, warn_only=True)`` is set; a few GPU kernels
-(attention backward) have no deterministic variant, so GPU runs agree closely but not
-necessarily bit for bit.
+``torch.use_deterministic_algorithms(True, warn_only=True)`` is set (it warns about any
+operation without a deterministic implementation) and attention, in the target and in the
+drafter, runs on SDPA's math backend: the fused attention kernels' backward accumulates
+with atomics. With these two the stages are deterministic on one GPU model and software
+stack: BENCHMARKS.md records two runs of a stage with the same output bytes.
 
 Usage::
 
@@ -132,8 +134,8 @@ class Recipe:
     drafter_eval_prompts: int = 16
     drafter_eval_tokens: int = 128  # generated per held-out prompt when measuring τ
     drafter_teacher: str = "generate"  # train on the target's own greedy responses
-    drafter_teacher_samples: int = 16384  # teacher responses generated once, then reused
-    drafter_teacher_batch: int = 1024  # responses generated at once
+    drafter_teacher_samples: int = 131072  # teacher responses generated once, then reused
+    drafter_teacher_batch: int = 8192  # responses generated at once
     drafter_anchors: int = 32  # anchored blocks per sequence per step
 
 TINY = Recipe(
@@ -448,6 +450,9 @@ def train_target(
         eps=1e-8,
     )
     bf16 = device.startswith("cuda")
+    # attention on SDPA's math backend: the fused kernels' backward is not deterministic
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     data = torch.from_numpy(train_ids.astype("int64")).to(device)
     span = recipe.seq_len + 1
     if len(data) <= span:
@@ -465,7 +470,7 @@ def train_target(
             group["lr"] = lr_at(step, recipe, recipe.lr, recipe.warmup, recipe.steps)
         starts = torch.randint(0, len(data) - span, (recipe.batch_size,), generator=gen)
         batch = data[starts.to(device)[:, None] + offsets]
-        with _autocast(device, bf16):
+        with _autocast(device, bf16), sdpa_kernel(SDPBackend.MATH):
             logits = model(input_ids=batch[:, :-1], use_cache=False).logits
         loss = F.cross_entropy(logits.float().reshape(-1, vocab_size), batch[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -628,12 +633,16 @@ def drafter_summary(train_log: Any) -> dict[str, Any]:
     else:
         losses = [{"step": r["step"], "loss": r["loss"]} for r in _records(train_log, "loss")]
     taus = _records(train_log, "tau")
+    held = [r for r in taus if isinstance(r.get("heldout_loss"), (int, float))]
     thinned = losses[:: max(1, len(losses) // 500)]  # at most ~500 points in the summary
     if losses and thinned[-1] is not losses[-1]:
         thinned.append(losses[-1])
     out: dict[str, Any] = {
         "loss_curve": thinned,
         "tau_curve": [{"step": r["step"], "tau": r["tau"]} for r in taus],
+        "heldout_loss_curve": [
+            {"step": r["step"], "heldout_loss": r["heldout_loss"]} for r in held
+        ],
     }
     if taus:
         out["tau"] = taus[-1]["tau"]
@@ -714,12 +723,20 @@ def plot_curves(summary: dict[str, Any], path: Path) -> bool:
         ax.plot([r["step"] for r in target["heldout_curve"]],
                 [r["heldout_loss"] for r in target["heldout_curve"]], "o-", label="held-out")
     ax.set(title="target (Qwen3.5 architecture)", xlabel="step", ylabel="cross-entropy (nats)")
-    ax.legend()
+    if target.get("curve") or target.get("heldout_curve"):
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no target trained in this run", ha="center", va="center",
+                transform=ax.transAxes)
     ax = axes[1]
     if drafter.get("loss_curve"):
         ax.plot([r["step"] for r in drafter["loss_curve"]],
                 [r["loss"] for r in drafter["loss_curve"]], lw=0.8, label="train loss")
         ax.set(ylabel="loss")
+    if drafter.get("heldout_loss_curve"):
+        ax.plot([r["step"] for r in drafter["heldout_loss_curve"]],
+                [r["heldout_loss"] for r in drafter["heldout_loss_curve"]], "s-", color="C1",
+                label="held-out loss")
     if drafter.get("tau_curve"):
         tw = ax.twinx()
         tw.plot([r["step"] for r in drafter["tau_curve"]],

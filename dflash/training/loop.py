@@ -18,12 +18,13 @@ generate`) with the drafter on held-out prompts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -37,6 +38,7 @@ from dflash.model import TargetModel
 if TYPE_CHECKING:
     from dflash.execution import ShardedTarget, ShardPlan
 from dflash.model.drafters import DFlashConfig, DFlashDrafter, PromptLookupDrafter
+from dflash.model.drafters.dflash_layers import math_attention
 from dflash.training.data import (
     DataError,
     Encoder,
@@ -242,6 +244,41 @@ def prompt_lookup_tau(
     return (accepted + steps) / steps if steps else 0.0
 
 
+@torch.no_grad()
+def heldout_loss(
+    model: TargetModel,
+    drafter: DFlashDrafter,
+    held: TrainingSet,
+    *,
+    anchors: int,
+    gamma: float,
+    batch: int,
+    seed: int,
+) -> dict[str, float]:
+    """The training objective on held-out sequences, same anchors every evaluation.
+
+    The training loss alone cannot tell learning from memorising the teacher pool; this is
+    the number that can (its anchors come from ``seed``, so evaluations compare)."""
+    total = weight = right = counted = 0.0
+    seq_len = held.tokens.shape[1]
+    b = drafter.config.block_size
+    gen = torch.Generator().manual_seed(seed)
+    caches: dict[int, Any] = {}
+    for lo in range(0, held.tokens.shape[0], batch):
+        ids = torch.as_tensor(held.tokens[lo : lo + batch], device=drafter.device)
+        rows = ids.shape[0]
+        if rows not in caches:
+            caches[rows] = model.new_caches(max_len=seq_len, max_draft=1, batch=rows)
+        picked = sample_anchors(held.label_start, seq_len, b, anchors, ids.shape[0], gen)
+        feats = _features(model, ids, drafter.config.target_layer_ids, caches[rows])
+        result = block_loss(drafter, ids, feats, picked, gamma)
+        total += float(result.loss) * ids.shape[0]
+        weight += ids.shape[0]
+        right += result.accuracy * result.tokens
+        counted += result.tokens
+    return {"heldout_loss": total / weight, "heldout_accuracy": right / max(counted, 1.0)}
+
+
 def _eval_drafter(trained: DFlashDrafter, model: TargetModel) -> DFlashDrafter:
     """A copy in the target's dtype, rounded through bf16 as the saved checkpoint is."""
     embed, head = model.embed_tokens.weight, model.lm_head.weight
@@ -332,6 +369,22 @@ def latest_checkpoint(out: Path) -> Path | None:
     return found[-1] if found else None
 
 
+HELDOUT_SEQUENCES = 256  # held-out sequences for the held-out loss (at most)
+
+
+def _heldout_set(
+    cfg: TrainConfig, model: TargetModel, eval_docs: list[np.ndarray], prompt_len: int
+) -> TrainingSet:
+    """Held-out sequences made the way the training set is (teacher or data windows)."""
+    count = min(HELDOUT_SEQUENCES, max(cfg.batch_size, cfg.eval_prompts * 16))
+    if cfg.teacher == "data":
+        return data_set(eval_docs, seq_len=cfg.seq_len, count=count, seed=cfg.seed + 2)
+    return teacher_set(
+        model, eval_docs, seq_len=cfg.seq_len, prompt_len=prompt_len, count=count,
+        seed=cfg.seed + 2, batch=cfg.teacher_batch,
+    )
+
+
 def _training_set(
     cfg: TrainConfig,
     model: TargetModel,
@@ -370,6 +423,22 @@ def _training_set(
     return made
 
 
+@contextlib.contextmanager
+def _deterministic(enabled: bool) -> Iterator[None]:
+    """torch's deterministic algorithms (warn-only) inside the block when ``enabled``;
+    the previous setting afterwards."""
+    was, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    if enabled:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
 def train_drafter(cfg: TrainConfig, *, stream: TextIO | None = None) -> TrainResult:
     """Train a DFlash drafter as the module doc describes; returns the curves."""
     _check(cfg)
@@ -389,6 +458,7 @@ def train_drafter(cfg: TrainConfig, *, stream: TextIO | None = None) -> TrainRes
             cut = int(docs[0].size * 0.9)
             eval_docs, docs = [docs[0][cut:]], [docs[0][:cut]]
     prompt_len = cfg.prompt_len or max(1, cfg.seq_len // 4)
+    held = _heldout_set(cfg, model, eval_docs, prompt_len)
     eval_prompts = [
         list(map(int, w)) for w in windows(eval_docs, prompt_len, cfg.eval_prompts, cfg.seed + 1)
     ]
@@ -431,47 +501,58 @@ def train_drafter(cfg: TrainConfig, *, stream: TextIO | None = None) -> TrainRes
     autocast = torch.autocast(
         "cuda", dtype=torch.bfloat16, enabled=cuda and cfg.dtype == "bfloat16"
     )
-    t_last, tokens_since = time.perf_counter(), 0
-    for step in range(start, cfg.steps):
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        rows = torch.randint(0, train.tokens.shape[0], (cfg.batch_size,), generator=gen)
-        ids = torch.as_tensor(train.tokens[rows.numpy()], device=cfg.device)
-        anchors = sample_anchors(
-            train.label_start, cfg.seq_len, cfg.block_size, cfg.anchors, cfg.batch_size, gen
-        )
-        feats = _features(model, ids, config.target_layer_ids, caches)
-        lr = lr_at(step, cfg, warmup)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        with autocast:
-            result = block_loss(drafter, ids, feats, anchors, gamma)
-        opt.zero_grad(set_to_none=True)
-        result.loss.backward()  # type: ignore[no-untyped-call]  # torch's stub is untyped
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-        opt.step()
-        loss = float(result.loss.detach())
-        log["loss"].append([step + 1, loss, result.accuracy])
-        tokens_since += cfg.batch_size * cfg.seq_len
-        now = time.perf_counter()
-        progress.update(step + 1, loss, tokens_since / max(now - t_last, 1e-9), lr)
-        timing["train"] += now - t_last
-        if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
-            t_eval = time.perf_counter()
-            drafter.eval()
-            scores = evaluate(model, _eval_drafter(drafter, model), eval_prompts, cfg.eval_tokens)
-            drafter.train()
-            timing["eval"] += time.perf_counter() - t_eval
-            log["eval"].append({"step": step + 1, "loss": loss, **scores})
-            progress.note(
-                f"step {step + 1}: held-out tau {scores['tau']:.3f} "
-                f"(prompt-lookup {log['prompt_lookup_tau']:.3f})"
-            )
-        if (step + 1) % save_every == 0 or step + 1 == cfg.steps:
-            ckpt = out / "checkpoints" / f"step-{step + 1:06d}"
-            _save_state(ckpt, drafter, opt, step + 1, log)
-            for old in sorted((out / "checkpoints").glob("step-[0-9]*"))[:-2]:
-                shutil.rmtree(old)
+    # the drafter's attention trains on SDPA's math backend (a deterministic backward), and
+    # on CUDA torch's deterministic algorithms are on for the run (warning on any op without)
+    with _deterministic(cuda):
         t_last, tokens_since = time.perf_counter(), 0
+        for step in range(start, cfg.steps):
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+            rows = torch.randint(0, train.tokens.shape[0], (cfg.batch_size,), generator=gen)
+            ids = torch.as_tensor(train.tokens[rows.numpy()], device=cfg.device)
+            anchors = sample_anchors(
+                train.label_start, cfg.seq_len, cfg.block_size, cfg.anchors, cfg.batch_size, gen
+            )
+            feats = _features(model, ids, config.target_layer_ids, caches)
+            lr = lr_at(step, cfg, warmup)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            with autocast, math_attention():
+                result = block_loss(drafter, ids, feats, anchors, gamma)
+            opt.zero_grad(set_to_none=True)
+            result.loss.backward()  # type: ignore[no-untyped-call]  # torch's stub is untyped
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+            opt.step()
+            loss = float(result.loss.detach())
+            log["loss"].append([step + 1, loss, result.accuracy])
+            tokens_since += cfg.batch_size * cfg.seq_len
+            now = time.perf_counter()
+            progress.update(step + 1, loss, tokens_since / max(now - t_last, 1e-9), lr)
+            timing["train"] += now - t_last
+            if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
+                t_eval = time.perf_counter()
+                drafter.eval()
+                copy = _eval_drafter(drafter, model)
+                scores = evaluate(model, copy, eval_prompts, cfg.eval_tokens)
+                scores.update(
+                    heldout_loss(
+                        model, copy, held, anchors=cfg.anchors, gamma=gamma,
+                        batch=cfg.batch_size, seed=cfg.seed + 3,
+                    )
+                )
+                drafter.train()
+                timing["eval"] += time.perf_counter() - t_eval
+                log["eval"].append({"step": step + 1, "loss": loss, **scores})
+                progress.note(
+                    f"step {step + 1}: held-out tau {scores['tau']:.3f} "
+                    f"(prompt-lookup {log['prompt_lookup_tau']:.3f}), held-out loss "
+                    f"{scores['heldout_loss']:.4f} (training {loss:.4f})"
+                )
+            if (step + 1) % save_every == 0 or step + 1 == cfg.steps:
+                ckpt = out / "checkpoints" / f"step-{step + 1:06d}"
+                _save_state(ckpt, drafter, opt, step + 1, log)
+                for old in sorted((out / "checkpoints").glob("step-[0-9]*"))[:-2]:
+                    shutil.rmtree(old)
+            t_last, tokens_since = time.perf_counter(), 0
     drafter.eval().requires_grad_(False)
     drafter.save_pretrained(out)
     (out / "train_log.json").write_text(json.dumps(log, indent=2) + "\n")

@@ -108,7 +108,10 @@ def test_drafter_summary_reads_tau_and_loss() -> None:
     # the layout of train-drafter's train_log.json: [step, loss, accuracy] rows, eval records
     log = {
         "loss": [[1, 5.0, 0.1], [2, 4.0, 0.2]],
-        "eval": [{"step": 2, "loss": 4.0, "tau": 2.5}, {"step": 4, "tau": 3.75, "steps": 16.0}],
+        "eval": [
+            {"step": 2, "loss": 4.0, "tau": 2.5},
+            {"step": 4, "tau": 3.75, "steps": 16.0, "heldout_loss": 4.5},
+        ],
         "prompt_lookup_tau": 1.5,
     }
     got = bd.drafter_summary(log)
@@ -118,6 +121,7 @@ def test_drafter_summary_reads_tau_and_loss() -> None:
     many = bd.drafter_summary({"loss": [[i, 1.0 / i, 0.0] for i in range(1, 2002)]})
     assert len(many["loss_curve"]) <= 502 and many["loss_curve"][-1]["step"] == 2001
     assert [r["tau"] for r in got["tau_curve"]] == [2.5, 3.75]
+    assert got["heldout_loss_curve"] == [{"step": 4, "heldout_loss": 4.5}]
     # records of the form {step, loss} / {step, tau} anywhere are read too
     other = bd.drafter_summary({"train": [{"step": 1, "loss": 3.0}], "x": {"step": 1, "tau": 2}})
     assert other["tau"] == 2 and other["loss_curve"][0] == {"step": 1, "loss": 3.0}

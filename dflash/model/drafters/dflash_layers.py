@@ -17,6 +17,9 @@ embedding (``x * cos + rotate_half(x) * sin``); SwiGLU MLP ``down(silu(gate x) *
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -31,6 +34,27 @@ from dflash.model.drafters.dflash_config import DFlashConfig
 #: every committed token, so each step would plan again; flash / memory-efficient kernels
 #: launch directly.
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_MATH_ONLY: ContextVar[bool] = ContextVar("dflash_drafter_math_attention", default=False)
+
+
+@contextmanager
+def math_attention() -> Iterator[None]:
+    """Run the drafter's attention on SDPA's math backend inside this block.
+
+    The math backend is plain matmuls and a softmax, whose backward is deterministic; the
+    fused kernels' backward accumulates with atomics, so two GPU training runs with the
+    same seed would drift apart. ``train_drafter`` trains under it on CUDA.
+    """
+    token = _MATH_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _MATH_ONLY.reset(token)
+
+
+def attention_backends() -> list[SDPBackend]:
+    """The SDPA backends the drafter's attention may use here (see :func:`math_attention`)."""
+    return [SDPBackend.MATH] if _MATH_ONLY.get() else list(_BACKENDS)
 
 
 class RMSNorm(nn.Module):
@@ -177,11 +201,12 @@ class DraftAttention(nn.Module):
         k = torch.cat([k_ctx, k_blk], dim=2)  # [N, kv_heads, C+Q, D]
         v = torch.cat([v_ctx, v_blk], dim=2)
         group = self.num_heads // self.num_kv_heads
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)  # [N, heads, C+Q, D]
-            v = v.repeat_interleave(group, dim=1)
+        if group > 1:  # expand, not repeat_interleave: its backward is a plain sum
+            kv_shape = (n, self.num_kv_heads, group, k.shape[2], self.head_dim)
+            k = k[:, :, None].expand(kv_shape).reshape(n, self.num_heads, -1, self.head_dim)
+            v = v[:, :, None].expand(kv_shape).reshape(n, self.num_heads, -1, self.head_dim)
         mask = None if visible is None else visible[:, None]  # [N, 1, Q, C+Q]
-        with sdpa_kernel(_BACKENDS):
+        with sdpa_kernel(attention_backends()):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
         o = o.transpose(1, 2).reshape(n, q_len, self.num_heads * self.head_dim)
         out: Tensor = self.o_proj(o)

@@ -189,3 +189,68 @@ def test_target_layers_choose_the_taps(
         main([*base, "--out", str(tmp_path / "bad"), "--target-layers", "1,x"])
     assert exc.value.code == 2
     assert "1,x" in capsys.readouterr().err
+
+
+def test_heldout_loss_is_the_objective_on_heldout_sequences(tokens: Path, tmp_path: Path) -> None:
+    """Each evaluation records the training objective on held-out sequences, with the
+    anchors fixed across evaluations; it equals block_loss computed directly."""
+    from dflash.training.data import data_set
+    from dflash.training.loop import heldout_loss
+    from dflash.training.objective import block_loss, sample_anchors
+
+    out = tmp_path / "held"
+    base = ["train-drafter", "--model", "tiny", "--data", str(tokens), "--out", str(out)]
+    assert main([*base, "--steps", "4", "--eval-every", "2", *SMALL]) == 0
+    evals = json.loads((out / "train_log.json").read_text())["eval"]
+    assert [e["step"] for e in evals] == [2, 4]
+    assert all(e["heldout_loss"] > 0 and 0 <= e["heldout_accuracy"] <= 1 for e in evals)
+    assert evals[0]["heldout_loss"] != evals[1]["heldout_loss"]  # the drafter changed
+
+    tiny = TargetModel.tiny_default(seed=0)
+    drafter = make_drafter(str(out), tiny)
+    assert isinstance(drafter, DFlashDrafter)
+    stream = np.load(tokens)
+    held = data_set([stream], seq_len=24, count=5, seed=3)  # 5 rows: batches of 2, 2, 1
+    got = heldout_loss(tiny, drafter, held, anchors=3, gamma=2.0, batch=2, seed=11)
+    gen = torch.Generator().manual_seed(11)
+    total = 0.0
+    for lo in (0, 2, 4):
+        ids = torch.as_tensor(held.tokens[lo : lo + 2])
+        picked = sample_anchors(held.label_start, 24, 4, 3, ids.shape[0], gen)
+        caches = tiny.new_caches(max_len=24, max_draft=1, batch=ids.shape[0])
+        taps = drafter.config.target_layer_ids
+        with torch.no_grad():
+            _, tapped = tiny(ids, caches, "prefill", taps=taps)
+            feats = torch.cat([tapped[t] for t in taps], dim=-1)
+            total += float(block_loss(drafter, ids, feats, picked, 2.0).loss) * ids.shape[0]
+    assert got["heldout_loss"] == pytest.approx(total / 5, rel=1e-6)
+
+
+def test_math_attention_selects_only_the_math_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside math_attention() the drafter's attention asks SDPA for the math backend only
+    (a deterministic backward); outside, the fused kernels too; the setting is restored."""
+    from torch.nn.attention import SDPBackend
+
+    from dflash.model.drafters import dflash_layers
+
+    seen: list[list[SDPBackend]] = []
+    real = dflash_layers.sdpa_kernel
+
+    def spy(backends: list[SDPBackend]) -> object:
+        seen.append(list(backends))
+        return real(backends)
+
+    monkeypatch.setattr(dflash_layers, "sdpa_kernel", spy)
+    tiny = TargetModel.tiny_default(seed=0)
+    drafter = make_drafter("dflash", tiny)
+    assert isinstance(drafter, DFlashDrafter)
+    features = torch.randn(5, drafter.config.feature_size)
+    drafter.propose_uncached(features, 7, drafter.config.block_size)
+    assert seen and all(SDPBackend.EFFICIENT_ATTENTION in b for b in seen)
+    seen.clear()
+    with dflash_layers.math_attention():
+        drafter.propose_uncached(features, 7, drafter.config.block_size)
+    assert seen and all(b == [SDPBackend.MATH] for b in seen)
+    seen.clear()
+    drafter.propose_uncached(features, 7, drafter.config.block_size)
+    assert seen and all(SDPBackend.EFFICIENT_ATTENTION in b for b in seen)

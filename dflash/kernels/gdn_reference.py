@@ -64,23 +64,33 @@ def gdn_verify_reference(
     kf = kf.repeat_interleave(group, dim=2)
 
     o = torch.empty(B, T, HV, V, dtype=dt, device=v.device)
-    after: list[torch.Tensor] = []  # after[t]: [B, HV, K, V], the state after token t
+    # states[:, t]: the state after token t, computed in place (no per-token allocation)
+    states = torch.empty(B, T, HV, K, V, dtype=dt, device=v.device)
     # Every per-token operation below sees [B, HV, ...] tensors whatever T is, so a token's
     # state and output are the bits a T = 1 call gives for the same inputs.
-    steps = zip(qf.unbind(1), kf.unbind(1), vf.unbind(1), gf.unbind(1), bf.unbind(1), strict=True)
-    for t, (q_t, k_t, v_t, g_t, b_t) in enumerate(steps):  # q_t, k_t: [B, HV, K]
-        S = init if parents[t] < 0 else after[parents[t]]
-        S = S * torch.exp(g_t)[:, :, None, None]
-        kv = torch.matmul(k_t[:, :, None, :], S)[:, :, 0]   # S^T k: [B, HV, V]
-        u = b_t[:, :, None] * (v_t - kv)                    # [B, HV, V]
-        S = S + k_t[:, :, :, None] * u[:, :, None, :]
-        o[:, t] = torch.matmul(q_t[:, :, None, :], S)[:, :, 0]
-        after.append(S)
+    steps = zip(
+        qf[:, :, :, None, :].unbind(1),  # [B, HV, 1, K] rows
+        kf[:, :, :, None, :].unbind(1),
+        kf[:, :, :, :, None].unbind(1),  # [B, HV, K, 1] columns
+        vf[:, :, :, None, :].unbind(1),  # [B, HV, 1, V]
+        gf.unbind(1),                    # [B, HV]
+        bf[:, :, :, None, None].unbind(1),
+        o[:, :, :, None, :].unbind(1),   # [B, HV, 1, V] views of o
+        strict=True,
+    )
+    for t, (q_row, k_row, k_col, v_row, g_t, b_t, o_t) in enumerate(steps):
+        S = states[:, t]
+        torch.mul(init if parents[t] < 0 else states[:, parents[t]],
+                  torch.exp(g_t)[:, :, None, None], out=S)
+        kv = torch.matmul(k_row, S)                          # S^T k: [B, HV, 1, V]
+        u = torch.sub(v_row, kv, out=kv).mul_(b_t)           # beta (v - S^T k)
+        S.add_(k_col * u)                                    # S + k u^T
+        torch.matmul(q_row, S, out=o_t)                      # S^T q
 
     if final_state_only:
-        checkpoints[:, 0] = after[-1].to(checkpoints.dtype)
+        checkpoints[:, 0] = states[:, -1]
     else:
-        checkpoints[:, :T] = torch.stack(after, dim=1).to(checkpoints.dtype)
+        checkpoints[:, :T] = states
     if out is None:
         return o.to(v.dtype)
     out.copy_(o)

@@ -211,8 +211,10 @@ class SpecDecoder:
             self.policy.fast and self.gate.pending and self.fast_unavailable_reason is None
         )
         # the verify window: the whole block, or on CPU tiles the part that ends on a tile
-        # boundary (a prefix of the draft: lossless); the gate's step verifies the whole block
-        T = B if gate_run else self.target.verify_window(self.committed, B)
+        # boundary, capped after a partly accepted step (a prefix of the draft: lossless);
+        # the gate's step verifies the whole block
+        last = (self.records[-1].accept_n, len(self.records[-1].draft)) if self.records else None
+        T = B if gate_run else self.target.verify_window(self.committed, B, last)
         d = [self.last, *guesses[: T - 1]]  # d: [T]
         geometry = chain_of(len(d))
         self.target.require_position(self.committed, what="before verify")

@@ -219,10 +219,11 @@ class ShardedTarget:
             return f"graphs=True was asked for a target without graphs ({self.graphs_off_reason})"
         return None
 
-    def verify_window(self, start: int, block: int) -> int:
+    def verify_window(self, start: int, block: int, last: tuple[int, int] | None = None) -> int:
         """How many tokens of a ``block``-token draft at position ``start`` to verify: on CPU
-        shards :func:`dflash.model.tiles.tile_window`, elsewhere the whole block."""
-        return tile_window(start, block) if self._tiled else block
+        shards :func:`dflash.model.tiles.tile_window` (``last``: the previous step's
+        ``(commit_n, window)``), elsewhere the whole block."""
+        return tile_window(start, block, last) if self._tiled else block
 
     def _place(self) -> None:
         """Every layer on its shard's device (a no-op for layers already there)."""

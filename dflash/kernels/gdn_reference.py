@@ -40,8 +40,8 @@ def gdn_verify_reference(
     out: torch.Tensor | None = None,       # [B, T, HV, V] in v's dtype
 ) -> torch.Tensor:
     """Reference twin of :func:`dflash.kernels.gdn_verify` (same arguments and effects)."""
-    B, T, HK, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
+    T, HK, K = q.shape[1:]
+    HV = v.shape[2]
     parents = checks.geometry_parents(geometry, T, final_state_only)
     if parents is None:
         parents = tuple(range(-1, T - 1))
@@ -63,9 +63,34 @@ def gdn_verify_reference(
     qf = qf.repeat_interleave(group, dim=2)  # [B, T, HV, K]
     kf = kf.repeat_interleave(group, dim=2)
 
-    o = torch.empty(B, T, HV, V, dtype=dt, device=v.device)
+    with torch.no_grad():  # like the kernel, the reference records nothing for autograd
+        o, states = _recurrence(qf, kf, vf, gf, bf, init, parents)
+    if final_state_only:
+        checkpoints[:, 0] = states[:, -1]
+    else:
+        checkpoints[:, :T] = states
+    if out is None:
+        return o.to(v.dtype)
+    out.copy_(o)
+    return out
+
+
+def _recurrence(
+    qf: torch.Tensor,  # [B, T, HV, K], normalised and scaled
+    kf: torch.Tensor,  # [B, T, HV, K], normalised
+    vf: torch.Tensor,  # [B, T, HV, V]
+    gf: torch.Tensor,  # [B, T, HV]
+    bf: torch.Tensor,  # [B, T, HV]
+    init: torch.Tensor,  # [B, HV, K, V]
+    parents: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token state updates: ``o [B, T, HV, V]`` and the states after each token
+    ``[B, T, HV, K, V]``, in ``init``'s dtype."""
+    B, T, HV, K = kf.shape
+    V = vf.shape[3]
+    o = torch.empty(B, T, HV, V, dtype=init.dtype, device=init.device)
     # states[:, t]: the state after token t, computed in place (no per-token allocation)
-    states = torch.empty(B, T, HV, K, V, dtype=dt, device=v.device)
+    states = torch.empty(B, T, HV, K, V, dtype=init.dtype, device=init.device)
     # Every per-token operation below sees [B, HV, ...] tensors whatever T is, so a token's
     # state and output are the bits a T = 1 call gives for the same inputs.
     steps = zip(
@@ -86,12 +111,4 @@ def gdn_verify_reference(
         u = torch.sub(v_row, kv, out=kv).mul_(b_t)           # beta (v - S^T k)
         S.add_(k_col * u)                                    # S + k u^T
         torch.matmul(q_row, S, out=o_t)                      # S^T q
-
-    if final_state_only:
-        checkpoints[:, 0] = states[:, -1]
-    else:
-        checkpoints[:, :T] = states
-    if out is None:
-        return o.to(v.dtype)
-    out.copy_(o)
-    return out
+    return o, states

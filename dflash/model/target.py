@@ -388,6 +388,7 @@ def _host_start(position: Tensor, device: torch.device) -> int | None:
     return int(position[0]) if device.type == "cpu" else None
 
 
+@torch.inference_mode()
 def greedy_generate(model: TargetModel, prompt: Sequence[int], n: int) -> list[int]:
     """Plain target-only greedy decoding: the ``n`` tokens after ``prompt`` (the oracle)."""
     if len(prompt) == 0:

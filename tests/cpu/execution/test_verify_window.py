@@ -8,7 +8,7 @@ import pytest
 from dflash.execution import RollbackPolicy, ShardedTarget, SpecDecoder, generate, plan_shards
 from dflash.model import TargetModel, greedy_generate
 from dflash.model.drafters import PromptLookupDrafter, SyntheticDrafter
-from dflash.model.tiles import MIN_WINDOW, TILE_ROWS, tile_window
+from dflash.model.tiles import MIN_WINDOW, TILE_ROWS, WINDOW_MARGIN, tile_window
 
 
 def test_the_window_rule() -> None:
@@ -22,6 +22,21 @@ def test_the_window_rule() -> None:
     assert tile_window(9, 3) == 3  # blocks up to MIN_WINDOW are never cut
     with pytest.raises(ValueError, match="got -1, 4"):
         tile_window(-1, 4)
+
+
+def test_the_window_cap_after_a_partly_accepted_step() -> None:
+    assert WINDOW_MARGIN == 4
+    assert tile_window(0, 16, (2, 16)) == 6  # commit 2 of 16: 2 + 4
+    assert tile_window(0, 16, (1, 16)) == 5
+    assert tile_window(0, 16, (1, 4)) == 5
+    assert tile_window(0, 16, (11, 16)) == 15
+    assert tile_window(0, 16, (8, 8)) == 16  # the whole window accepted: no cap
+    assert tile_window(12, 16, (3, 9)) == 4  # the tile's room is smaller than the cap
+    assert tile_window(0, 3, (1, 3)) == 3  # never below MIN_WINDOW, never above the block
+    assert tile_window(0, 16, None) == 16
+    for bad in ((0, 4), (5, 4), (-1, 2)):
+        with pytest.raises(ValueError, match="1 <= commit_n <= window"):
+            tile_window(0, 16, bad)
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +58,16 @@ def test_cpu_steps_verify_tile_aligned_windows_losslessly(tiny: TargetModel, mod
         starts.append(engine.committed)
         out.extend(engine.step())
     assert out[:60] == oracle
-    windows = [len(r.draft) for r in engine.records]
+    records = engine.records
+    windows = [len(r.draft) for r in records]
     gate_steps = {0} if mode != "replay" else set()  # the capture gate verifies the block
-    want = [16 if i in gate_steps else tile_window(s, 16) for i, s in enumerate(starts)]
+    last = [None, *((r.accept_n, len(r.draft)) for r in records[:-1])]
+    want = [
+        16 if i in gate_steps else tile_window(s, 16, last[i]) for i, s in enumerate(starts)
+    ]
     assert windows == want and any(w < 16 for w in windows)
+    # some windows were capped below the tile's room by the previous step's commit
+    assert any(w < tile_window(s, 16) for w, s in zip(windows[1:], starts[1:], strict=True))
 
 
 def test_drafted_tokens_count_the_verified_guesses(tiny: TargetModel) -> None:

@@ -5,10 +5,12 @@ own greedy responses to data prompts, or raw data), each step a batch of sequenc
 tap features the frozen target computes without gradients, ``anchors`` random anchored
 blocks per sequence trained in one forward (:mod:`objective`), position-decayed
 cross-entropy, AdamW with linear warm-up then cosine decay to 0, gradient clipping, bf16
-autocast on CUDA (float32 master weights).
+autocast on CUDA (float32 master weights), attention on SDPA's math backend (a
+deterministic backward; on CUDA torch's deterministic algorithms are on for the run).
 
 Outputs under ``out``: the drafter in z-lab's format (``config.json`` +
-``model.safetensors``), ``train_log.json`` (loss curve, held-out τ per evaluation), and
+``model.safetensors``), ``train_log.json`` (loss curve; held-out τ and held-out loss per
+evaluation), and
 ``checkpoints/step-NNNNNN/`` (the drafter in z-lab's format plus ``trainer_state.json`` and
 ``trainer_state.safetensors``: float32 master weights and AdamW moments as plain tensors,
 nothing pickled), from which ``resume=True`` continues.  τ is the mean accepted length
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -440,8 +443,14 @@ def _deterministic(enabled: bool) -> Iterator[None]:
 
 
 def train_drafter(cfg: TrainConfig, *, stream: TextIO | None = None) -> TrainResult:
-    """Train a DFlash drafter as the module doc describes; returns the curves."""
+    """Train a DFlash drafter as the module doc describes; returns the curves.
+
+    On CUDA, sets ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless it is set (cuBLAS is
+    deterministic only with a fixed workspace; it takes effect when this process has not
+    used cuBLAS yet, else torch warns once that a product was not deterministic)."""
     _check(cfg)
+    if cfg.device.startswith("cuda"):
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     out = Path(cfg.out)
     progress = _Progress(cfg.steps, stream or sys.stderr, cfg.progress)
     torch.manual_seed(cfg.seed)

@@ -77,11 +77,13 @@ def spec_target(
     block_size: int,
     *,
     graphs: bool | None = None,
+    windows: bool = True,
 ) -> ShardedTarget:
     """A target for :func:`generate` runs of these sizes (keep it and pass it as
-    ``target=`` to run again without new CUDA graphs)."""
+    ``target=`` to run again without new CUDA graphs); ``windows``: see
+    :class:`ShardedTarget`."""
     return ShardedTarget(model, plan, max_len=spec_capacity(prompt_len, max_new_tokens, block_size),
-                         max_draft=block_size, graphs=graphs)
+                         max_draft=block_size, graphs=graphs, windows=windows)
 
 
 def positions_needed(prompt_len: int, max_new_tokens: int, block_size: int) -> int:

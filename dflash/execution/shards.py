@@ -163,6 +163,10 @@ class ShardedTarget:
     shard, :mod:`dflash.execution.graphs`); ``None`` = wherever supported (every shard on
     CUDA, Triton kernels, no mixture-of-experts layers), ``False`` = always eager. CPU
     shards always run eagerly (the same code).
+
+    ``windows``: on CPU shards, verify the tile-aligned, capped window of each draft
+    (:meth:`verify_window`; faster there, same tokens); ``False`` verifies every draft
+    whole, which is what a drafter's τ at a block size means (its evaluations use it).
     """
 
     def __init__(
@@ -173,6 +177,7 @@ class ShardedTarget:
         max_len: int,
         max_draft: int,
         graphs: bool | None = None,
+        windows: bool = True,
     ):
         if len(plan.split) and sum(plan.split) != model.config.num_hidden_layers:
             raise LayerSplitError(
@@ -187,7 +192,7 @@ class ShardedTarget:
         for k, ((lo, hi), dev) in enumerate(zip(plan.ranges, devices, strict=True)):
             self.shards.append(Shard(k, dev, range(lo, hi), self._new_caches(range(lo, hi), dev)))
         self._weights = _weight_addresses(model)
-        self._tiled = all(d.type == "cpu" for d in devices)
+        self._windowed = windows and all(d.type == "cpu" for d in devices)
         why_not = graphs_supported(model, devices)
         if graphs and why_not is not None:
             raise ValueError(f"'graphs'=True but {why_not}")
@@ -221,9 +226,9 @@ class ShardedTarget:
 
     def verify_window(self, start: int, block: int, last: tuple[int, int] | None = None) -> int:
         """How many tokens of a ``block``-token draft at position ``start`` to verify: on CPU
-        shards :func:`dflash.model.tiles.tile_window` (``last``: the previous step's
-        ``(commit_n, window)``), elsewhere the whole block."""
-        return tile_window(start, block, last) if self._tiled else block
+        shards built with ``windows`` :func:`dflash.model.tiles.tile_window` (``last``: the
+        previous step's ``(commit_n, window)``), else the whole block."""
+        return tile_window(start, block, last) if self._windowed else block
 
     def _place(self) -> None:
         """Every layer on its shard's device (a no-op for layers already there)."""

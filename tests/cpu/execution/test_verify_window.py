@@ -77,3 +77,25 @@ def test_drafted_tokens_count_the_verified_guesses(tiny: TargetModel) -> None:
     assert r.parity is True
     assert r.drafted_tokens < r.steps * 15  # some windows were cut at a tile boundary
     assert r.acceptance_rate == r.accepted_tokens / r.drafted_tokens
+
+
+def test_windows_off_verifies_every_draft_whole(tiny: TargetModel) -> None:
+    """``windows=False`` (how a drafter's τ is measured) verifies the whole block on CPU;
+    the training evaluation's target is built that way."""
+    from dflash.training.loop import _eval_target
+
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    oracle = greedy_generate(tiny, prompt, 60)
+    for windows in (True, False):
+        drafter = SyntheticDrafter(prompt + oracle, 0.9, tiny.config.vocab_size, seed=3)
+        target = ShardedTarget(tiny, plan_shards(6), max_len=len(prompt) + 80, max_draft=16,
+                               windows=windows)
+        engine = SpecDecoder(target, drafter, block_size=16, policy=RollbackPolicy(mode="replay"))
+        out = [engine.prefill(prompt)]
+        while len(out) < 60:
+            out.extend(engine.step())
+        assert out[:60] == oracle
+        whole = all(len(r.draft) == 16 for r in engine.records)
+        assert whole is (not windows)
+    _, evaluation = _eval_target(tiny, [prompt], 8, 16)
+    assert evaluation.verify_window(1, 16, (1, 16)) == 16

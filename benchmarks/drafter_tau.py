@@ -10,6 +10,7 @@ reports it. On another Python version the held-out files have the same names but
 slightly different contents, so the numbers are close to, not equal to, the recipe's.
 
     python3 benchmarks/drafter_tau.py [DRAFTER_DIR ...] [--prompts 12] [--tokens 128]
+        [--seed 1] [--device cpu|cuda]   # on CUDA the target runs in bf16, as in training
 
 With no directory, the shipped drafter (``dflash/data/default/drafter``) is measured.
 """
@@ -19,9 +20,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import platform
 import random
 import sysconfig
 from pathlib import Path
+
+import torch
 
 from dflash.data import require_default
 from dflash.model import TargetModel
@@ -50,6 +54,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=128, help="tokens generated per prompt")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu (float32) or cuda (bfloat16)")
     ap.add_argument("--json", default=None, help="also write the numbers here")
     args = ap.parse_args()
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -57,7 +62,9 @@ def main() -> None:
     tokenizer = load_tokenizer(target_dir)
     if tokenizer is None:
         raise SystemExit(f"{target_dir} has no tokenizer.json")
-    model = TargetModel.from_pretrained(target_dir)
+    cuda = args.device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = TargetModel.from_pretrained(target_dir, dtype=dtype, device=args.device)
     rng = random.Random(args.seed)
     held = heldout_files(root)
     prompts = []
@@ -66,7 +73,9 @@ def main() -> None:
         if len(ids) > 3 * args.prompt_len:
             start = rng.randrange(0, len(ids) - args.prompt_len)
             prompts.append(ids[start : start + args.prompt_len])
-    rows = {"python_stdlib": str(root), "heldout_files": len(held), "prompts": len(prompts),
+    rows = {"python_stdlib": str(root), "python": platform.python_version(),
+            "device": args.device, "seed": args.seed,
+            "heldout_files": len(held), "prompts": len(prompts),
             "tokens": args.tokens, "block_size": BLOCK,
             "prompt_lookup_tau": prompt_lookup_tau(model, prompts, args.tokens, BLOCK)}
     print(f"{len(held)} held-out files under {root}; {len(prompts)} prompts x {args.tokens} tokens")

@@ -273,11 +273,11 @@ def heldout_loss(
         rows = ids.shape[0]
         if rows not in caches:
             caches[rows] = model.new_caches(max_len=seq_len, max_draft=1, batch=rows)
-        picked = sample_anchors(held.label_start, seq_len, b, anchors, ids.shape[0], gen)
+        picked = sample_anchors(held.label_start, seq_len, b, anchors, rows, gen)
         feats = _features(model, ids, drafter.config.target_layer_ids, caches[rows])
         result = block_loss(drafter, ids, feats, picked, gamma)
-        total += float(result.loss) * ids.shape[0]
-        weight += ids.shape[0]
+        total += float(result.loss) * rows
+        weight += rows
         right += result.accuracy * result.tokens
         counted += result.tokens
     return {"heldout_loss": total / weight, "heldout_accuracy": right / max(counted, 1.0)}

@@ -10,7 +10,7 @@ reports it. On another Python version the held-out files have the same names but
 slightly different contents, so the numbers are close to, not equal to, the recipe's.
 
     python3 benchmarks/drafter_tau.py [DRAFTER_DIR ...] [--prompts 12] [--tokens 128]
-        [--seed 1] [--device cpu|cuda]   # on CUDA the target runs in bf16, as in training
+        [--seeds 1,2,3] [--device cpu|cuda]   # on CUDA the target runs in bf16, as in training
 
 With no directory, the shipped drafter (``dflash/data/default/drafter``) is measured.
 """
@@ -24,14 +24,15 @@ import platform
 import random
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dflash.data import require_default
 from dflash.model import TargetModel
-from dflash.model.drafters import DFlashDrafter, make_drafter
-from dflash.model.tokenizer import load_tokenizer
-from dflash.training.loop import evaluate, prompt_lookup_tau
+from dflash.model.drafters import DFlashDrafter, PromptLookupDrafter, make_drafter
+from dflash.model.tokenizer import TextTokenizer, load_tokenizer
+from dflash.training.loop import evaluate, speculative_scores
 
 SKIPPED = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 HELDOUT_FRACTION = 0.05
@@ -47,16 +48,46 @@ def heldout_files(root: Path) -> list[Path]:
     ]
 
 
+def heldout_prompts(
+    tokenizer: TextTokenizer, held: list[Path], count: int, length: int, seed: int
+) -> list[list[int]]:
+    """One ``length``-token window of each of ``count`` files drawn with ``seed`` (files of
+    at most 3 × ``length`` tokens skipped)."""
+    rng = random.Random(seed)
+    prompts = []
+    for path in rng.sample(held, min(count, len(held))):
+        ids = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"))
+        if len(ids) > 3 * length:
+            start = rng.randrange(0, len(ids) - length)
+            prompts.append(ids[start : start + length])
+    return prompts
+
+
+def pooled(rows: list[dict[str, float]]) -> dict[str, float]:
+    """τ over every step of several runs: (accepted + steps) / steps of their sums."""
+    steps = sum(r["steps"] for r in rows)
+    tokens = sum(r["tau"] * r["steps"] for r in rows)
+    return {"tau": tokens / steps if steps else 0.0, "steps": steps}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("drafters", nargs="*", help="DFlash drafter directories")
     ap.add_argument("--prompts", type=int, default=12, help="files sampled (short ones skipped)")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=128, help="tokens generated per prompt")
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seeds", default="1",
+                    help="comma-separated prompt seeds; each draws its own windows, and the "
+                    "result pools every step")
     ap.add_argument("--device", default="cpu", help="cpu (float32) or cuda (bfloat16)")
     ap.add_argument("--json", default=None, help="also write the numbers here")
     args = ap.parse_args()
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        raise SystemExit(
+            f"--seeds must be comma-separated integers (got {args.seeds!r})"
+        ) from None
     root = Path(sysconfig.get_paths()["stdlib"])
     target_dir = require_default("target")
     tokenizer = load_tokenizer(target_dir)
@@ -65,30 +96,40 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     model = TargetModel.from_pretrained(target_dir, dtype=dtype, device=args.device)
-    rng = random.Random(args.seed)
-    held = heldout_files(root)
-    prompts = []
-    for path in rng.sample(held, min(args.prompts, len(held))):
-        ids = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"))
-        if len(ids) > 3 * args.prompt_len:
-            start = rng.randrange(0, len(ids) - args.prompt_len)
-            prompts.append(ids[start : start + args.prompt_len])
-    rows = {"python_stdlib": str(root), "python": platform.python_version(),
-            "device": args.device, "seed": args.seed,
-            "heldout_files": len(held), "prompts": len(prompts),
-            "tokens": args.tokens, "block_size": BLOCK,
-            "prompt_lookup_tau": prompt_lookup_tau(model, prompts, args.tokens, BLOCK)}
-    print(f"{len(held)} held-out files under {root}; {len(prompts)} prompts x {args.tokens} tokens")
-    print(f"prompt-lookup      tau {rows['prompt_lookup_tau']:.3f}")
-    for name in args.drafters or [str(require_default("drafter"))]:
-        drafter = make_drafter(name, model)
+    paths = {name: name for name in args.drafters}
+    if not paths:
+        paths = {"shipped drafter": str(require_default("drafter"))}
+    drafters = {}
+    for name, path in paths.items():
+        drafter = make_drafter(path, model)
         if not isinstance(drafter, DFlashDrafter) or drafter.config.block_size != BLOCK:
-            raise SystemExit(f"{name!r} is not a DFlash drafter directory of block {BLOCK}")
-        scores = evaluate(model, drafter, prompts, args.tokens)
-        rows[name] = scores
-        print(f"{name:<18} tau {scores['tau']:.3f}  acceptance {scores['acceptance_rate']:.3f}")
+            raise SystemExit(f"{path!r} is not a DFlash drafter directory of block {BLOCK}")
+        drafters[name] = drafter
+    names = list(paths)
+    held = heldout_files(root)
+    print(f"{len(held)} held-out files under {root}; seeds {seeds}; {args.tokens} tokens each")
+    every = ["prompt-lookup", *names]
+    runs: list[dict[str, Any]] = []
+    for seed in seeds:
+        prompts = heldout_prompts(tokenizer, held, args.prompts, args.prompt_len, seed)
+        scores = {"prompt-lookup": speculative_scores(
+            model, PromptLookupDrafter, prompts, args.tokens, BLOCK
+        )}
+        for name, drafter in drafters.items():
+            scores[name] = evaluate(model, drafter, prompts, args.tokens)
+        runs.append({"seed": seed, "prompts": len(prompts), "scores": scores})
+        line = "  ".join(f"{name} {scores[name]['tau']:.3f}" for name in every)
+        print(f"seed {seed}, {len(prompts)} prompts: tau  {line}", flush=True)
+    total = {name: pooled([r["scores"][name] for r in runs]) for name in every}
+    print("pooled: " + "  ".join(
+        f"{name} {t['tau']:.3f} ({t['steps']:.0f} steps)" for name, t in total.items()
+    ))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+        out = {"python_stdlib": str(root), "python": platform.python_version(),
+               "device": args.device, "heldout_files": len(held), "tokens": args.tokens,
+               "prompt_len": args.prompt_len, "block_size": BLOCK, "runs": runs,
+               "pooled": total}
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from dflash.model import TargetModel
 
 if TYPE_CHECKING:
     from dflash.execution import ShardedTarget, ShardPlan
-from dflash.model.drafters import DFlashConfig, DFlashDrafter, PromptLookupDrafter
+from dflash.model.drafters import DFlashConfig, DFlashDrafter, Drafter, PromptLookupDrafter
 from dflash.model.drafters.dflash_layers import math_attention
 from dflash.training.data import (
     DataError,
@@ -211,41 +211,46 @@ def evaluate(
     model: TargetModel, drafter: DFlashDrafter, prompts: Sequence[list[int]], tokens: int
 ) -> dict[str, float]:
     """τ (mean accepted length per step, bonus included) of real speculative decoding."""
-    from dflash.execution import generate
 
-    block = drafter.config.block_size
-    plan, target = _eval_target(model, prompts, tokens, block)
-    steps = accepted = 0
-    for prompt in prompts:
+    def fresh() -> Drafter:
         drafter.reset()
-        r = generate(
-            model, drafter, prompt, plan=plan, max_new_tokens=tokens, block_size=block,
-            target=target,
-        )
-        steps += r.steps
-        accepted += r.accepted_tokens
-    return {
-        "tau": (accepted + steps) / steps if steps else 0.0,
-        "acceptance_rate": accepted / (steps * (drafter.config.block_size - 1)) if steps else 0.0,
-        "steps": float(steps),
-    }
+        return drafter
+
+    return speculative_scores(model, fresh, prompts, tokens, drafter.config.block_size)
 
 
 def prompt_lookup_tau(
     model: TargetModel, prompts: Sequence[list[int]], tokens: int, block_size: int
 ) -> float:
+    """:func:`evaluate`'s τ for prompt-lookup drafting of ``block_size``-token blocks."""
+    return speculative_scores(model, PromptLookupDrafter, prompts, tokens, block_size)["tau"]
+
+
+def speculative_scores(
+    model: TargetModel,
+    new_drafter: Callable[[], Drafter],
+    prompts: Sequence[list[int]],
+    tokens: int,
+    block_size: int,
+) -> dict[str, float]:
+    """τ, acceptance rate and steps of real speculative decoding of ``tokens`` tokens after
+    each prompt, ``new_drafter()`` drafting each one (every draft verified whole)."""
     from dflash.execution import generate
 
     plan, target = _eval_target(model, prompts, tokens, block_size)
     steps = accepted = 0
     for prompt in prompts:
         r = generate(
-            model, PromptLookupDrafter(), prompt, plan=plan, max_new_tokens=tokens,
+            model, new_drafter(), prompt, plan=plan, max_new_tokens=tokens,
             block_size=block_size, target=target,
         )
         steps += r.steps
         accepted += r.accepted_tokens
-    return (accepted + steps) / steps if steps else 0.0
+    return {
+        "tau": (accepted + steps) / steps if steps else 0.0,
+        "acceptance_rate": accepted / (steps * (block_size - 1)) if steps else 0.0,
+        "steps": float(steps),
+    }
 
 
 @torch.no_grad()

@@ -381,17 +381,33 @@ def latest_checkpoint(out: Path) -> Path | None:
 HELDOUT_SEQUENCES = 256  # held-out sequences for the held-out loss (at most)
 
 
-def _heldout_set(
-    cfg: TrainConfig, model: TargetModel, eval_docs: list[np.ndarray], prompt_len: int
+def _prompt_len(cfg: TrainConfig) -> int:
+    """Teacher prompt tokens (and held-out prompt tokens): ``prompt_len`` or a quarter."""
+    return cfg.prompt_len or max(1, cfg.seq_len // 4)
+
+
+def _sequences(
+    cfg: TrainConfig, model: TargetModel, docs: list[np.ndarray], count: int, seed: int
 ) -> TrainingSet:
-    """Held-out sequences made the way the training set is (teacher or data windows)."""
-    count = min(HELDOUT_SEQUENCES, max(cfg.batch_size, cfg.eval_prompts * 16))
+    """``count`` sequences of ``docs`` as ``cfg.teacher`` makes them: the target's greedy
+    responses to data prompts, or raw data windows."""
     if cfg.teacher == "data":
-        return data_set(eval_docs, seq_len=cfg.seq_len, count=count, seed=cfg.seed + 2)
+        return data_set(docs, seq_len=cfg.seq_len, count=count, seed=seed)
     return teacher_set(
-        model, eval_docs, seq_len=cfg.seq_len, prompt_len=prompt_len, count=count,
-        seed=cfg.seed + 2, batch=cfg.teacher_batch,
+        model,
+        docs,
+        seq_len=cfg.seq_len,
+        prompt_len=_prompt_len(cfg),
+        count=count,
+        seed=seed,
+        batch=cfg.teacher_batch,
     )
+
+
+def _heldout_set(cfg: TrainConfig, model: TargetModel, eval_docs: list[np.ndarray]) -> TrainingSet:
+    """Held-out sequences made the way the training set is."""
+    count = min(HELDOUT_SEQUENCES, max(cfg.batch_size, cfg.eval_prompts * 16))
+    return _sequences(cfg, model, eval_docs, count, cfg.seed + 2)
 
 
 def _training_set(
@@ -408,22 +424,11 @@ def _training_set(
             np.load(out / TEACHER_FILE, allow_pickle=False), int(meta["label_start"])
         )
     count = cfg.teacher_samples or min(cfg.steps * cfg.batch_size, 4096)
-    if cfg.teacher == "data":
-        made = data_set(docs, seq_len=cfg.seq_len, count=count, seed=cfg.seed)
-    else:
-        prompt_len = cfg.prompt_len or max(1, cfg.seq_len // 4)
-        t0 = time.perf_counter()
-        made = teacher_set(
-            model,
-            docs,
-            seq_len=cfg.seq_len,
-            prompt_len=prompt_len,
-            count=count,
-            seed=cfg.seed,
-            batch=cfg.teacher_batch,
-        )
+    t0 = time.perf_counter()
+    made = _sequences(cfg, model, docs, count, cfg.seed)
+    if cfg.teacher != "data":
         note(
-            f"generated {count} teacher responses of {cfg.seq_len - prompt_len} tokens "
+            f"generated {count} teacher responses of {cfg.seq_len - _prompt_len(cfg)} tokens "
             f"in {time.perf_counter() - t0:.1f} s"
         )
     out.mkdir(parents=True, exist_ok=True)
@@ -472,10 +477,10 @@ def train_drafter(cfg: TrainConfig, *, stream: TextIO | None = None) -> TrainRes
         else:
             cut = int(docs[0].size * 0.9)
             eval_docs, docs = [docs[0][cut:]], [docs[0][:cut]]
-    prompt_len = cfg.prompt_len or max(1, cfg.seq_len // 4)
-    held = _heldout_set(cfg, model, eval_docs, prompt_len)
+    held = _heldout_set(cfg, model, eval_docs)
     eval_prompts = [
-        list(map(int, w)) for w in windows(eval_docs, prompt_len, cfg.eval_prompts, cfg.seed + 1)
+        list(map(int, w))
+        for w in windows(eval_docs, _prompt_len(cfg), cfg.eval_prompts, cfg.seed + 1)
     ]
     config = drafter_config(cfg, model)
     embed, head = model.embed_tokens.weight, model.lm_head.weight

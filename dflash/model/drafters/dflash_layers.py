@@ -43,7 +43,7 @@ def math_attention() -> Iterator[None]:
 
     The math backend is plain matmuls and a softmax, whose backward is deterministic; the
     fused kernels' backward accumulates with atomics, so two GPU training runs with the
-    same seed would drift apart. ``train_drafter`` trains under it on CUDA.
+    same seed would drift apart. ``train_drafter`` runs every training step under it.
     """
     token = _MATH_ONLY.set(True)
     try:

@@ -839,7 +839,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="extra train-drafter arguments, e.g. \"--teacher data\" (recorded)")
     p.add_argument("--include-tests", action="store_true",
                    help="keep the standard library's test directories in the data")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override one recipe field (repeatable; recorded in summary.json), "
+                   "e.g. --set drafter_batch_size=128")
     return p.parse_args(argv)
+
+
+def _field_value(name: str, text: str, default: Any) -> Any:
+    """``text`` parsed as the type of the recipe field ``name`` (its default's type)."""
+    try:
+        if isinstance(default, bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1")
+        if isinstance(default, int) or (default is None and name.startswith("max_")):
+            return None if text.lower() == "none" else int(text)
+        if isinstance(default, float):
+            return float(text)
+    except ValueError:
+        kind = {bool: "true or false", int: "an integer", float: "a number"}.get(
+            type(default), "an integer or none"
+        )
+        raise RecipeError(f"--set {name}={text}: not {kind}") from None
+    return text
 
 
 def recipe_from(args: argparse.Namespace) -> Recipe:
@@ -853,6 +875,16 @@ def recipe_from(args: argparse.Namespace) -> Recipe:
             changes[name] = value
     if args.include_tests:
         changes["include_tests"] = True
+    fields = asdict(recipe)
+    for item in args.set:
+        name, eq, text = item.partition("=")
+        if not eq or name not in fields:
+            known = ", ".join(sorted(fields))
+            raise RecipeError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {known}")
+        value = _field_value(name, text, fields[name])
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            raise RecipeError(f"--set {item}: must be >= 0")
+        changes[name] = value
     return replace(recipe, **changes)
 
 

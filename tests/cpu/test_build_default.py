@@ -170,6 +170,34 @@ def test_bad_arguments() -> None:
         bd.main(["--out", "x", "--skip-drafter", "--only-drafter"])
 
 
+def test_set_overrides_recipe_fields() -> None:
+    def recipe(*sets: str) -> bd.Recipe:
+        argv = ["--out", "x"]
+        for item in sets:
+            argv += ["--set", item]
+        return bd.recipe_from(bd.parse_args(argv))
+
+    r = recipe("drafter_batch_size=128", "drafter_lr=0.002", "drafter_teacher=data",
+               "include_tests=true", "max_files=7")
+    assert (r.drafter_batch_size, r.drafter_lr, r.drafter_teacher) == (128, 0.002, "data")
+    assert r.include_tests is True and r.max_files == 7
+    assert recipe("max_files=none").max_files is None
+    assert recipe().drafter_batch_size == bd.Recipe().drafter_batch_size
+    # the override reaches the train-drafter command
+    cmd = bd.drafter_command(r, Path("t"), Path("a"), Path("b"), Path("o"), "cpu")
+    assert cmd[cmd.index("--batch-size") + 1] == "128"
+    with pytest.raises(bd.RecipeError, match=r"drafter_batch_sise=1.*FIELD one of"):
+        recipe("drafter_batch_sise=1")
+    with pytest.raises(bd.RecipeError, match="FIELD=VALUE"):
+        recipe("drafter_batch_size")
+    with pytest.raises(bd.RecipeError, match=r"drafter_batch_size=1\.5: not an integer"):
+        recipe("drafter_batch_size=1.5")
+    with pytest.raises(bd.RecipeError, match="include_tests=maybe: not true or false"):
+        recipe("include_tests=maybe")
+    with pytest.raises(bd.RecipeError, match="drafter_steps=-3: must be >= 0"):
+        recipe("drafter_steps=-3")
+
+
 @pytest.mark.slow
 def test_tiny_recipe_end_to_end(tmp_path: Path) -> None:
     """The whole target side on CPU: data, tokenizer, a few steps, save, eval, parity."""

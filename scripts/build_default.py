@@ -42,6 +42,7 @@ Usage::
     python3 scripts/build_default.py --out OUT --skip-drafter  # data, tokenizer, target
     python3 scripts/build_default.py --out OUT2 --only-drafter --target-dir OUT/target
     python3 scripts/build_default.py --out OUT --tiny          # CPU smoke run, ~1 minute
+    python3 scripts/build_default.py --out OUT --set drafter_steps=8000   # one field changed
     python3 scripts/build_default.py --install-from OUT        # copy into dflash/data/default
 """
 
@@ -108,7 +109,7 @@ class Recipe:
     linear_value_head_dim: int = 64
     max_position_embeddings: int = 8192
     rope_theta: float = 10000.0
-    # target training (the shipped pair: these defaults, two device calls; BENCHMARKS.md)
+    # target training (the shipped pair: these defaults; BENCHMARKS.md)
     steps: int = 1000
     batch_size: int = 16
     seq_len: int = 1024
@@ -120,21 +121,21 @@ class Recipe:
     eval_every: int = 200
     eval_windows: int = 32  # held-out windows for the curve (the final eval uses all)
     final_eval_max_tokens: int = 2_000_000
-    # drafter (dflash train-drafter; the shipped drafter: these defaults, one device call)
-    drafter_steps: int = 6000
-    drafter_batch_size: int = 64
+    # drafter (dflash train-drafter; the shipped drafter: these defaults)
+    drafter_steps: int = 4000
+    drafter_batch_size: int = 128
     drafter_seq_len: int = 256
     drafter_prompt_len: int = 64  # teacher prompts and held-out eval prompts
     drafter_lr: float = 1e-3
     drafter_warmup: int = 200
     drafter_block_size: int = 16
     drafter_num_layers: int = 3
-    drafter_eval_every: int = 3000
-    drafter_save_every: int = 1500
+    drafter_eval_every: int = 2000
+    drafter_save_every: int = 1000
     drafter_eval_prompts: int = 16
     drafter_eval_tokens: int = 128  # generated per held-out prompt when measuring τ
     drafter_teacher: str = "generate"  # train on the target's own greedy responses
-    drafter_teacher_samples: int = 131072  # teacher responses generated once, then reused
+    drafter_teacher_samples: int = 196608  # teacher responses generated once, then reused
     drafter_teacher_batch: int = 8192  # responses generated at once
     drafter_anchors: int = 32  # anchored blocks per sequence per step
 

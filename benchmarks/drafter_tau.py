@@ -11,8 +11,11 @@ slightly different contents, so the numbers are close to, not equal to, the reci
 
     python3 benchmarks/drafter_tau.py [DRAFTER_DIR ...] [--prompts 12] [--tokens 128]
         [--seeds 1,2,3] [--device cpu|cuda]   # on CUDA the target runs in bf16, as in training
+        [--target TARGET_DIR]                 # another target (a fresh build's OUT/target)
 
-With no directory, the shipped drafter (``dflash/data/default/drafter``) is measured.
+With no directory, the shipped drafter (``dflash/data/default/drafter``) is measured; with
+no ``--target``, the shipped target. Prompts are always tokenized with the target's own
+``tokenizer.json``.
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ def main() -> None:
                     "result pools every step")
     ap.add_argument("--device", default="cpu", help="cpu (float32) or cuda (bfloat16)")
     ap.add_argument("--json", default=None, help="also write the numbers here")
+    ap.add_argument("--target", default=None,
+                    help="target model directory (default: the shipped target)")
     args = ap.parse_args()
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
@@ -89,7 +94,9 @@ def main() -> None:
             f"--seeds must be comma-separated integers (got {args.seeds!r})"
         ) from None
     root = Path(sysconfig.get_paths()["stdlib"])
-    target_dir = require_default("target")
+    target_dir = Path(args.target) if args.target else require_default("target")
+    if not (target_dir / "config.json").is_file():
+        raise SystemExit(f"--target {str(target_dir)!r} is not a model directory (no config.json)")
     tokenizer = load_tokenizer(target_dir)
     if tokenizer is None:
         raise SystemExit(f"{target_dir} has no tokenizer.json")
@@ -126,6 +133,7 @@ def main() -> None:
     ))
     if args.json:
         out = {"python_stdlib": str(root), "python": platform.python_version(),
+               "target": str(target_dir),
                "device": args.device, "heldout_files": len(held), "tokens": args.tokens,
                "prompt_len": args.prompt_len, "block_size": BLOCK, "runs": runs,
                "pooled": total}

@@ -853,8 +853,10 @@ def _field_value(name: str, text: str, default: Any) -> Any:
             if text.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(text)
             return text.lower() in ("true", "1")
-        if isinstance(default, int) or (default is None and name.startswith("max_")):
+        if default is None:  # the optional limits (max_files, max_file_bytes)
             return None if text.lower() == "none" else int(text)
+        if isinstance(default, int):
+            return int(text)
         if isinstance(default, float):
             return float(text)
     except ValueError:
@@ -863,6 +865,13 @@ def _field_value(name: str, text: str, default: Any) -> Any:
         )
         raise RecipeError(f"--set {name}={text}: not {kind}") from None
     return text
+
+
+#: numeric recipe fields that may be 0 (every other one must be > 0)
+_ZERO_OK = frozenset(
+    {"seed", "min_lr_ratio", "warmup", "weight_decay", "drafter_warmup",
+     "drafter_eval_every", "drafter_save_every"}
+)  # fmt: skip
 
 
 def recipe_from(args: argparse.Namespace) -> Recipe:
@@ -883,8 +892,11 @@ def recipe_from(args: argparse.Namespace) -> Recipe:
             known = ", ".join(sorted(fields))
             raise RecipeError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {known}")
         value = _field_value(name, text, fields[name])
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-            raise RecipeError(f"--set {item}: must be >= 0")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if name in _ZERO_OK and value < 0:
+                raise RecipeError(f"--set {item}: must be >= 0")
+            if name not in _ZERO_OK and value <= 0:
+                raise RecipeError(f"--set {item}: must be > 0")
         changes[name] = value
     return replace(recipe, **changes)
 

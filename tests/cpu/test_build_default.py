@@ -194,8 +194,15 @@ def test_set_overrides_recipe_fields() -> None:
         recipe("drafter_batch_size=1.5")
     with pytest.raises(bd.RecipeError, match="include_tests=maybe: not true or false"):
         recipe("include_tests=maybe")
-    with pytest.raises(bd.RecipeError, match="drafter_steps=-3: must be >= 0"):
-        recipe("drafter_steps=-3")
+    with pytest.raises(bd.RecipeError, match="drafter_steps=0: must be > 0"):
+        recipe("drafter_steps=0")
+    with pytest.raises(bd.RecipeError, match=r"--set lr=0\.0: must be > 0"):
+        recipe("lr=0.0")
+    with pytest.raises(bd.RecipeError, match=r"weight_decay=-0\.1: must be >= 0"):
+        recipe("weight_decay=-0.1")
+    assert recipe("seed=0", "drafter_save_every=0").drafter_save_every == 0
+    with pytest.raises(bd.RecipeError, match="drafter_steps=none: not an integer"):
+        recipe("drafter_steps=none")  # only the optional limits take none
 
 
 @pytest.mark.slow

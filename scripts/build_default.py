@@ -892,6 +892,8 @@ def recipe_from(args: argparse.Namespace) -> Recipe:
             known = ", ".join(sorted(fields))
             raise RecipeError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {known}")
         value = _field_value(name, text, fields[name])
+        if name == "drafter_teacher" and value not in ("generate", "data"):
+            raise RecipeError(f"--set {item}: drafter_teacher is generate or data")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if name in _ZERO_OK and value < 0:
                 raise RecipeError(f"--set {item}: must be >= 0")

@@ -201,6 +201,8 @@ def test_set_overrides_recipe_fields() -> None:
     with pytest.raises(bd.RecipeError, match=r"weight_decay=-0\.1: must be >= 0"):
         recipe("weight_decay=-0.1")
     assert recipe("seed=0", "drafter_save_every=0").drafter_save_every == 0
+    with pytest.raises(bd.RecipeError, match="drafter_teacher=gen: drafter_teacher is generate"):
+        recipe("drafter_teacher=gen")  # refused before any training, not by train-drafter
     with pytest.raises(bd.RecipeError, match="drafter_steps=none: not an integer"):
         recipe("drafter_steps=none")  # only the optional limits take none
 

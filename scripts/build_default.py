@@ -880,8 +880,9 @@ def recipe_from(args: argparse.Namespace) -> Recipe:
     for name in ("seed", "steps", "drafter_steps"):
         value = getattr(args, name)
         if value is not None:
-            if value < (0 if name == "seed" else 1):
-                raise RecipeError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
+            least = 0 if name in _ZERO_OK else 1  # the --set rule for integers
+            if value < least:
+                raise RecipeError(f"--{name.replace('_', '-')} must be >= {least} (got {value})")
             changes[name] = value
     if args.include_tests:
         changes["include_tests"] = True

@@ -166,6 +166,9 @@ def test_install_refuses_oversized_or_incomplete(tmp_path: Path) -> None:
 def test_bad_arguments() -> None:
     with pytest.raises(bd.RecipeError, match="--steps must be >= 1"):
         bd.recipe_from(bd.parse_args(["--out", "x", "--steps", "0"]))
+    with pytest.raises(bd.RecipeError, match="--seed must be >= 0"):
+        bd.recipe_from(bd.parse_args(["--out", "x", "--seed", "-1"]))
+    assert bd.recipe_from(bd.parse_args(["--out", "x", "--seed", "0"])).seed == 0
     with pytest.raises(bd.RecipeError, match="exclude each other"):
         bd.main(["--out", "x", "--skip-drafter", "--only-drafter"])
 

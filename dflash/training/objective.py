@@ -87,10 +87,7 @@ def block_forward(drafter: DFlashDrafter, ids: Tensor, features: Tensor, anchors
     x = drafter.embed(block.reshape(n, a * b))  # [N, A*B, H]
     anchor_of_q = anchors.repeat_interleave(b, dim=1)  # [N, A*B]
     sees_ctx = ctx_pos[:, None, :] < anchor_of_q[:, :, None]  # [N, A*B, S]
-    block_of = torch.arange(a * b, device=device) // b
-    same_block = (block_of[:, None] == block_of[None, :]).expand(n, -1, -1)  # [N, A*B, A*B]
-    visible = torch.cat([sees_ctx, same_block], dim=2)  # [N, A*B, S + A*B]
-    return drafter.run_block(x, q_pos, kv, ctx_pos, visible)
+    return drafter.run_blocks(x, q_pos, kv, ctx_pos, sees_ctx, b)  # each block sees itself
 
 
 def block_loss(

@@ -44,7 +44,13 @@ from dflash.model.drafters.dflash_checkpoint import (
     write_checkpoint,
 )
 from dflash.model.drafters.dflash_config import DFlashConfig
-from dflash.model.drafters.dflash_layers import DrafterLayer, RMSNorm, Rotary, visibility
+from dflash.model.drafters.dflash_layers import (
+    BlockedVisibility,
+    DrafterLayer,
+    RMSNorm,
+    Rotary,
+    visibility,
+)
 from dflash.model.drafters.errors import (
     DraftArgumentError,
     TapLayerRangeError,
@@ -250,6 +256,46 @@ class DFlashDrafter(nn.Module):
             )
             if extra_visible is not None:
                 visible = extra_visible if visible is None else visible & extra_visible
+            k_ctx, v_ctx = ctx_kv[i]
+            x = layer(x, k_ctx, v_ctx, cos, sin, visible)
+        out: Tensor = self.norm(x)
+        return out
+
+    def run_blocks(
+        self,
+        x: Tensor,
+        q_pos: Tensor,
+        ctx_kv: ContextKV,
+        k_ctx_pos: Tensor,
+        sees_context: Tensor,
+        block_size: int,
+    ) -> Tensor:
+        """The drafter layers over many anchored blocks at once (training); ``norm(x)``.
+
+        :meth:`run_block` with the training mask — every block sees the context rows
+        ``sees_context`` allows and its own rows, never another block — computed block by
+        block (:func:`blocked_attention`: ``C + B`` scores per query, not ``C + Q``).
+
+        Args:
+            x: [N, Q, H] embedded rows of ``Q / block_size`` blocks at positions ``q_pos``.
+            ctx_kv: per layer k, v [N, kv_heads, C, D] of context rows at ``k_ctx_pos``.
+            sees_context: [N, Q, C] bool, ANDed with each layer's causal / window rule.
+        """
+        n, q_len = q_pos.shape
+        if q_len % block_size:
+            raise ValueError(f"{q_len} query rows are not whole blocks of {block_size}")
+        cos, sin = self.rotary(q_pos, x.dtype)
+        blocks = q_pos.reshape(n * (q_len // block_size), block_size)
+        cfg = self.config
+        for i, layer in enumerate(self._layers()):
+            causal, window = cfg.layer_causal(i), cfg.layer_window(i)
+            ctx_rule = visibility(q_pos, k_ctx_pos, causal=causal, window=window)
+            blk_rule = visibility(blocks, blocks, causal=causal, window=window)
+            visible = BlockedVisibility(
+                sees_context if ctx_rule is None else ctx_rule & sees_context,
+                None if blk_rule is None else blk_rule.reshape(n, -1, block_size, block_size),
+                block_size,
+            )
             k_ctx, v_ctx = ctx_kv[i]
             x = layer(x, k_ctx, v_ctx, cos, sin, visible)
         out: Tensor = self.norm(x)

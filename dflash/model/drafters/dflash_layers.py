@@ -20,6 +20,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -150,6 +151,77 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + rotated * sin[:, None]
 
 
+@dataclass(frozen=True)
+class BlockedVisibility:
+    """Which keys the queries of many anchored blocks see (the training layout).
+
+    The ``Q`` query rows are ``Q / block_size`` blocks of ``block_size`` rows; a block's
+    keys are the ``C`` context rows and its own rows, never another block's. ``context``:
+    [N, Q, C] bool (True: visible) or None (all visible); ``block``: [N, A, B, B] bool
+    (query row, key row within the block) or None (all visible).
+    """
+
+    context: Tensor | None
+    block: Tensor | None
+    block_size: int
+
+
+def blocked_attention(
+    q: Tensor,
+    k_ctx: Tensor,
+    v_ctx: Tensor,
+    k_blk: Tensor,
+    v_blk: Tensor,
+    visible: BlockedVisibility,
+    scale: float,
+) -> Tensor:
+    """Grouped-query attention of every block over [context ; its own block].
+
+    The same function as attention over [context ; every block] with the other blocks
+    masked out, without computing the masked block-to-block scores: each query has
+    ``C + B`` scores instead of ``C + Q``. Plain matmuls and a softmax in float32 (float64
+    for float64 inputs), whose backward is deterministic; every row must see a key.
+
+    q: [N, heads, Q, D]; k_ctx, v_ctx: [N, kv_heads, C, D]; k_blk, v_blk: [N, kv_heads, Q, D]
+    → [N, heads, Q, D].
+    """
+    n, heads, q_len, d = q.shape
+    kv_heads, c, b = k_ctx.shape[1], k_ctx.shape[2], visible.block_size
+    if q_len % b:
+        raise ValueError(f"{q_len} query rows are not whole blocks of {b}")
+    g, a = heads // kv_heads, q_len // b
+    # query head h reads kv head h // g: heads grouped as [kv_heads, g]
+    s_ctx = torch.matmul(q.reshape(n, kv_heads, g * q_len, d), k_ctx.transpose(-1, -2))
+    q_blocks = q.reshape(n, kv_heads, g, a, b, d)
+    k_blocks = k_blk.reshape(n, kv_heads, 1, a, b, d)
+    s_blk = torch.matmul(q_blocks, k_blocks.transpose(-1, -2))  # [N, kv, g, A, B, B]
+    scores = torch.cat(
+        [s_ctx.reshape(n, kv_heads, g, q_len, c), s_blk.reshape(n, kv_heads, g, q_len, b)],
+        dim=-1,
+    )
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
+    if visible.context is not None or visible.block is not None:
+        ctx_keep = (
+            visible.context
+            if visible.context is not None
+            else torch.ones(n, q_len, c, dtype=torch.bool, device=q.device)
+        )
+        blk_keep = (
+            visible.block.reshape(n, q_len, b)
+            if visible.block is not None
+            else torch.ones(n, q_len, b, dtype=torch.bool, device=q.device)
+        )
+        keep = torch.cat([ctx_keep, blk_keep], dim=-1)[:, None, None]  # [N, 1, 1, Q, C+B]
+        scores = scores.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(v_ctx.dtype)
+    o_ctx = torch.matmul(p[..., :c].reshape(n, kv_heads, g * q_len, c), v_ctx)
+    o_blk = torch.matmul(
+        p[..., c:].reshape(n, kv_heads, g, a, b, b), v_blk.reshape(n, kv_heads, 1, a, b, d)
+    )
+    o = o_ctx.reshape(n, kv_heads, g, q_len, d) + o_blk.reshape(n, kv_heads, g, q_len, d)
+    return o.reshape(n, heads, q_len, d)
+
+
 class DraftAttention(nn.Module):
     """Grouped-query attention of block queries over [context ; block] keys/values."""
 
@@ -182,14 +254,16 @@ class DraftAttention(nn.Module):
         v_ctx: Tensor,
         cos: Tensor,
         sin: Tensor,
-        visible: Tensor | None,
+        visible: Tensor | BlockedVisibility | None,
     ) -> Tensor:
         """Attention of the block over [context ; block].
 
         Args:
             x: [N, Q, H] the (normed) block rows; cos/sin: [N, Q, D] at their positions.
             k_ctx, v_ctx: [N, kv_heads, C, D] context keys (rotated) / values.
-            visible: [N, Q, C+Q] bool (True: key visible) or None (every key visible).
+            visible: [N, Q, C+Q] bool (True: key visible), None (every key visible), or a
+                :class:`BlockedVisibility` (training: many blocks, each over the context
+                and itself only, computed without the blocks' cross terms).
 
         Returns:
             [N, Q, H].
@@ -198,6 +272,11 @@ class DraftAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(n, q_len, self.num_heads, self.head_dim))
         q = rotate(q.transpose(1, 2), cos, sin)  # [N, heads, Q, D]
         k_blk, v_blk = self.keys_values(x, cos, sin)  # [N, kv_heads, Q, D]
+        if isinstance(visible, BlockedVisibility):
+            o = blocked_attention(q, k_ctx, v_ctx, k_blk, v_blk, visible, self.head_dim**-0.5)
+            o = o.transpose(1, 2).reshape(n, q_len, self.num_heads * self.head_dim)
+            blocked: Tensor = self.o_proj(o)
+            return blocked
         k = torch.cat([k_ctx, k_blk], dim=2)  # [N, kv_heads, C+Q, D]
         v = torch.cat([v_ctx, v_blk], dim=2)
         group = self.num_heads // self.num_kv_heads

@@ -75,3 +75,62 @@ def test_anchors_are_distinct_sorted_and_leave_room_for_the_block() -> None:
     assert all(len(set(r)) == 5 and r == sorted(r) for r in b.tolist())
     with pytest.raises(ValueError, match="no anchor fits"):
         sample_anchors(18, 20, 4, 5, 1, gen)
+
+
+def _dense_block_forward(
+    d: DFlashDrafter, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor
+) -> torch.Tensor:
+    """The training forward as one attention over [context ; every block] with a dense
+    mask (the other blocks masked out): what :func:`block_forward` computes block by block."""
+    n, s = ids.shape
+    b, a = d.config.block_size, anchors.shape[1]
+    ctx_pos = torch.arange(s).expand(n, s)
+    kv = d.context_kv(d.project_context(feats), ctx_pos)
+    q_pos = (anchors[:, :, None] + torch.arange(b)).reshape(n, a * b)
+    block = torch.full((n, a, b), d.config.mask_token_id, dtype=torch.long)
+    block[:, :, 0] = torch.gather(ids, 1, anchors)
+    x = d.embed(block.reshape(n, a * b))
+    sees_ctx = ctx_pos[:, None, :] < anchors.repeat_interleave(b, dim=1)[:, :, None]
+    block_of = torch.arange(a * b) // b
+    same_block = (block_of[:, None] == block_of[None, :]).expand(n, -1, -1)
+    return d.run_block(x, q_pos, kv, ctx_pos, torch.cat([sees_ctx, same_block], dim=2))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"num_attention_heads": 4, "num_key_value_heads": 2},  # grouped queries
+        {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 3},
+        {"is_causal": True},
+    ],
+)
+def test_blocked_training_attention_equals_the_dense_mask_with_its_gradients(
+    changes: dict[str, object],
+) -> None:
+    d = drafter(**changes).train().requires_grad_(True)
+    gen = torch.Generator().manual_seed(5)
+    n, s = 2, 16
+    ids = torch.randint(0, V - 1, (n, s), generator=gen)
+    feats = torch.randn(n, s, d.config.feature_size, generator=gen, dtype=torch.float64)
+    anchors = torch.tensor([[1, 4, 9, 11], [0, 3, 6, 12]])
+    probe = torch.randn(n, 16, H, generator=gen, dtype=torch.float64)
+    grads = []
+    for forward in (block_forward, _dense_block_forward):
+        d.zero_grad(set_to_none=True)
+        out = forward(d, ids, feats, anchors)
+        (out * probe).sum().backward()  # type: ignore[no-untyped-call]  # torch's stub is untyped
+        grads.append((out.detach(), {k: p.grad.clone() for k, p in d.named_parameters()}))
+    (got, got_g), (want, want_g) = grads
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert got_g.keys() == want_g.keys()
+    for name in want_g:
+        torch.testing.assert_close(got_g[name], want_g[name], rtol=1e-9, atol=1e-10, msg=name)
+
+
+def test_blocked_attention_refuses_rows_that_are_not_whole_blocks() -> None:
+    d = drafter()
+    x = torch.zeros(1, 6, H, dtype=torch.float64)
+    pos = torch.arange(6)[None]
+    kv = d.context_kv(torch.zeros(1, 3, H, dtype=torch.float64), torch.arange(3)[None])
+    with pytest.raises(ValueError, match="6 query rows are not whole blocks of 4"):
+        d.run_blocks(x, pos, kv, torch.arange(3)[None], torch.ones(1, 6, 3, dtype=torch.bool), 4)

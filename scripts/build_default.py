@@ -122,7 +122,7 @@ class Recipe:
     eval_windows: int = 32  # held-out windows for the curve (the final eval uses all)
     final_eval_max_tokens: int = 2_000_000
     # drafter (dflash train-drafter; the shipped drafter: these defaults)
-    drafter_steps: int = 4000
+    drafter_steps: int = 10500
     drafter_batch_size: int = 128
     drafter_seq_len: int = 256
     drafter_prompt_len: int = 64  # teacher prompts and held-out eval prompts
@@ -135,7 +135,7 @@ class Recipe:
     drafter_eval_prompts: int = 16
     drafter_eval_tokens: int = 128  # generated per held-out prompt when measuring τ
     drafter_teacher: str = "generate"  # train on the target's own greedy responses
-    drafter_teacher_samples: int = 196608  # teacher responses generated once, then reused
+    drafter_teacher_samples: int = 393216  # teacher responses generated once, then reused
     drafter_teacher_batch: int = 8192  # responses generated at once
     drafter_anchors: int = 32  # anchored blocks per sequence per step
 

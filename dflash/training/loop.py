@@ -5,8 +5,10 @@ own greedy responses to data prompts, or raw data), each step a batch of sequenc
 tap features the frozen target computes without gradients, ``anchors`` random anchored
 blocks per sequence trained in one forward (:mod:`objective`), position-decayed
 cross-entropy, AdamW with linear warm-up then cosine decay to 0, gradient clipping, bf16
-autocast on CUDA (float32 master weights), attention on SDPA's math backend (a
-deterministic backward; on CUDA torch's deterministic algorithms are on for the run).
+autocast on CUDA (float32 master weights), the blocks' attention as plain matmuls and a
+float32 softmax, block by block (:func:`dflash.model.drafters.dflash_layers.
+blocked_attention`: a deterministic backward; on CUDA torch's deterministic algorithms are
+on for the run).
 
 Outputs under ``out``: the drafter in z-lab's format (``config.json`` +
 ``model.safetensors``), ``train_log.json`` (loss curve; held-out τ and held-out loss per
@@ -521,8 +523,9 @@ def train_drafter(cfg: TrainConfig, *, stream: TextIO | None = None) -> TrainRes
     autocast = torch.autocast(
         "cuda", dtype=torch.bfloat16, enabled=cuda and cfg.dtype == "bfloat16"
     )
-    # the drafter's attention trains on SDPA's math backend (a deterministic backward), and
-    # on CUDA torch's deterministic algorithms are on for the run (warning on any op without)
+    # the blocks' attention is plain matmuls (a deterministic backward; any SDPA call in the
+    # step runs on the math backend), and on CUDA torch's deterministic algorithms are on
+    # for the run (warning on any op without)
     with _deterministic(cuda):
         t_last, tokens_since = time.perf_counter(), 0
         for step in range(start, cfg.steps):

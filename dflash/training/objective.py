@@ -67,10 +67,21 @@ class BlockLoss:
     tokens: int  # labelled slots in the batch
 
 
-def block_forward(drafter: DFlashDrafter, ids: Tensor, features: Tensor, anchors: Tensor) -> Tensor:
+def block_forward(
+    drafter: DFlashDrafter,
+    ids: Tensor,
+    features: Tensor,
+    anchors: Tensor,
+    *,
+    dense: bool = False,
+) -> Tensor:
     """Final hidden states of every anchored block: [N, A*B, H].
 
     ids: [N, S] long; features: [N, S, F] (the frozen target's taps); anchors: [N, A].
+    Each block attends over the context and itself only (:meth:`DFlashDrafter.run_blocks`,
+    ``C + B`` scores per query); ``dense=True`` computes the same function as one
+    attention over [context ; every block] with the other blocks masked out (``C + A*B``
+    scores per query: the reference the blocked form is tested and timed against).
     """
     n, s = ids.shape
     b = drafter.config.block_size
@@ -87,7 +98,12 @@ def block_forward(drafter: DFlashDrafter, ids: Tensor, features: Tensor, anchors
     x = drafter.embed(block.reshape(n, a * b))  # [N, A*B, H]
     anchor_of_q = anchors.repeat_interleave(b, dim=1)  # [N, A*B]
     sees_ctx = ctx_pos[:, None, :] < anchor_of_q[:, :, None]  # [N, A*B, S]
-    return drafter.run_blocks(x, q_pos, kv, ctx_pos, sees_ctx, b)  # each block sees itself
+    if not dense:
+        return drafter.run_blocks(x, q_pos, kv, ctx_pos, sees_ctx, b)  # each block sees itself
+    block_of = torch.arange(a * b, device=device) // b
+    same_block = (block_of[:, None] == block_of[None, :]).expand(n, -1, -1)  # [N, A*B, A*B]
+    visible = torch.cat([sees_ctx, same_block], dim=2)  # [N, A*B, S + A*B]
+    return drafter.run_block(x, q_pos, kv, ctx_pos, visible)
 
 
 def block_loss(
@@ -96,11 +112,13 @@ def block_loss(
     features: Tensor,
     anchors: Tensor,
     gamma: float,
+    *,
+    dense: bool = False,
 ) -> BlockLoss:
     """The position-weighted cross-entropy of :func:`block_forward`'s blocks (module doc)."""
     n, _ = ids.shape
     b = drafter.config.block_size
-    hidden = block_forward(drafter, ids, features, anchors)  # [N, A*B, H]
+    hidden = block_forward(drafter, ids, features, anchors, dense=dense)  # [N, A*B, H]
     device = hidden.device
     logits = drafter.logits(hidden).float()  # [N, A*B, V]
     q_pos = (anchors.to(device)[:, :, None] + torch.arange(b, device=device)).reshape(n, -1)

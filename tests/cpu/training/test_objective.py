@@ -77,25 +77,6 @@ def test_anchors_are_distinct_sorted_and_leave_room_for_the_block() -> None:
         sample_anchors(18, 20, 4, 5, 1, gen)
 
 
-def _dense_block_forward(
-    d: DFlashDrafter, ids: torch.Tensor, feats: torch.Tensor, anchors: torch.Tensor
-) -> torch.Tensor:
-    """The training forward as one attention over [context ; every block] with a dense
-    mask (the other blocks masked out): what :func:`block_forward` computes block by block."""
-    n, s = ids.shape
-    b, a = d.config.block_size, anchors.shape[1]
-    ctx_pos = torch.arange(s).expand(n, s)
-    kv = d.context_kv(d.project_context(feats), ctx_pos)
-    q_pos = (anchors[:, :, None] + torch.arange(b)).reshape(n, a * b)
-    block = torch.full((n, a, b), d.config.mask_token_id, dtype=torch.long)
-    block[:, :, 0] = torch.gather(ids, 1, anchors)
-    x = d.embed(block.reshape(n, a * b))
-    sees_ctx = ctx_pos[:, None, :] < anchors.repeat_interleave(b, dim=1)[:, :, None]
-    block_of = torch.arange(a * b) // b
-    same_block = (block_of[:, None] == block_of[None, :]).expand(n, -1, -1)
-    return d.run_block(x, q_pos, kv, ctx_pos, torch.cat([sees_ctx, same_block], dim=2))
-
-
 @pytest.mark.parametrize(
     "changes",
     [
@@ -115,9 +96,9 @@ def test_blocked_training_attention_equals_the_dense_mask_with_its_gradients(
     anchors = torch.tensor([[1, 4, 9, 11], [0, 3, 6, 12]])
     probe = torch.randn(n, 16, H, generator=gen, dtype=torch.float64)
     grads = []
-    for forward in (block_forward, _dense_block_forward):
+    for dense in (False, True):
         d.zero_grad(set_to_none=True)
-        out = forward(d, ids, feats, anchors)
+        out = block_forward(d, ids, feats, anchors, dense=dense)
         (out * probe).sum().backward()  # type: ignore[no-untyped-call]  # torch's stub is untyped
         grads.append((out.detach(), {k: p.grad.clone() for k, p in d.named_parameters()}))
     (got, got_g), (want, want_g) = grads

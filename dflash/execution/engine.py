@@ -33,7 +33,7 @@ from dflash.execution.policy import RollbackPolicy, RollbackStatus, parse_mode
 from dflash.execution.shards import ShardedTarget, device_ids
 from dflash.geometry import ChainGeometry, require_chain
 from dflash.model import RecurrentPool
-from dflash.model.drafters import DeviceDrafter, Drafter, stack_tap_features
+from dflash.model.drafters import DeviceDrafter, Drafter, ScoredDrafter, stack_tap_features
 
 
 @dataclass(frozen=True)
@@ -195,10 +195,13 @@ class SpecDecoder:
             self.life.move("verify")
         B, step = self.block_size, len(self.records)
         self._forwards_before = self.target_forwards
+        confidence: list[float] | None = None
         if self._next_guesses is not None:  # drafted on the device by the previous step
             proposal, self._next_guesses = self._next_guesses, None
         else:
             proposal = self.drafter.propose(list(self.context), self.last, B, self.features)
+            if isinstance(self.drafter, ScoredDrafter):
+                confidence = self.drafter.confidence()
         guesses = self._check_proposal(proposal)
         if self.committed + B > self.target.max_len:
             raise ExecutionError(
@@ -211,10 +214,11 @@ class SpecDecoder:
             self.policy.fast and self.gate.pending and self.fast_unavailable_reason is None
         )
         # the verify window: the whole block, or on CPU tiles the part that ends on a tile
-        # boundary, capped after a partly accepted step (a prefix of the draft: lossless);
+        # boundary, cut where the drafter's guesses grow unlikely (or, without its
+        # confidence, capped after a partly accepted step): a prefix of the draft, lossless;
         # the gate's step verifies the whole block
         last = (self.records[-1].accept_n, len(self.records[-1].draft)) if self.records else None
-        T = B if gate_run else self.target.verify_window(self.committed, B, last)
+        T = B if gate_run else self.target.verify_window(self.committed, B, last, confidence)
         d = [self.last, *guesses[: T - 1]]  # d: [T]
         geometry = chain_of(len(d))
         self.target.require_position(self.committed, what="before verify")

@@ -224,11 +224,18 @@ class ShardedTarget:
             return f"graphs=True was asked for a target without graphs ({self.graphs_off_reason})"
         return None
 
-    def verify_window(self, start: int, block: int, last: tuple[int, int] | None = None) -> int:
+    def verify_window(
+        self,
+        start: int,
+        block: int,
+        last: tuple[int, int] | None = None,
+        confidence: Sequence[float] | None = None,
+    ) -> int:
         """How many tokens of a ``block``-token draft at position ``start`` to verify: on CPU
         shards built with ``windows`` :func:`dflash.model.tiles.tile_window` (``last``: the
-        previous step's ``(commit_n, window)``), else the whole block."""
-        return tile_window(start, block, last) if self._windowed else block
+        previous step's ``(commit_n, window)``; ``confidence``: the drafter's probability
+        of each guess, when it reports them), else the whole block."""
+        return tile_window(start, block, last, confidence) if self._windowed else block
 
     def _place(self) -> None:
         """Every layer on its shard's device (a no-op for layers already there)."""

@@ -18,7 +18,7 @@ verify) instead of one per token.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -28,9 +28,17 @@ TILE_ROWS = 16  # rows per tile: the Triton linear kernel's row tile, so CPU and
 MIN_WINDOW = 4
 #: tokens a CPU verify window reaches past the previous step's commit (see tile_window)
 WINDOW_MARGIN = 4
+#: a CPU verify window holds the guesses while the drafter's own probability that all of
+#: them are right stays at least this (see tile_window)
+CONFIDENCE_FLOOR = 0.1
 
 
-def tile_window(start: int, block: int, last: tuple[int, int] | None = None) -> int:
+def tile_window(
+    start: int,
+    block: int,
+    last: tuple[int, int] | None = None,
+    confidence: Sequence[float] | None = None,
+) -> int:
     """The verify window for a ``block``-token draft whose first token sits at ``start``.
 
     A forward costs one evaluation per tile it touches, so a verify that would spill a few
@@ -38,18 +46,45 @@ def tile_window(start: int, block: int, last: tuple[int, int] | None = None) -> 
     TILE_ROWS`` tokens when that is at least :data:`MIN_WINDOW` and less than ``block``,
     else the whole block.
 
-    ``last`` is ``(commit_n, window)`` of the previous step. On CPU each verified token
-    also costs its own recurrent update and attention row (about a millisecond for the
-    default target, against a 20 ms decode), and accepted lengths come in runs: after a
-    step that did not accept its whole window the window is capped at ``commit_n +``
-    :data:`WINDOW_MARGIN` tokens (never below :data:`MIN_WINDOW`); after one that did, it
-    is not capped. Verifying a prefix of the draft is lossless (the rest was never going to
-    be accepted without it); only the expected number of accepted tokens changes.
+    On CPU each verified token also costs its own recurrent update and attention row
+    (1.0-1.6 ms for the default target, against a 25 ms decode), so the window is cut
+    further where the rest of the draft is unlikely to be accepted. Verifying a prefix of
+    the draft is lossless (the rest was never going to be accepted without it); only the
+    expected number of accepted tokens changes.
+
+    ``confidence`` (the drafter's probability of each of its ``block - 1`` guesses, when
+    it reports them): the window holds guess ``k`` while the product of the first ``k``
+    probabilities — the drafter's estimate that all ``k`` are accepted — is at least
+    :data:`CONFIDENCE_FLOOR`, and at least one guess. The floor is where a guess stops
+    paying: verifying one costs about 1.6 ms there, and a step costs about 15 ms per
+    token it commits, so a guess accepted with probability below ~0.1 costs more than it
+    is expected to save.
+
+    ``last`` (without ``confidence``) is ``(commit_n, window)`` of the previous step:
+    accepted lengths come in runs, so after a step that did not accept its whole window
+    the window is capped at ``commit_n +`` :data:`WINDOW_MARGIN` tokens (never below
+    :data:`MIN_WINDOW`); after one that did, it is not capped.
     """
     if start < 0 or block < 1:
         raise ValueError(f"'start' must be >= 0 and 'block' >= 1 (got {start}, {block})")
     room = TILE_ROWS - start % TILE_ROWS
     window = room if MIN_WINDOW <= room < block else block
+    if confidence is not None:
+        probs = list(confidence)
+        if len(probs) != block - 1 or not all(
+            isinstance(c, float) and 0.0 <= c <= 1.0 for c in probs
+        ):
+            raise ValueError(
+                f"'confidence' must be {block - 1} probabilities in [0, 1], one per guess "
+                f"(got {probs!r})"
+            )
+        held, joint = 0, 1.0
+        for c in probs:
+            joint *= c
+            if joint < CONFIDENCE_FLOOR:
+                break
+            held += 1
+        return min(window, 1 + max(1, held)) if block > 1 else window
     if last is not None:
         commit_n, verified = last
         if not 1 <= commit_n <= verified:

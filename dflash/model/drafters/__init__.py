@@ -7,7 +7,12 @@
   against the target's own greedy continuation.
 """
 
-from dflash.model.drafters.base import DeviceDrafter, Drafter, stack_tap_features
+from dflash.model.drafters.base import (
+    DeviceDrafter,
+    Drafter,
+    ScoredDrafter,
+    stack_tap_features,
+)
 from dflash.model.drafters.dflash_config import DFlashConfig, default_tap_layers
 from dflash.model.drafters.dflash_drafter import DFlashDrafter
 from dflash.model.drafters.errors import (
@@ -52,6 +57,7 @@ __all__ = [
     "Oracle",
     "OracleMismatchError",
     "PromptLookupDrafter",
+    "ScoredDrafter",
     "SyntheticDrafter",
     "TapLayerRangeError",
     "TargetMismatchError",

@@ -44,6 +44,20 @@ class Drafter(Protocol):
 
 
 @runtime_checkable
+class ScoredDrafter(Drafter, Protocol):
+    """A drafter that also says how sure it is of its last proposal.
+
+    ``confidence()`` is the probability the drafter gave each guess of its most recent
+    ``propose`` (``block_size - 1`` floats in [0, 1], in guess order), or None when it has
+    none (nothing proposed since the last reset, or the last guesses came from the device).
+    On CPU the engine verifies only the guesses that are likely enough to be accepted
+    (:func:`dflash.model.tiles.tile_window`); the emitted tokens do not depend on it.
+    """
+
+    def confidence(self) -> list[float] | None: ...
+
+
+@runtime_checkable
 class DeviceDrafter(Drafter, Protocol):
     """A drafter that can also draft on the device: after ``start_device`` (the prompt's
     tap rows), each step's inputs stay on the device (``set_device_inputs``: the verify's

@@ -113,6 +113,7 @@ class DFlashDrafter(nn.Module):
         object.__setattr__(self, "_lm_head_weight", lm_head_weight)
         self._cache: list[tuple[Tensor, Tensor]] = []  # per layer k, v [1, kv_heads, cap, D]
         self._tokens: list[int] = []  # the committed tokens whose K/V are cached
+        self._confidence: list[float] | None = None  # the last host proposal's probabilities
         self.rows_projected = 0  # context rows the host path ran through fc (cost accounting)
         self._device: _DeviceCache | None = None
         #: bumped whenever the device buffers are allocated anew (graphs of the old ones
@@ -322,6 +323,7 @@ class DFlashDrafter(nn.Module):
         """Forget the cached context (the next ``propose`` must bring every row)."""
         self._cache = []
         self._tokens = []
+        self._confidence = None
 
     def propose(
         self, context: list[int], last: int, block_size: int, features: Tensor | None
@@ -335,11 +337,22 @@ class DFlashDrafter(nn.Module):
         check_token("last", last, self.config.vocab_size)
         tokens = check_context(context, check_tokens=False)
         features = self._check_features(features, len(tokens))
+        self._confidence = None
         with torch.no_grad():
             self._extend(tokens, features)
             hidden = self._draft_hidden(last, block_size)  # [B, H]
             logits = self.logits(hidden[1:])  # [B-1, V]: the mask slots
-        return [int(t) for t in logits.argmax(dim=-1).tolist()]
+            picked = logits.argmax(dim=-1)  # [B-1]
+            wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            probs = torch.softmax(wide, dim=-1).gather(-1, picked[:, None])[:, 0]
+        guesses = [int(t) for t in picked.tolist()]
+        self._confidence = [float(c) for c in probs.tolist()]
+        return guesses
+
+    def confidence(self) -> list[float] | None:
+        """The softmax probability of each guess of the last :meth:`propose` (None before
+        one, after :meth:`reset`, and for proposals made on the device)."""
+        return None if self._confidence is None else list(self._confidence)
 
     @torch.no_grad()
     def propose_uncached(self, features: Tensor, last: int, block_size: int) -> list[int]:

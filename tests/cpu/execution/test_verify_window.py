@@ -8,7 +8,13 @@ import pytest
 from dflash.execution import RollbackPolicy, ShardedTarget, SpecDecoder, generate, plan_shards
 from dflash.model import TargetModel, greedy_generate
 from dflash.model.drafters import PromptLookupDrafter, SyntheticDrafter
-from dflash.model.tiles import MIN_WINDOW, TILE_ROWS, WINDOW_MARGIN, tile_window
+from dflash.model.tiles import (
+    CONFIDENCE_FLOOR,
+    MIN_WINDOW,
+    TILE_ROWS,
+    WINDOW_MARGIN,
+    tile_window,
+)
 
 
 def test_the_window_rule() -> None:
@@ -37,6 +43,61 @@ def test_the_window_cap_after_a_partly_accepted_step() -> None:
     for bad in ((0, 4), (5, 4), (-1, 2)):
         with pytest.raises(ValueError, match="1 <= commit_n <= window"):
             tile_window(0, 16, bad)
+
+
+def test_the_window_follows_the_drafters_confidence() -> None:
+    assert CONFIDENCE_FLOOR == 0.1
+    assert tile_window(0, 16, None, [0.9] * 15) == 16  # 0.9^15 = 0.21: every guess
+    assert tile_window(0, 16, None, [0.5] * 15) == 4  # 0.5^3 = 0.125, 0.5^4 < 0.1
+    assert tile_window(0, 16, None, [1.0, 1.0, 0.05] + [1.0] * 12) == 3
+    assert tile_window(0, 16, None, [0.1] + [1.0] * 14) == 16  # the floor itself is held
+    assert tile_window(0, 16, None, [0.05] + [1.0] * 14) == 2  # always one guess
+    assert tile_window(10, 16, None, [0.9] * 15) == 6  # the tile's room still bounds it
+    assert tile_window(0, 16, (1, 16), [0.9] * 15) == 16  # the commit cap gives way to it
+    assert tile_window(0, 3, None, [0.01, 0.01]) == 2  # short blocks are cut too
+    for bad in ([0.5] * 14, [0.5] * 14 + [1.5], [0.5] * 14 + [float("nan")], [1] * 15):
+        with pytest.raises(ValueError, match="15 probabilities in \\[0, 1\\], one per guess"):
+            tile_window(0, 16, None, bad)
+
+
+class _Scored(SyntheticDrafter):
+    """A synthetic drafter that reports a fixed confidence pattern, cycling per step."""
+
+    patterns = ([0.95] * 15, [0.6] * 15, [0.3] + [1.0] * 14, [0.04] * 15)
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]  # SyntheticDrafter's own
+        self.calls = 0
+
+    def propose(self, *args: object, **kwargs: object) -> list[int]:
+        self.calls += 1
+        return super().propose(*args, **kwargs)  # type: ignore[arg-type]  # as above
+
+    def confidence(self) -> list[float] | None:
+        return list(self.patterns[(self.calls - 1) % len(self.patterns)])
+
+
+@pytest.mark.parametrize("mode", ["replay", "checkpoint"])
+def test_cpu_windows_follow_a_scored_drafters_confidence(tiny: TargetModel, mode: str) -> None:
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    oracle = greedy_generate(tiny, prompt, 60)
+    drafter = _Scored(prompt + oracle, 0.9, tiny.config.vocab_size, seed=3)
+    target = ShardedTarget(tiny, plan_shards(6), max_len=len(prompt) + 80, max_draft=16)
+    engine = SpecDecoder(target, drafter, block_size=16,
+                         policy=RollbackPolicy(mode=mode))  # type: ignore[arg-type]
+    out = [engine.prefill(prompt)]
+    starts = []
+    while len(out) < 60:
+        starts.append(engine.committed)
+        out.extend(engine.step())
+    assert out[:60] == oracle  # a prefix of the draft: the same tokens
+    gate_steps = {0} if mode != "replay" else set()
+    want = [
+        16 if i in gate_steps else tile_window(s, 16, None, _Scored.patterns[i % 4])
+        for i, s in enumerate(starts)
+    ]
+    assert [len(r.draft) for r in engine.records] == want
+    assert {2, 4} <= set(want[1:])  # the unsure steps verified short windows
 
 
 @pytest.fixture(scope="module")

@@ -421,3 +421,21 @@ def test_empty_context_drafts_from_the_block_alone() -> None:
 def test_bad_configs_are_rejected(changes: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         tiny_config(**changes)
+
+
+def test_confidence_is_the_softmax_probability_of_each_guess() -> None:
+    d = make(tiny_config(block_size=4), seed=4)
+    feats = torch.randn(7, d.config.feature_size, dtype=torch.float64) * 3
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert d.confidence() is None  # nothing proposed yet
+    guesses = d.propose(tokens[:7], tokens[7], 4, feats)
+    hidden = d.uncached_hidden(feats, tokens[7], 4)
+    probs = torch.softmax(d.logits(hidden[1:]).double(), dim=-1)  # [3, V]
+    assert guesses == probs.argmax(-1).tolist() == d.propose_uncached(feats, tokens[7], 4)
+    got = d.confidence()
+    assert got is not None and len(got) == 3
+    assert got == pytest.approx([float(probs[i, g]) for i, g in enumerate(guesses)], rel=1e-12)
+    got[0] = -1.0  # a copy: the caller cannot change the drafter's record
+    assert d.confidence() != got
+    d.reset()
+    assert d.confidence() is None

@@ -1,0 +1,121 @@
+"""Where the main job's CPU step goes, and what the verify-window rule is worth.
+
+Runs the main job's generation (the default pair, the default prompt, ``--max-new-tokens``
+tokens, checkpoint rollback, plain greedy measured after it as ``dflash generate`` does)
+``--reps`` times in one process for each window rule, alternating the rules:
+
+- ``confidence``: the verify window follows the drafter's confidence (the shipped rule);
+- ``commit-cap``: the drafter's confidence hidden from the engine, so the window falls
+  back to the previous step's commit + 4 (the rule for drafters without probabilities).
+
+Per rule: the median speed-up over plain greedy and its range, the average commit, and a
+step's wall time split into the verify forwards, the drafter's proposals and the rest of
+the step (acceptance, rollback, bookkeeping), each the median over the runs, next to a
+plain decode's. Every run must be lossless (parity). ``--json`` writes the rows.
+
+    python3 benchmarks/cpu_step.py [--reps 6] [--max-new-tokens 64] [--threads 2] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.execution import RollbackPolicy, SpecDecoder, plan_shards
+from dflash.execution.run import generate
+from dflash.execution.session import build_drafter, build_model, encode_prompt
+from dflash.execution.shards import ShardedTarget
+from dflash.model.drafters import DFlashDrafter
+
+RULES = ("confidence", "commit-cap")
+
+
+def timed(
+    cls: type, name: str, key: Callable[[tuple[Any, ...]], str], into: dict[str, float]
+) -> None:
+    """Wrap ``cls.name`` so every call adds its wall time to ``into[key(args)]``."""
+    original = getattr(cls, name)
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            into[key(args)] += time.perf_counter() - t0
+
+    setattr(cls, name, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = build_model("default", seed=0, dtype=torch.float32, device="cpu")
+    plan = plan_shards(model.config.num_hidden_layers, "cpu")
+    vocab = model.config.vocab_size
+    prompt = encode_prompt(
+        "default", vocab, text=None, ids=None, length=None, seed=0, allow_bytes=False
+    )
+    n = args.max_new_tokens
+    drafter, _ = build_drafter("dflash", model, prompt, plan=plan, acceptance=0.0, seed=0,
+                               max_new_tokens=n, block_size=16, model_spec="default")
+    seconds: dict[str, float] = defaultdict(float)
+    timed(ShardedTarget, "forward", lambda a: str(a[1]), seconds)  # mode: decode / verify / …
+    timed(DFlashDrafter, "propose", lambda a: "propose", seconds)
+    timed(SpecDecoder, "step", lambda a: "step", seconds)
+    scored = DFlashDrafter.confidence
+    runs: dict[str, list[dict[str, float]]] = {rule: [] for rule in RULES}
+    for _ in range(args.reps):
+        for rule in RULES:
+            DFlashDrafter.confidence = scored if rule == "confidence" else (  # type: ignore[method-assign]  # the A/B switch
+                lambda self: None
+            )
+            seconds.clear()
+            r = generate(model, drafter, prompt, plan=plan, max_new_tokens=n, block_size=16,
+                         policy=RollbackPolicy(mode="checkpoint"), baseline=True)
+            if not r.parity:
+                raise SystemExit(f"parity false under the {rule} rule")
+            steps = r.steps
+            rest = seconds["step"] - seconds["verify"] - seconds["propose"] - seconds["replay"]
+            runs[rule].append({
+                "speedup": float(r.speedup_vs_greedy or 0.0), "avg_commit": r.avg_commit,
+                "steps": steps, "step_ms": seconds["step"] / steps * 1e3,
+                "verify_ms": seconds["verify"] / steps * 1e3,
+                "propose_ms": seconds["propose"] / steps * 1e3,
+                "replay_ms": seconds["replay"] / steps * 1e3, "rest_ms": rest / steps * 1e3,
+                "decode_ms": seconds["decode"] / max(1, len(r.tokens) - 1) * 1e3,
+            })
+    DFlashDrafter.confidence = scored  # type: ignore[method-assign]  # restored
+    rows = []
+    for rule, got in runs.items():
+        med = {k: statistics.median(run[k] for run in got) for k in got[0]}
+        speedups = sorted(run["speedup"] for run in got)
+        rows.append({"rule": rule, "median": med, "speedups": speedups})
+        print(f"{rule:<11} speed-up {med['speedup']:.2f}x ({speedups[0]:.2f}-{speedups[-1]:.2f})"
+              f"  commit {med['avg_commit']:.2f}  step {med['step_ms']:.1f} ms = verify "
+              f"{med['verify_ms']:.1f} + drafter {med['propose_ms']:.1f} + replay "
+              f"{med['replay_ms']:.1f} + rest {med['rest_ms']:.1f}  | decode "
+              f"{med['decode_ms']:.1f} ms ({med['step_ms'] / med['decode_ms']:.2f} decodes a step)",
+              flush=True)
+    if args.json:
+        env = {"machine": platform.processor() or platform.machine(), "threads": args.threads,
+               "python": platform.python_version(), "torch": torch.__version__,
+               "max_new_tokens": n, "reps": args.reps}
+        Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -201,7 +201,7 @@ class SpecDecoder:
         else:
             proposal = self.drafter.propose(list(self.context), self.last, B, self.features)
             if isinstance(self.drafter, ScoredDrafter):
-                confidence = self.drafter.confidence()
+                confidence = self._check_confidence(self.drafter.confidence())
         guesses = self._check_proposal(proposal)
         if self.committed + B > self.target.max_len:
             raise ExecutionError(
@@ -297,6 +297,22 @@ class SpecDecoder:
                     f"[0, {vocab}) (got {tok!r})"
                 )
         return proposal
+
+    def _check_confidence(self, confidence: object) -> list[float] | None:
+        """A scored drafter's probabilities: None, or ``block_size - 1`` floats in [0, 1]."""
+        if confidence is None:
+            return None
+        want = self.block_size - 1
+        if (
+            not isinstance(confidence, list)
+            or len(confidence) != want
+            or not all(isinstance(c, float) and 0.0 <= c <= 1.0 for c in confidence)
+        ):
+            raise ExecutionError(
+                f"drafter {self.drafter.label!r} confidence must be None or {want} "
+                f"probabilities in [0, 1], one per guess (got {confidence!r})"
+            )
+        return confidence
 
     def _commit(self, path: str, failure: str | None) -> list[int]:
         assert self._pending is not None

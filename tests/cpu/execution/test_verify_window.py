@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from dflash.execution import RollbackPolicy, ShardedTarget, SpecDecoder, generate, plan_shards
+from dflash.execution import (
+    ExecutionError,
+    RollbackPolicy,
+    ShardedTarget,
+    SpecDecoder,
+    generate,
+    plan_shards,
+)
 from dflash.model import TargetModel, greedy_generate
 from dflash.model.drafters import PromptLookupDrafter, SyntheticDrafter
 from dflash.model.tiles import (
@@ -160,3 +167,31 @@ def test_windows_off_verifies_every_draft_whole(tiny: TargetModel) -> None:
         assert whole is (not windows)
     _, evaluation = _eval_target(tiny, [prompt], 8, 16)
     assert evaluation.verify_window(1, 16, (1, 16)) == 16
+
+
+@pytest.mark.parametrize(
+    "bad", [[0.5] * 3, [0.5] * 14 + [2.0], [0.5] * 14 + [float("nan")], (0.5,) * 15, "high"]
+)
+def test_a_malformed_confidence_is_refused_before_the_verify(
+    tiny: TargetModel, bad: object
+) -> None:
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    oracle = greedy_generate(tiny, prompt, 40)
+
+    class Broken(_Scored):
+        report: object = bad
+
+        def confidence(self) -> list[float] | None:
+            return self.report  # type: ignore[return-value]  # deliberately malformed
+
+    drafter = Broken(prompt + oracle, 0.9, tiny.config.vocab_size, seed=3)
+    target = ShardedTarget(tiny, plan_shards(6), max_len=len(prompt) + 60, max_draft=16)
+    engine = SpecDecoder(target, drafter, block_size=16, policy=RollbackPolicy(mode="replay"))
+    out = [engine.prefill(prompt)]
+    with pytest.raises(ExecutionError, match="confidence must be None or 15 probabilities"):
+        engine.step()
+    assert engine.committed == len(prompt) and not engine.records  # nothing changed
+    drafter.report = None  # a drafter with no confidence: the commit-capped window
+    while len(out) < 40:
+        out.extend(engine.step())
+    assert out[:40] == oracle

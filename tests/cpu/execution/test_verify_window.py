@@ -84,20 +84,31 @@ class _Scored(SyntheticDrafter):
         return list(self.patterns[(self.calls - 1) % len(self.patterns)])
 
 
-@pytest.mark.parametrize("mode", ["replay", "checkpoint"])
-def test_cpu_windows_follow_a_scored_drafters_confidence(tiny: TargetModel, mode: str) -> None:
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
-    oracle = greedy_generate(tiny, prompt, 60)
-    drafter = _Scored(prompt + oracle, 0.9, tiny.config.vocab_size, seed=3)
-    target = ShardedTarget(tiny, plan_shards(6), max_len=len(prompt) + 80, max_draft=16)
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+
+
+def _decode(
+    tiny: TargetModel, drafter: SyntheticDrafter, mode: str, n: int = 60
+) -> tuple[list[int], list[int], SpecDecoder]:
+    """Speculative decoding of ``n`` tokens after PROMPT on CPU shards (tile windows on):
+    the tokens, each step's start position, and the engine (its records)."""
+    target = ShardedTarget(tiny, plan_shards(6), max_len=len(PROMPT) + n + 20, max_draft=16)
     engine = SpecDecoder(target, drafter, block_size=16,
                          policy=RollbackPolicy(mode=mode))  # type: ignore[arg-type]
-    out = [engine.prefill(prompt)]
+    out = [engine.prefill(PROMPT)]
     starts = []
-    while len(out) < 60:
+    while len(out) < n:
         starts.append(engine.committed)
         out.extend(engine.step())
-    assert out[:60] == oracle  # a prefix of the draft: the same tokens
+    return out[:n], starts, engine
+
+
+@pytest.mark.parametrize("mode", ["replay", "checkpoint"])
+def test_cpu_windows_follow_a_scored_drafters_confidence(tiny: TargetModel, mode: str) -> None:
+    oracle = greedy_generate(tiny, PROMPT, 60)
+    drafter = _Scored(PROMPT + oracle, 0.9, tiny.config.vocab_size, seed=3)
+    out, starts, engine = _decode(tiny, drafter, mode)
+    assert out == oracle  # a prefix of the draft: the same tokens
     gate_steps = {0} if mode != "replay" else set()
     want = [
         16 if i in gate_steps else tile_window(s, 16, None, _Scored.patterns[i % 4])
@@ -114,18 +125,10 @@ def tiny() -> TargetModel:
 
 @pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap"])
 def test_cpu_steps_verify_tile_aligned_windows_losslessly(tiny: TargetModel, mode: str) -> None:
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
-    oracle = greedy_generate(tiny, prompt, 60)
-    drafter = SyntheticDrafter(prompt + oracle, 0.9, tiny.config.vocab_size, seed=3)
-    target = ShardedTarget(tiny, plan_shards(6), max_len=len(prompt) + 80, max_draft=16)
-    engine = SpecDecoder(target, drafter, block_size=16,
-                         policy=RollbackPolicy(mode=mode))  # type: ignore[arg-type]
-    out = [engine.prefill(prompt)]
-    starts = []
-    while len(out) < 60:
-        starts.append(engine.committed)
-        out.extend(engine.step())
-    assert out[:60] == oracle
+    oracle = greedy_generate(tiny, PROMPT, 60)
+    drafter = SyntheticDrafter(PROMPT + oracle, 0.9, tiny.config.vocab_size, seed=3)
+    out, starts, engine = _decode(tiny, drafter, mode)
+    assert out == oracle
     records = engine.records
     windows = [len(r.draft) for r in records]
     gate_steps = {0} if mode != "replay" else set()  # the capture gate verifies the block

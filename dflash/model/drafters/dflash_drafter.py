@@ -245,8 +245,9 @@ class DFlashDrafter(nn.Module):
         Args:
             x: [N, Q, H] embedded block rows at positions ``q_pos`` [N, Q].
             ctx_kv: per layer k, v [N, kv_heads, C, D] of context rows at ``k_ctx_pos`` [N, C].
-            extra_visible: [N, Q, C+Q] bool ANDed into every layer's mask (training: each
-                block sees only context before its anchor and its own block), or None.
+            extra_visible: [N, Q, C+Q] bool ANDed into every layer's mask (the dense form
+                of the training mask — each block sees only context before its anchor and
+                its own block; training itself runs :meth:`run_blocks`), or None.
         """
         cos, sin = self.rotary(q_pos, x.dtype)
         k_pos = torch.cat([k_ctx_pos, q_pos], dim=1)  # [N, C+Q]

@@ -44,7 +44,9 @@ def math_attention() -> Iterator[None]:
 
     The math backend is plain matmuls and a softmax, whose backward is deterministic; the
     fused kernels' backward accumulates with atomics, so two GPU training runs with the
-    same seed would drift apart. ``train_drafter`` runs every training step under it.
+    same seed would drift apart. ``train_drafter`` runs every training step under it (the
+    blocks' own attention, :func:`blocked_attention`, is plain matmuls and needs no
+    backend; this covers any SDPA call in the step, such as the dense reference form).
     """
     token = _MATH_ONLY.set(True)
     try:

@@ -204,9 +204,11 @@ def _dflash(model: TargetModel, **changes: object) -> DFlashDrafter:
 def _dflash_run(mode: str, n: int, graphs: bool, **changes: object) -> SpecDecoder:
     model = TargetModel.seeded(HybridConfig.tiny_default(), seed=0)
     model.kernel_backend = "triton"
+    # every draft verified whole, as on CUDA: a static drafting shape, and the same windows
+    # for both paths (the host path's would follow the drafter's confidence, the device
+    # path's cannot)
     target = ShardedTarget(model, plan_shards(6, "cpu,cpu", "2,4"),
-                           max_len=len(PROMPT) + n + BLOCK + 1, max_draft=BLOCK)
-    target._tiled = False  # whole-block verifies, as on CUDA: a static drafting shape
+                           max_len=len(PROMPT) + n + BLOCK + 1, max_draft=BLOCK, windows=False)
     if graphs:
         target.graphs = [ShardGraphs(s.device, capture=recorded_capture) for s in target.shards]
     engine = SpecDecoder(target, _dflash(model, **changes), block_size=BLOCK,

@@ -34,6 +34,7 @@ from dflash.execution.shards import ShardedTarget, device_ids
 from dflash.geometry import ChainGeometry, require_chain
 from dflash.model import RecurrentPool
 from dflash.model.drafters import DeviceDrafter, Drafter, ScoredDrafter, stack_tap_features
+from dflash.model.tiles import is_confidence
 
 
 @dataclass(frozen=True)
@@ -302,15 +303,11 @@ class SpecDecoder:
         """A scored drafter's probabilities: None, or ``block_size - 1`` floats in [0, 1]."""
         if confidence is None:
             return None
-        want = self.block_size - 1
-        if (
-            not isinstance(confidence, list)
-            or len(confidence) != want
-            or not all(isinstance(c, float) and 0.0 <= c <= 1.0 for c in confidence)
-        ):
+        if not is_confidence(confidence, self.block_size):
             raise ExecutionError(
-                f"drafter {self.drafter.label!r} confidence must be None or {want} "
-                f"probabilities in [0, 1], one per guess (got {confidence!r})"
+                f"drafter {self.drafter.label!r} confidence must be None or "
+                f"{self.block_size - 1} probabilities in [0, 1], one per guess "
+                f"(got {confidence!r})"
             )
         return confidence
 

@@ -19,6 +19,7 @@ verify) instead of one per token.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TypeGuard
 
 import torch
 from torch import Tensor
@@ -31,6 +32,15 @@ WINDOW_MARGIN = 4
 #: a CPU verify window holds the guesses while the drafter's own probability that all of
 #: them are right stays at least this (see tile_window)
 CONFIDENCE_FLOOR = 0.1
+
+
+def is_confidence(probs: object, block: int) -> TypeGuard[list[float]]:
+    """``probs`` is a list of ``block - 1`` floats in [0, 1] (a drafter's confidence)."""
+    return (
+        isinstance(probs, list)
+        and len(probs) == block - 1
+        and all(isinstance(c, float) and 0.0 <= c <= 1.0 for c in probs)
+    )
 
 
 def tile_window(
@@ -71,9 +81,7 @@ def tile_window(
     window = room if MIN_WINDOW <= room < block else block
     if confidence is not None:
         probs = list(confidence)
-        if len(probs) != block - 1 or not all(
-            isinstance(c, float) and 0.0 <= c <= 1.0 for c in probs
-        ):
+        if not is_confidence(probs, block):
             raise ValueError(
                 f"'confidence' must be {block - 1} probabilities in [0, 1], one per guess "
                 f"(got {probs!r})"

@@ -346,9 +346,10 @@ class DFlashDrafter(nn.Module):
             picked = logits.argmax(dim=-1)  # [B-1]
             wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
             probs = torch.softmax(wide, dim=-1).gather(-1, picked[:, None])[:, 0]
-        guesses = [int(t) for t in picked.tolist()]
-        self._confidence = [float(c) for c in probs.tolist()]
-        return guesses
+            # one device-to-host transfer for both (ids < 2^53 are exact in float64)
+            read = torch.stack([picked.double(), probs.double()]).tolist()
+        self._confidence = [float(c) for c in read[1]]
+        return [int(t) for t in read[0]]
 
     def confidence(self) -> list[float] | None:
         """The softmax probability of each guess of the last :meth:`propose` (None before

@@ -34,7 +34,7 @@ from dflash.execution.shards import ShardedTarget, device_ids
 from dflash.geometry import ChainGeometry, require_chain
 from dflash.model import RecurrentPool
 from dflash.model.drafters import DeviceDrafter, Drafter, ScoredDrafter, stack_tap_features
-from dflash.model.tiles import is_confidence
+from dflash.model.tiles import DEFAULT_RATE, STEP_COST, is_confidence, verify_cost
 
 
 @dataclass(frozen=True)
@@ -118,6 +118,17 @@ class SpecDecoder:
         #: each step enqueues the next step's proposal and reads it with the step's tokens
         self.device_drafter: DeviceDrafter | None = None
         self._next_guesses: list[int] | None = None
+        #: (tokens committed, modelled cost in decodes) of this generation's steps
+        self._rate_seen = [0.0, 0.0]
+
+    @property
+    def window_rate(self) -> float:
+        """This generation's tokens committed per decode of modelled step cost
+        (:func:`dflash.model.tiles.verify_cost`), :data:`~dflash.model.tiles.DEFAULT_RATE`
+        weighted as two steps' worth of prior: the rate a CPU verify window is chosen at."""
+        tokens, cost = self._rate_seen
+        prior = 2 * STEP_COST
+        return (tokens + DEFAULT_RATE * prior) / (cost + prior)
 
     # -- status ---------------------------------------------------------------------------
 
@@ -151,6 +162,7 @@ class SpecDecoder:
                     f"'prompt' entry {i} must be a token id in [0, {vocab}) (got {tok!r})"
                 )
         self.life.move("prefill")
+        self._rate_seen = [0.0, 0.0]
         logits, taps = self.target.forward(list(prompt), "prefill", 0, taps=self.taps)
         self.committed, self.context = len(prompt), list(prompt)
         self.last = int(logits[-1].argmax())
@@ -219,7 +231,9 @@ class SpecDecoder:
         # confidence, capped after a partly accepted step): a prefix of the draft, lossless;
         # the gate's step verifies the whole block
         last = (self.records[-1].accept_n, len(self.records[-1].draft)) if self.records else None
-        T = B if gate_run else self.target.verify_window(self.committed, B, last, confidence)
+        T = B if gate_run else self.target.verify_window(
+            self.committed, B, last, confidence, self.window_rate
+        )
         d = [self.last, *guesses[: T - 1]]  # d: [T]
         geometry = chain_of(len(d))
         self.target.require_position(self.committed, what="before verify")
@@ -252,6 +266,8 @@ class SpecDecoder:
             raise ExecutionError(f"device acceptance count {accept_n} disagrees with {t}")
         emitted = [*d[1:accept_n], t[accept_n - 1]]
         commit_n = accept_n
+        self._rate_seen[0] += commit_n
+        self._rate_seen[1] += verify_cost(self.committed, T)
         saved = None
         if gate_run and self.gate.judge(storages, B, taps, self.taps):
             saved = self.gate.save_slot(storages, commit_n - 1)

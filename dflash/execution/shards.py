@@ -23,7 +23,7 @@ from dflash.geometry import ChainGeometry
 from dflash.model import KVCache, ShardCaches, TargetModel
 from dflash.model.layers import fuse_linear_groups_
 from dflash.model.target import Mode
-from dflash.model.tiles import tile_window
+from dflash.model.tiles import DEFAULT_RATE, tile_window
 
 
 @dataclass(frozen=True)
@@ -230,12 +230,16 @@ class ShardedTarget:
         block: int,
         last: tuple[int, int] | None = None,
         confidence: Sequence[float] | None = None,
+        rate: float = DEFAULT_RATE,
     ) -> int:
         """How many tokens of a ``block``-token draft at position ``start`` to verify: on CPU
         shards built with ``windows`` :func:`dflash.model.tiles.tile_window` (``last``: the
         previous step's ``(commit_n, window)``; ``confidence``: the drafter's probability
-        of each guess, when it reports them), else the whole block."""
-        return tile_window(start, block, last, confidence) if self._windowed else block
+        of each guess, when it reports them; ``rate``: the generation's tokens per decode
+        of modelled cost so far), else the whole block."""
+        if not self._windowed:
+            return block
+        return tile_window(start, block, last, confidence, rate)
 
     def _place(self) -> None:
         """Every layer on its shard's device (a no-op for layers already there)."""

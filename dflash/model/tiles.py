@@ -18,6 +18,7 @@ verify) instead of one per token.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TypeGuard
 
@@ -29,9 +30,28 @@ TILE_ROWS = 16  # rows per tile: the Triton linear kernel's row tile, so CPU and
 MIN_WINDOW = 4
 #: tokens a CPU verify window reaches past the previous step's commit (see tile_window)
 WINDOW_MARGIN = 4
-#: a CPU verify window holds the guesses while the drafter's own probability that all of
-#: them are right stays at least this (see tile_window)
-CONFIDENCE_FLOOR = 0.1
+#: The cost model of a CPU step that the confidence window optimises, in plain decodes of
+#: the same target (measured on the default pair, a 2-core CPU, ``benchmarks/cpu_step.py``
+#: and ``benchmarks/cpu_window.py``): the step's fixed part — a one-token verify (1.03
+#: decodes), the drafter's proposal and the bookkeeping —
+STEP_COST = 1.40
+#: each further verified token — its recurrent update and its attention row —
+TOKEN_COST = 0.055
+#: and a second position tile, whose every product and per-row operation runs again.
+TILE_COST = 0.57
+#: tokens committed per decode of cost before a generation has measured its own (the
+#: engine then uses its running rate, see :func:`tile_window`)
+DEFAULT_RATE = 1.5
+
+
+def verify_cost(start: int, window: int) -> float:
+    """The modelled cost, in plain decodes, of a CPU step verifying ``window`` tokens at
+    position ``start``: :data:`STEP_COST`, :data:`TOKEN_COST` per token after the first,
+    :data:`TILE_COST` per position tile after the first."""
+    if start < 0 or window < 1:
+        raise ValueError(f"'start' must be >= 0 and 'window' >= 1 (got {start}, {window})")
+    tiles = -(-(start % TILE_ROWS + window) // TILE_ROWS)
+    return STEP_COST + TOKEN_COST * (window - 1) + TILE_COST * (tiles - 1)
 
 
 def is_confidence(probs: object, block: int) -> TypeGuard[list[float]]:
@@ -48,27 +68,33 @@ def tile_window(
     block: int,
     last: tuple[int, int] | None = None,
     confidence: Sequence[float] | None = None,
+    rate: float = DEFAULT_RATE,
 ) -> int:
     """The verify window for a ``block``-token draft whose first token sits at ``start``.
 
-    A forward costs one evaluation per tile it touches, so a verify that would spill a few
-    rows into a second tile stops at the tile boundary instead: ``TILE_ROWS - start mod
-    TILE_ROWS`` tokens when that is at least :data:`MIN_WINDOW` and less than ``block``,
-    else the whole block.
+    A forward costs one evaluation per tile it touches, so (without ``confidence``) a
+    verify that would spill a few rows into a second tile stops at the tile boundary:
+    ``TILE_ROWS - start mod TILE_ROWS`` tokens when that is at least :data:`MIN_WINDOW`
+    and less than ``block``, else the whole block.
 
-    On CPU each verified token also costs its own recurrent update and attention row
-    (1.0-1.6 ms for the default target, against a 25 ms decode), so the window is cut
-    further where the rest of the draft is unlikely to be accepted. Verifying a prefix of
-    the draft is lossless (the rest was never going to be accepted without it); only the
-    expected number of accepted tokens changes.
+    On CPU each verified token also costs its own recurrent update and attention row, so
+    the window is cut further where the rest of the draft is unlikely to be accepted.
+    Verifying a prefix of the draft is lossless (the rest was never going to be accepted
+    without it); only the expected number of accepted tokens changes.
 
     ``confidence`` (the drafter's probability of each of its ``block - 1`` guesses, when
-    it reports them): the window holds guess ``k`` while the product of the first ``k``
-    probabilities — the drafter's estimate that all ``k`` are accepted — is at least
-    :data:`CONFIDENCE_FLOOR`, and at least one guess. The floor is where a guess stops
-    paying: verifying one costs about 1.6 ms there, and a step costs about 15 ms per
-    token it commits, so a guess accepted with probability below ~0.1 costs more than it
-    is expected to save.
+    it reports them): the window is the ``T`` in ``1 … block`` that maximises
+
+        E[commit | T] - rate * verify_cost(start, T),   E[commit | T] = 1 + sum_{k<T} p_1 … p_k
+
+    — the drafter's own expectation of the tokens the step commits, less what its modelled
+    cost (:func:`verify_cost`) is worth at ``rate`` tokens per decode of cost. With
+    ``rate`` the generation's long-run rate this is the step choice that maximises that
+    rate (tokens per unit of cost over many steps): a guess within the tile is held while
+    the chance that it and every guess before it are accepted is at least ``rate *
+    TOKEN_COST`` (about 0.08), and the draft spills into the next tile only when the
+    guesses there are worth :data:`TILE_COST` more. The tile's room is not a bound here;
+    the cost model prices it.
 
     ``last`` (without ``confidence``) is ``(commit_n, window)`` of the previous step:
     accepted lengths come in runs, so after a step that did not accept its whole window
@@ -86,13 +112,19 @@ def tile_window(
                 f"'confidence' must be {block - 1} probabilities in [0, 1], one per guess "
                 f"(got {probs!r})"
             )
-        held, joint = 0, 1.0
-        for c in probs:
+        if isinstance(rate, bool) or not (
+            isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0
+        ):
+            raise ValueError(f"'rate' must be a finite number > 0 (got {rate!r})")
+        best, best_value = 1, 1.0 - rate * verify_cost(start, 1)
+        expected, joint = 1.0, 1.0
+        for t, c in enumerate(probs, start=2):
             joint *= c
-            if joint < CONFIDENCE_FLOOR:
-                break
-            held += 1
-        return min(window, 1 + max(1, held)) if block > 1 else window
+            expected += joint
+            value = expected - rate * verify_cost(start, t)
+            if value > best_value:
+                best, best_value = t, value
+        return best
     if last is not None:
         commit_n, verified = last
         if not 1 <= commit_n <= verified:

@@ -16,11 +16,15 @@ from dflash.execution import (
 from dflash.model import TargetModel, greedy_generate
 from dflash.model.drafters import PromptLookupDrafter, SyntheticDrafter
 from dflash.model.tiles import (
-    CONFIDENCE_FLOOR,
+    DEFAULT_RATE,
     MIN_WINDOW,
+    STEP_COST,
+    TILE_COST,
     TILE_ROWS,
+    TOKEN_COST,
     WINDOW_MARGIN,
     tile_window,
+    verify_cost,
 )
 
 
@@ -52,25 +56,46 @@ def test_the_window_cap_after_a_partly_accepted_step() -> None:
             tile_window(0, 16, bad)
 
 
+def test_the_modelled_step_cost() -> None:
+    assert verify_cost(0, 1) == STEP_COST == verify_cost(37, 1)
+    assert verify_cost(0, 16) == pytest.approx(STEP_COST + 15 * TOKEN_COST)  # one tile
+    assert verify_cost(13, 3) == pytest.approx(STEP_COST + 2 * TOKEN_COST)  # rows 13-15
+    assert verify_cost(13, 4) == pytest.approx(STEP_COST + 3 * TOKEN_COST + TILE_COST)
+    assert verify_cost(31, 16) == verify_cost(15, 16)  # the row in the tile counts
+    for bad in ((-1, 1), (0, 0)):
+        with pytest.raises(ValueError, match="'start' must be >= 0 and 'window' >= 1"):
+            verify_cost(*bad)
+
+
 def test_the_window_follows_the_drafters_confidence() -> None:
-    assert CONFIDENCE_FLOOR == 0.1
-    assert tile_window(0, 16, None, [0.9] * 15) == 16  # 0.9^15 = 0.21: every guess
-    assert tile_window(0, 16, None, [0.5] * 15) == 4  # 0.5^3 = 0.125, 0.5^4 < 0.1
+    # within a tile a guess is held while the joint probability up to it is worth its
+    # verify: >= DEFAULT_RATE * TOKEN_COST = 0.0825
+    assert pytest.approx(0.0825) == DEFAULT_RATE * TOKEN_COST
+    assert tile_window(0, 16, None, [1.0] * 15) == 16
+    assert tile_window(0, 16, None, [0.5] * 15) == 4  # 0.5^3 = 0.125 held, 0.5^4 is not
+    assert tile_window(0, 16, None, [0.5] * 15, rate=4.0) == 3  # a dearer cost: 0.25 >= 0.22
     assert tile_window(0, 16, None, [1.0, 1.0, 0.05] + [1.0] * 12) == 3
-    assert tile_window(0, 16, None, [0.1] + [1.0] * 14) == 16  # the floor itself is held
-    assert tile_window(0, 16, None, [0.05] + [1.0] * 14) == 2  # always one guess
-    assert tile_window(10, 16, None, [0.9] * 15) == 6  # the tile's room still bounds it
+    assert tile_window(0, 16, None, [0.05] + [1.0] * 14) == 1  # no guess pays its verify
+    assert tile_window(0, 16, None, [0.3] + [1.0] * 14) == 16  # each later guess adds 0.3
+    # the next tile is entered only when its guesses pay for it as a whole (TILE_COST)
+    assert tile_window(14, 16, None, [0.9] * 15) == 16  # 0.9^2 + 0.9^3 + … > the tile
+    assert tile_window(14, 16, None, [0.5] * 15) == 2  # 0.25 + 0.125 + … < the tile
+    assert tile_window(10, 16, None, [0.95] * 6 + [0.01] * 9) == 6  # the tile's 6 rows
     assert tile_window(0, 16, (1, 16), [0.9] * 15) == 16  # the commit cap gives way to it
-    assert tile_window(0, 3, None, [0.01, 0.01]) == 2  # short blocks are cut too
+    assert tile_window(0, 3, None, [0.01, 0.01]) == 1  # short blocks are cut too
     for bad in ([0.5] * 14, [0.5] * 14 + [1.5], [0.5] * 14 + [float("nan")], [1] * 15):
         with pytest.raises(ValueError, match="15 probabilities in \\[0, 1\\], one per guess"):
             tile_window(0, 16, None, bad)
+    for rate in (0.0, -1.0, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(ValueError, match="'rate' must be a finite number > 0"):
+            tile_window(0, 16, None, [0.5] * 15, rate)  # type: ignore[arg-type]  # on purpose
+    assert TILE_COST > TOKEN_COST > 0
 
 
 class _Scored(SyntheticDrafter):
     """A synthetic drafter that reports a fixed confidence pattern, cycling per step."""
 
-    patterns = ([0.95] * 15, [0.6] * 15, [0.3] + [1.0] * 14, [0.04] * 15)
+    patterns = ([0.95] * 15, [0.45] * 15, [0.3] + [1.0] * 14, [0.04] * 15)
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]  # SyntheticDrafter's own
@@ -89,33 +114,41 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
 
 def _decode(
     tiny: TargetModel, drafter: SyntheticDrafter, mode: str, n: int = 60
-) -> tuple[list[int], list[int], SpecDecoder]:
+) -> tuple[list[int], list[int], list[float], SpecDecoder]:
     """Speculative decoding of ``n`` tokens after PROMPT on CPU shards (tile windows on):
-    the tokens, each step's start position, and the engine (its records)."""
+    the tokens, each step's start position and window rate, and the engine (its records)."""
     target = ShardedTarget(tiny, plan_shards(6), max_len=len(PROMPT) + n + 20, max_draft=16)
     engine = SpecDecoder(target, drafter, block_size=16,
                          policy=RollbackPolicy(mode=mode))  # type: ignore[arg-type]
     out = [engine.prefill(PROMPT)]
-    starts = []
+    starts, rates = [], []
     while len(out) < n:
         starts.append(engine.committed)
+        rates.append(engine.window_rate)
         out.extend(engine.step())
-    return out[:n], starts, engine
+    return out[:n], starts, rates, engine
 
 
 @pytest.mark.parametrize("mode", ["replay", "checkpoint"])
 def test_cpu_windows_follow_a_scored_drafters_confidence(tiny: TargetModel, mode: str) -> None:
     oracle = greedy_generate(tiny, PROMPT, 60)
     drafter = _Scored(PROMPT + oracle, 0.9, tiny.config.vocab_size, seed=3)
-    out, starts, engine = _decode(tiny, drafter, mode)
+    out, starts, rates, engine = _decode(tiny, drafter, mode)
     assert out == oracle  # a prefix of the draft: the same tokens
     gate_steps = {0} if mode != "replay" else set()
     want = [
-        16 if i in gate_steps else tile_window(s, 16, None, _Scored.patterns[i % 4])
+        16 if i in gate_steps else tile_window(s, 16, None, _Scored.patterns[i % 4], rates[i])
         for i, s in enumerate(starts)
     ]
     assert [len(r.draft) for r in engine.records] == want
-    assert {2, 4} <= set(want[1:])  # the unsure steps verified short windows
+    assert 1 in want and any(2 <= w <= 8 for w in want)  # the unsure steps verified less
+    # the rate each window was chosen at: the generation's tokens per modelled cost so far
+    prior = 2 * STEP_COST
+    tokens = cost = 0.0
+    for i, (s, r) in enumerate(zip(starts, engine.records, strict=True)):
+        assert rates[i] == pytest.approx((tokens + DEFAULT_RATE * prior) / (cost + prior))
+        tokens, cost = tokens + r.accept_n, cost + verify_cost(s, len(r.draft))
+    assert rates[0] == pytest.approx(DEFAULT_RATE) and len(set(rates)) > 1
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +160,7 @@ def tiny() -> TargetModel:
 def test_cpu_steps_verify_tile_aligned_windows_losslessly(tiny: TargetModel, mode: str) -> None:
     oracle = greedy_generate(tiny, PROMPT, 60)
     drafter = SyntheticDrafter(PROMPT + oracle, 0.9, tiny.config.vocab_size, seed=3)
-    out, starts, engine = _decode(tiny, drafter, mode)
+    out, starts, _, engine = _decode(tiny, drafter, mode)
     assert out == oracle
     records = engine.records
     windows = [len(r.draft) for r in records]

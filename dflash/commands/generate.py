@@ -176,6 +176,15 @@ def register(subparsers: Any) -> None:
         "(timings.greedy_tokens_per_s and speedup_vs_greedy are then null)",
     )
     p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="time the speculative and the plain greedy decode this many times each, "
+        "alternately, and report the median of each (the text streams from the first run; "
+        "every run must give its tokens). Default: 3 on CPU, where a shared machine's "
+        "speed drifts from run to run, 1 on CUDA",
+    )
+    p.add_argument(
         "--warmup-tokens",
         type=int,
         default=None,
@@ -295,7 +304,9 @@ def decode_row(r: GenerationResult) -> str:
 def speedup_row(r: GenerationResult) -> str:
     greedy = r.timings.greedy_tokens_per_s
     if r.speedup_vs_greedy is not None and greedy is not None:
-        return f"{r.speedup_vs_greedy:.2f}x (greedy {greedy:.1f} tokens/s)"
+        runs = len(r.timings.greedy_decode_runs_s)
+        how = f"; medians of {runs} alternating runs each" if runs > 1 else ""
+        return f"{r.speedup_vs_greedy:.2f}x (greedy {greedy:.1f} tokens/s{how})"
     if greedy is None and r.timings.greedy_decode_s is None:
         return "not measured (--no-baseline)"
     return "none (no decode step: the only token came from prefill)"
@@ -413,6 +424,13 @@ def prepare(args: argparse.Namespace) -> Prepared:
     warm = getattr(args, "warmup_tokens", None)
     if warm is not None and warm < 0:
         raise UsageError(f"--warmup-tokens must be >= 0 (got {warm})")
+    repeats = getattr(args, "repeats", None)
+    if repeats is not None and repeats < 1:
+        raise UsageError(f"--repeats must be >= 1 (got {repeats})")
+    if repeats is not None and repeats > 1 and getattr(args, "no_baseline", False):
+        raise UsageError(
+            f"--repeats {repeats} times the plain greedy baseline too: drop --no-baseline"
+        )
     if not 2 <= args.block_size <= MAX_SLOTS:
         raise UsageError(f"--block-size must be in [2, {MAX_SLOTS}] (got {args.block_size})")
     acceptance = synthetic_acceptance(args)
@@ -597,6 +615,10 @@ def execute(
 
     graphs = False if getattr(args, "no_graphs", False) else None
     baseline = not getattr(args, "no_baseline", False)
+    repeats = getattr(args, "repeats", None)
+    if repeats is None:
+        cpu = all(d.startswith("cpu") for d in ready.plan.devices)
+        repeats = 3 if cpu and baseline else 1
     targets = _warmed_up(args, policy, ready, graphs=graphs, baseline=baseline)
     try:
         result = generate(
@@ -613,6 +635,7 @@ def execute(
             on_progress=on_progress,
             graphs=graphs,
             baseline=baseline,
+            repeats=repeats,
             **targets,
         )
     finally:

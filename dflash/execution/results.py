@@ -93,6 +93,10 @@ class Timings(_Frozen):
     ``greedy_decode_s`` / ``greedy_tokens_per_s``: the plain target-only greedy baseline
     measured in the same run (same prompt, token count, shards, devices and CUDA-graph
     setting; decode after its prefill, counted the same way); null when it was not run.
+
+    With repeated runs (``--repeats``) ``decode_s`` / ``greedy_decode_s`` are the medians
+    of ``decode_runs_s`` / ``greedy_decode_runs_s`` (each run's decode seconds, in the
+    order they ran, alternating), and both rates come from those medians.
     """
 
     prefill_s: float
@@ -100,6 +104,8 @@ class Timings(_Frozen):
     tokens_per_s: float | None
     greedy_decode_s: float | None = None
     greedy_tokens_per_s: float | None = None
+    decode_runs_s: list[float] = Field(default_factory=list)
+    greedy_decode_runs_s: list[float] = Field(default_factory=list)
 
 
 class GenerationResult(_Frozen):

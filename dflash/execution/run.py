@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ import torch
 from dflash.execution.engine import SpecDecoder
 from dflash.execution.errors import ContextLengthError
 from dflash.execution.faults import FaultInjector
+from dflash.execution.oracle import greedy_target as greedy_target_for
 from dflash.execution.oracle import reference_greedy
 from dflash.execution.policy import RollbackPolicy, RollbackStatus
 from dflash.execution.results import GenerationResult, RollbackReport, Timings, token_sha256
@@ -106,55 +108,20 @@ def check_positions(
         )
 
 
-def generate(
-    model: TargetModel,
+def _speculative_run(
+    target: ShardedTarget,
     drafter: Drafter,
     prompt: Sequence[int],
-    *,
     plan: ShardPlan,
-    max_new_tokens: int = 64,
-    block_size: int = 16,
-    policy: RollbackPolicy | None = None,
-    check_parity: bool = False,
-    oracle_tokens: Sequence[int] | None = None,
-    eos_id: int | None = None,
-    faults: FaultInjector | None = None,
-    on_progress: Callable[[int, SpecDecoder], None] | None = None,
-    graphs: bool | None = None,
-    baseline: bool = False,
-    target: ShardedTarget | None = None,
-    greedy_target: ShardedTarget | None = None,
-) -> GenerationResult:
-    """Speculative greedy decoding of ``max_new_tokens`` tokens after ``prompt``.
-
-    ``oracle_tokens``: target-only greedy tokens already computed with the same settings
-    (reused by ``check_parity`` instead of decoding them again). ``graphs``: CUDA graphs
-    for the decode-time forwards (None: wherever supported; False: eager). ``baseline``:
-    afterwards decode the same number of tokens with plain target-only greedy
-    (:func:`timed_greedy`, same shards and ``graphs``) and report its rate and the
-    speed-up over it, and its tokens are compared with the speculative ones (``parity``);
-    ``check_parity`` compares against that same run (or decodes one) unless
-    ``oracle_tokens`` are given. ``target`` / ``greedy_target``: a :class:`ShardedTarget`
-    kept across calls for the speculative run / the greedy baseline (its CUDA graphs are
-    then captured once, not per call); it must serve this model, plan, length and block
-    size (:meth:`ShardedTarget.cannot_serve`), else ``ValueError`` names why. Runs with
-    ``faults`` always get a fresh target.
-    """
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
-        or max_new_tokens < 1
-    ):
-        raise ValueError(f"'max_new_tokens' must be an int >= 1 (got {max_new_tokens!r})")
-    check_positions(model, len(prompt), max_new_tokens, block_size)
-    policy = policy or RollbackPolicy()
-    if target is None or faults is not None:
-        target = spec_target(model, plan, len(prompt), max_new_tokens, block_size, graphs=graphs)
-    else:
-        target.require_serves(
-            model, plan, max_len=spec_capacity(len(prompt), max_new_tokens, block_size),
-            max_draft=block_size, graphs=graphs, what="generation",
-        )
+    max_new_tokens: int,
+    block_size: int,
+    policy: RollbackPolicy,
+    faults: FaultInjector | None,
+    eos_id: int | None,
+    on_progress: Callable[[int, SpecDecoder], None] | None,
+) -> tuple[SpecDecoder, list[int], str, tuple[float, float, float]]:
+    """One speculative decode on ``target``: (engine, tokens, stop reason, (start, after
+    the prefill, end) as device-synchronised ``perf_counter`` times)."""
     engine = SpecDecoder(target, drafter, block_size=block_size, policy=policy, faults=faults)
     _sync(plan)
     t0 = time.perf_counter()
@@ -173,10 +140,79 @@ def generate(
     t2 = time.perf_counter()
     if eos_id is not None and eos_id in out[:max_new_tokens]:
         out, stop = out[: out.index(eos_id) + 1], "eos"
-    tokens = out[:max_new_tokens]
+    return engine, out[:max_new_tokens], stop, (t0, t1, t2)
+
+
+def generate(
+    model: TargetModel,
+    drafter: Drafter,
+    prompt: Sequence[int],
+    *,
+    plan: ShardPlan,
+    max_new_tokens: int = 64,
+    block_size: int = 16,
+    policy: RollbackPolicy | None = None,
+    check_parity: bool = False,
+    oracle_tokens: Sequence[int] | None = None,
+    eos_id: int | None = None,
+    faults: FaultInjector | None = None,
+    on_progress: Callable[[int, SpecDecoder], None] | None = None,
+    graphs: bool | None = None,
+    baseline: bool = False,
+    target: ShardedTarget | None = None,
+    greedy_target: ShardedTarget | None = None,
+    repeats: int = 1,
+) -> GenerationResult:
+    """Speculative greedy decoding of ``max_new_tokens`` tokens after ``prompt``.
+
+    ``oracle_tokens``: target-only greedy tokens already computed with the same settings
+    (reused by ``check_parity`` instead of decoding them again). ``graphs``: CUDA graphs
+    for the decode-time forwards (None: wherever supported; False: eager). ``baseline``:
+    afterwards decode the same number of tokens with plain target-only greedy
+    (:func:`timed_greedy`, same shards and ``graphs``) and report its rate and the
+    speed-up over it, and its tokens are compared with the speculative ones (``parity``);
+    ``check_parity`` compares against that same run (or decodes one) unless
+    ``oracle_tokens`` are given. ``target`` / ``greedy_target``: a :class:`ShardedTarget`
+    kept across calls for the speculative run / the greedy baseline (its CUDA graphs are
+    then captured once, not per call); it must serve this model, plan, length and block
+    size (:meth:`ShardedTarget.cannot_serve`), else ``ValueError`` names why. Runs with
+    ``faults`` always get a fresh target.
+
+    ``repeats`` (with ``baseline``): time both decodes ``repeats`` times, alternately —
+    speculative, plain, speculative, plain … on the same two targets — and report the
+    median rate of each (``timings`` keeps every run's); a machine whose speed drifts
+    then slows both sides alike. Every speculative run must give the first one's tokens
+    (``parity`` is false otherwise); only the first streams (``on_progress``) and sets the
+    step statistics. With one repeat the order is the same, speculative first.
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"'repeats' must be an int >= 1 (got {repeats!r})")
+    if repeats > 1 and not baseline:
+        raise ValueError(f"'repeats'={repeats} times the baseline too: it needs baseline=True")
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 1
+    ):
+        raise ValueError(f"'max_new_tokens' must be an int >= 1 (got {max_new_tokens!r})")
+    check_positions(model, len(prompt), max_new_tokens, block_size)
+    policy = policy or RollbackPolicy()
+    if target is None or faults is not None:
+        target = spec_target(model, plan, len(prompt), max_new_tokens, block_size, graphs=graphs)
+    else:
+        target.require_serves(
+            model, plan, max_len=spec_capacity(len(prompt), max_new_tokens, block_size),
+            max_draft=block_size, graphs=graphs, what="generation",
+        )
+    engine, tokens, stop, (t0, t1, t2) = _speculative_run(
+        target, drafter, prompt, plan, max_new_tokens, block_size, policy, faults, eos_id,
+        on_progress,
+    )
     ref = None if oracle_tokens is None else list(oracle_tokens)
     greedy: GreedyRun | None = None
     if baseline or (check_parity and ref is None):  # one greedy decode serves both
+        if greedy_target is None and repeats > 1:  # the repeats reuse one greedy target
+            greedy_target = greedy_target_for(model, plan, len(prompt), len(tokens), graphs=graphs)
         greedy = timed_greedy(
             model, plan, prompt, len(tokens), graphs=graphs, target=greedy_target
         )
@@ -186,12 +222,26 @@ def generate(
     if (check_parity or greedy is not None) and ref is not None:  # a baseline is free parity
         parity = ref[: len(tokens)] == tokens
         parity_sha = token_sha256(ref[: len(tokens)])
+    spec_runs = [t2 - t1]
+    greedy_runs = [] if greedy is None else [greedy.decode_s]
+    for _ in range(repeats - 1):
+        _, again, _, (_, s1, s2) = _speculative_run(
+            target, drafter, prompt, plan, max_new_tokens, block_size, policy, None, eos_id,
+            None,
+        )
+        plain = timed_greedy(model, plan, prompt, len(tokens), graphs=graphs,
+                             target=greedy_target)
+        spec_runs.append(s2 - s1)
+        greedy_runs.append(plain.decode_s)
+        if again != tokens or (greedy is not None and plain.tokens != greedy.tokens):
+            parity = False
     steps = len(engine.records)
     drafted = sum(len(r.draft) - 1 for r in engine.records)  # the verified guesses
     accepted = sum(r.accept_n - 1 for r in engine.records)
-    decode_s = t2 - t1
+    decode_s = statistics.median(spec_runs)
     rate = decode_rate(len(tokens), decode_s)
-    greedy_rate = greedy.tokens_per_s if baseline and greedy is not None else None
+    greedy_s = statistics.median(greedy_runs) if baseline and greedy_runs else None
+    greedy_rate = None if greedy_s is None else decode_rate(len(tokens), greedy_s)
     effective = [r for r in engine.records if r.status_before is RollbackStatus.EFFECTIVE]
     return GenerationResult(
         tokens=tokens,
@@ -217,8 +267,10 @@ def generate(
             prefill_s=t1 - t0,
             decode_s=decode_s,
             tokens_per_s=rate,
-            greedy_decode_s=greedy.decode_s if baseline and greedy is not None else None,
+            greedy_decode_s=greedy_s,
             greedy_tokens_per_s=greedy_rate,
+            decode_runs_s=spec_runs,
+            greedy_decode_runs_s=greedy_runs if baseline else [],
         ),
         prompt_len=len(prompt),
         block_size=block_size,

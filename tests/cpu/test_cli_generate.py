@@ -59,6 +59,8 @@ def test_json_result_has_the_section_5_contract(capsys: pytest.CaptureFixture[st
         "tokens_per_s",
         "greedy_decode_s",
         "greedy_tokens_per_s",
+        "decode_runs_s",
+        "greedy_decode_runs_s",
     }
     assert result["parity"] is True
     assert result["checkpoint_bytes"] > 0
@@ -218,17 +220,93 @@ def test_greedy_baseline_is_measured_in_the_same_run(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = _count_greedy(monkeypatch)
-    result, err = _json_run(capsys, "--check-parity", "--no-graphs")
+    result, err = _json_run(capsys, "--check-parity", "--no-graphs", "--repeats", "1")
     # one greedy decode of the same token count serves the baseline and the parity check,
     # with the speculative run's CUDA-graph setting
     assert [(c["n"], c["graphs"]) for c in calls] == [(len(result["tokens"]), False)]
     assert result["parity"] is True
     t = result["timings"]
-    assert t["greedy_decode_s"] > 0
+    assert t["greedy_decode_s"] > 0 and t["greedy_decode_runs_s"] == [t["greedy_decode_s"]]
+    assert t["decode_runs_s"] == [t["decode_s"]]
     assert t["greedy_tokens_per_s"] == (len(result["tokens"]) - 1) / t["greedy_decode_s"]
     assert result["speedup_vs_greedy"] == t["tokens_per_s"] / t["greedy_tokens_per_s"]
     speedup, greedy = result["speedup_vs_greedy"], t["greedy_tokens_per_s"]
-    assert f"speed-up vs plain greedy  {speedup:.2f}x (greedy {greedy:.1f} tokens/s)" in err
+    assert f"speed-up vs plain greedy  {speedup:.2f}x (greedy {greedy:.1f} tokens/s)\n" in err
+
+
+def test_the_cpu_default_times_three_alternating_runs_each(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import statistics
+
+    import dflash.execution.run as run_module
+
+    order: list[str] = []
+    real_spec, real_greedy = run_module._speculative_run, run_module.reference_greedy
+
+    def spec(*args: Any, **kwargs: Any) -> Any:
+        order.append("spec")
+        return real_spec(*args, **kwargs)
+
+    def greedy(*args: Any, **kwargs: Any) -> list[int]:
+        order.append("greedy")
+        order.append(f"target {id(kwargs['target'])}")
+        return real_greedy(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "_speculative_run", spec)
+    monkeypatch.setattr(run_module, "reference_greedy", greedy)
+    result, err = _json_run(capsys)  # CPU, no --repeats: 3
+    assert order[::3] == ["spec"] * 3 and order[1::3] == ["greedy"] * 3  # alternating
+    assert len(set(order[2::3])) == 1  # one greedy target for the three
+    t, n = result["timings"], len(result["tokens"])
+    assert len(t["decode_runs_s"]) == len(t["greedy_decode_runs_s"]) == 3
+    assert t["decode_s"] == statistics.median(t["decode_runs_s"])
+    assert t["greedy_decode_s"] == statistics.median(t["greedy_decode_runs_s"])
+    assert t["tokens_per_s"] == (n - 1) / t["decode_s"]
+    assert t["greedy_tokens_per_s"] == (n - 1) / t["greedy_decode_s"]
+    assert result["speedup_vs_greedy"] == t["tokens_per_s"] / t["greedy_tokens_per_s"]
+    assert result["parity"] is True and "medians of 3 alternating runs each)" in err
+    order.clear()
+    result, _ = _json_run(capsys, "--repeats", "2")
+    assert order[::3] == ["spec"] * 2 and len(result["timings"]["decode_runs_s"]) == 2
+
+
+def test_a_repeat_with_other_tokens_fails_parity(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dflash.execution.run as run_module
+
+    real = run_module._speculative_run
+    runs: list[int] = []
+
+    def drifting(*args: Any, **kwargs: Any) -> Any:
+        engine, tokens, stop, times = real(*args, **kwargs)
+        runs.append(1)
+        if len(runs) == 3:  # the third run decodes something else
+            tokens = [(tokens[0] + 1) % 64, *tokens[1:]]
+        return engine, tokens, stop, times
+
+    monkeypatch.setattr(run_module, "_speculative_run", drifting)
+    code = main(["generate", "--json", *FAST])
+    out, _ = capsys.readouterr()
+    assert code == 1 and json.loads(out)["parity"] is False and len(runs) == 3
+
+
+def test_bad_repeats_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from dflash.execution import RollbackPolicy, generate, plan_shards
+    from dflash.model import TargetModel
+    from dflash.model.drafters import PromptLookupDrafter
+
+    assert main(["generate", *FAST, "--repeats", "0"]) == 2
+    assert "--repeats must be >= 1 (got 0)" in capsys.readouterr().err
+    assert main(["generate", *FAST, "--repeats", "2", "--no-baseline"]) == 2
+    assert "--repeats 2 times the plain greedy baseline too" in capsys.readouterr().err
+    tiny = TargetModel.tiny_default(seed=0)
+    for bad, baseline in ((0, True), (True, True), (2.0, True), (2, False)):
+        with pytest.raises(ValueError, match="'repeats'"):
+            generate(tiny, PromptLookupDrafter(), [1, 2, 3], plan=plan_shards(6),
+                     max_new_tokens=4, block_size=4, policy=RollbackPolicy(mode="replay"),
+                     baseline=baseline, repeats=bad)  # type: ignore[arg-type]  # on purpose
 
 
 def test_no_baseline_nulls_the_fields_and_parity_still_decodes_once(
@@ -254,7 +332,7 @@ def test_synthetic_drafter_reuses_its_oracle_but_times_a_real_greedy_decode(
     synthetic = ("--draft", "synthetic", "--acceptance", "1.0", "--check-parity")
     result, _ = _json_run(capsys, *synthetic, "--no-baseline")
     assert calls == [] and result["parity"] is True  # parity from the drafter's oracle
-    result, _ = _json_run(capsys, *synthetic)
+    result, _ = _json_run(capsys, *synthetic, "--repeats", "1")
     assert len(calls) == 1 and result["parity"] is True
     t = result["timings"]
     assert result["speedup_vs_greedy"] == t["tokens_per_s"] / t["greedy_tokens_per_s"]
@@ -347,11 +425,12 @@ def test_warmup_runs_untimed_on_the_targets_the_timed_run_reuses(
     calls = _count_greedy(monkeypatch)
     warmed, _ = _json_run(capsys, "--draft", "dflash", "--warmup-tokens", "5")
     assert warmed["tokens"] == plain["tokens"] and warmed["parity"] is True
-    assert [c["n"] for c in calls] == [5, 8]  # the warm-up's greedy, then the timed one's
+    # the warm-up's greedy, then the timed ones' (three on CPU)
+    assert [c["n"] for c in calls] == [5, 8, 8, 8]
     kept = [c["target"] for c in calls]
-    assert kept[0] is not None and kept[0] is kept[1]  # one greedy target for both
+    assert kept[0] is not None and all(k is kept[0] for k in kept)  # one greedy target
     calls.clear()
-    _json_run(capsys, "--warmup-tokens", "0")
+    _json_run(capsys, "--warmup-tokens", "0", "--repeats", "1")
     assert [c["n"] for c in calls] == [8] and calls[0]["target"] is None  # CPU default: none
     code = main(["generate", *FAST, "--warmup-tokens", "-2"])
     assert code == 2 and "--warmup-tokens must be >= 0 (got -2)" in capsys.readouterr().err

@@ -374,6 +374,7 @@ class DFlashDrafter(nn.Module):
         q_pos = torch.arange(n, n + block_size, device=self.device)[None]
         return self.run_block(x, q_pos, kv, ctx_pos)[0]
 
+    @torch.inference_mode()  # the cache is written in place: inference tensors allow it only here
     def _extend(self, tokens: list[int], features: Tensor) -> None:
         """Crop the cache to ``len(tokens) - T`` and append the ``T`` rows of ``features``."""
         n, t = len(tokens), features.shape[0]
@@ -402,24 +403,49 @@ class DFlashDrafter(nn.Module):
         grown: list[tuple[Tensor, Tensor]] = []
         for (k_buf, v_buf), (k, v) in zip(self._cache, new, strict=True):
             if k_buf.dim() != 4 or k_buf.shape[2] < n:
-                cap = max(n, 2 * (k_buf.shape[2] if k_buf.dim() == 4 else 0), 64)
-                k_new = k.new_empty(1, k.shape[1], cap, k.shape[3])
-                v_new = v.new_empty(1, v.shape[1], cap, v.shape[3])
-                if keep:
-                    k_new[:, :, :keep] = k_buf[:, :, :keep]
-                    v_new[:, :, :keep] = v_buf[:, :, :keep]
-                k_buf, v_buf = k_new, v_new
+                k_buf, v_buf = _grown(k_buf, v_buf, k, v, n, keep)
             k_buf[:, :, keep:n] = k
             v_buf[:, :, keep:n] = v
             grown.append((k_buf, v_buf))
         self._cache = grown
         self._tokens = tokens
 
+    def _reserve(self, rows: int) -> None:
+        """Grow the cache buffers to hold at least ``rows`` rows (the cached ones kept)."""
+        keep = len(self._tokens)
+        self._cache = [
+            (k_buf, v_buf) if k_buf.shape[2] >= rows
+            else _grown(k_buf, v_buf, k_buf, v_buf, rows, keep)
+            for k_buf, v_buf in self._cache
+        ]
+
+    def _sees_every_key(self) -> bool:
+        """Every layer's block queries see every context and block key (no causal rule, no
+        window): the case :meth:`DrafterLayer.infer` computes."""
+        cfg = self.config
+        return all(
+            not cfg.layer_causal(i) and cfg.layer_window(i) is None
+            for i in range(cfg.num_hidden_layers)
+        )
+
+    @torch.inference_mode()  # as _extend
     def _draft_hidden(self, last: int, block_size: int) -> Tensor:
-        """[B, H] final hidden states of the block over the cached context."""
+        """[B, H] final hidden states of the block over the cached context.
+
+        When every key is visible, the layers run :meth:`DrafterLayer.infer`: the block's
+        keys/values go into the cache rows after the context (scratch rows, overwritten by
+        the next committed tokens) instead of concatenated copies; :meth:`run_block` (what
+        :meth:`uncached_hidden` runs) is the reference it is tested against."""
         n = len(self._tokens)
         x = self.embed(self.block_ids(last, block_size))  # [1, B, H]
         q_pos = torch.arange(n, n + block_size, device=self.device)[None]
+        if self._cache and self._sees_every_key():
+            cos, sin = self.rotary(q_pos, x.dtype)
+            self._reserve(n + block_size)
+            for layer, (k_buf, v_buf) in zip(self._layers(), self._cache, strict=True):
+                x = layer.infer(x, k_buf, v_buf, 0, n, cos, sin)
+            out: Tensor = self.norm(x)[0]
+            return out
         # a windowed layer's queries (positions >= n) see no key below n - window + 1
         windows = [self.config.layer_window(i) for i in range(self.config.num_hidden_layers)]
         lo = 0 if None in windows else max(0, n - max(w for w in windows if w) + 1)
@@ -550,6 +576,20 @@ class DFlashDrafter(nn.Module):
         if not features.is_floating_point():
             raise DraftArgumentError(f"'features' must be floating point (got {features.dtype})")
         return features
+
+
+def _grown(
+    k_buf: Tensor, v_buf: Tensor, k_like: Tensor, v_like: Tensor, rows: int, keep: int
+) -> tuple[Tensor, Tensor]:
+    """New cache buffers of at least ``rows`` rows (doubling, at least 64) holding the first
+    ``keep`` rows of ``k_buf`` / ``v_buf``; shaped and typed like ``k_like`` / ``v_like``."""
+    cap = max(rows, 2 * (k_buf.shape[2] if k_buf.dim() == 4 else 0), 64)
+    k_new = k_like.new_empty(1, k_like.shape[1], cap, k_like.shape[3])
+    v_new = v_like.new_empty(1, v_like.shape[1], cap, v_like.shape[3])
+    if keep:
+        k_new[:, :, :keep] = k_buf[:, :, :keep]
+        v_new[:, :, :keep] = v_buf[:, :, :keep]
+    return k_new, v_new
 
 
 def check_target(

@@ -294,6 +294,37 @@ class DraftAttention(nn.Module):
         return out
 
 
+    def infer(
+        self, x: Tensor, k_cache: Tensor, v_cache: Tensor, lo: int, n: int, cos: Tensor,
+        sin: Tensor,
+    ) -> Tensor:
+        """Inference of a block that sees every key, in place of :meth:`forward`.
+
+        The block's ``Q`` rows sit at cache rows ``n … n+Q-1``: their keys/values are
+        written there (the cache's rows ``lo … n-1`` hold the context), and the block
+        attends over rows ``lo … n+Q-1`` — no concatenated or head-expanded copies of the
+        keys. The same maths as :meth:`forward` with ``visible=None``, without autograd.
+
+        x: [1, Q, H]; k_cache, v_cache: [1, kv_heads, >= n+Q, D]; cos/sin: [1, Q, D].
+        """
+        n_, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(n_, q_len, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(n_, q_len, self.num_kv_heads, self.head_dim))
+        end = n + q_len
+        k_cache[:, :, n:end] = rotate(k.transpose(1, 2), cos, sin)
+        v_cache[:, :, n:end] = self.v_proj(x).view(
+            n_, q_len, self.num_kv_heads, self.head_dim
+        ).transpose(1, 2)
+        with sdpa_kernel(attention_backends()):
+            o = F.scaled_dot_product_attention(
+                rotate(q.transpose(1, 2), cos, sin), k_cache[:, :, lo:end],
+                v_cache[:, :, lo:end], scale=self.head_dim**-0.5,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+        out: Tensor = self.o_proj(o.transpose(1, 2).reshape(n_, q_len, -1))
+        return out
+
+
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))``."""
 
@@ -320,6 +351,12 @@ class DrafterLayer(nn.Module):
 
     def forward(self, x: Tensor, *attn_args: Any) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), *attn_args)
+        out: Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
+
+    def infer(self, x: Tensor, *cache_args: Any) -> Tensor:
+        """:meth:`forward` through :meth:`DraftAttention.infer` (its arguments after ``x``)."""
+        x = x + self.self_attn.infer(self.input_layernorm(x), *cache_args)
         out: Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return out
 

@@ -338,6 +338,26 @@ def test_cached_and_uncached_context_give_the_same_drafts(changes: dict[str, obj
     )
 
 
+def test_the_inference_layers_equal_the_reference_block() -> None:
+    """``_draft_hidden`` (every key visible: :meth:`DrafterLayer.infer`, block keys written
+    into the cache's scratch rows) equals ``run_block`` over the whole context, with grouped
+    queries and across a growth of the cache buffers (62 cached rows + a 3-row block > 64)."""
+    cfg = tiny_config(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    d = make(cfg, seed=4)
+    gen = torch.Generator().manual_seed(9)
+    feats = torch.randn(70, cfg.feature_size, generator=gen, dtype=torch.float64)
+    tokens = torch.randint(0, V - 1, (71,), generator=gen).tolist()
+    drafts = run_steps(d, feats, tokens, [30, 20, 12, 1, 4], cfg.block_size)
+    assert all(cached == uncached for cached, uncached in drafts)
+    assert d._cache[0][0].shape[2] >= 70  # grown past the first 64 rows
+    for n in (67, 65):  # a shorter context again: the scratch rows are rewritten
+        d.propose(tokens[:n], tokens[n], 3, feats[n - 1 : n])
+        torch.testing.assert_close(
+            d._draft_hidden(tokens[n], 3), d.uncached_hidden(feats[:n], tokens[n], 3),
+            rtol=1e-12, atol=1e-12,
+        )
+
+
 def test_context_rows_are_projected_once() -> None:
     """Cost: each committed row goes through fc (and K/V) once, never the whole context."""
     d = make(tiny_config(), seed=2)

@@ -4,16 +4,23 @@ Runs the main job's generation (the default pair, the default prompt, ``--max-ne
 tokens, checkpoint rollback, plain greedy measured after it as ``dflash generate`` does)
 ``--reps`` times in one process for each window rule, alternating the rules:
 
-- ``confidence``: the verify window follows the drafter's confidence (the shipped rule);
+- ``confidence``: the verify window follows the drafter's confidence through the step's
+  cost model, priced at the generation's running rate (the shipped rule);
+- ``floor-0.1``: the rule it replaced, kept here for the comparison: the tile-aligned
+  window, cut where the product of the guesses' probabilities falls below 0.1 (at least
+  one guess);
 - ``commit-cap``: the drafter's confidence hidden from the engine, so the window falls
   back to the previous step's commit + 4 (the rule for drafters without probabilities).
 
-Per rule: the median speed-up over plain greedy and its range, the average commit, and a
-step's wall time split into the verify forwards, the drafter's proposals and the rest of
-the step (acceptance, rollback, bookkeeping), each the median over the runs, next to a
-plain decode's. Every run must be lossless (parity). ``--json`` writes the rows.
+``--heldout N`` runs N held-out standard-library prompts instead (each run sums their
+decode times). Per rule: the median speed-up over plain greedy and its range, the
+average commit, and a step's wall time split into the verify forwards, the drafter's
+proposals and the rest of the step (acceptance, rollback, bookkeeping), each the median
+over the runs, next to a plain decode's. Every run must be lossless (parity). ``--json``
+writes the rows.
 
-    python3 benchmarks/cpu_step.py [--reps 6] [--max-new-tokens 64] [--threads 2] [--json FILE]
+    python3 benchmarks/cpu_step.py [--reps 6] [--max-new-tokens 64] [--threads 2] [--heldout N]
+        [--json FILE]
 """
 
 from __future__ import annotations
@@ -22,21 +29,45 @@ import argparse
 import json
 import platform
 import statistics
+import sys
+import sysconfig
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import dflash.execution.shards as shards
+from dflash.data import require_default
 from dflash.execution import RollbackPolicy, SpecDecoder, plan_shards
 from dflash.execution.run import generate
 from dflash.execution.session import build_drafter, build_model, encode_prompt
 from dflash.execution.shards import ShardedTarget
+from dflash.model import tiles
 from dflash.model.drafters import DFlashDrafter
+from dflash.model.tokenizer import load_tokenizer
 
-RULES = ("confidence", "commit-cap")
+RULES = ("confidence", "floor-0.1", "commit-cap")
+
+
+def floor_rule(
+    start: int, block: int, last: tuple[int, int] | None = None,
+    confidence: Sequence[float] | None = None, rate: float = tiles.DEFAULT_RATE,
+) -> int:
+    """The previous confidence rule (``floor-0.1``); without confidence, the shipped one."""
+    if confidence is None:
+        return tiles.tile_window(start, block, last)
+    room = tiles.TILE_ROWS - start % tiles.TILE_ROWS
+    window = room if tiles.MIN_WINDOW <= room < block else block
+    held, joint = 0, 1.0
+    for c in confidence:
+        joint *= c
+        if joint < 0.1:
+            break
+        held += 1
+    return min(window, 1 + max(1, held))
 
 
 def timed(
@@ -60,6 +91,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--heldout", type=int, default=0,
+                    help="instead of the main job's prompt, N held-out standard-library "
+                    "prompts (benchmarks/drafter_tau.py's, seed 7): sums over them")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -70,6 +104,15 @@ def main() -> None:
         "default", vocab, text=None, ids=None, length=None, seed=0, allow_bytes=False
     )
     n = args.max_new_tokens
+    prompts = [prompt]
+    if args.heldout:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from drafter_tau import heldout_files, heldout_prompts
+
+        tokenizer = load_tokenizer(require_default("target"))
+        assert tokenizer is not None  # the default target ships one
+        held = heldout_files(Path(sysconfig.get_paths()["stdlib"]))
+        prompts = heldout_prompts(tokenizer, held, args.heldout, 64, 7)
     drafter, _ = build_drafter("dflash", model, prompt, plan=plan, acceptance=0.0, seed=0,
                                max_new_tokens=n, block_size=16, model_spec="default")
     seconds: dict[str, float] = defaultdict(float)
@@ -80,25 +123,35 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {rule: [] for rule in RULES}
     for _ in range(args.reps):
         for rule in RULES:
-            DFlashDrafter.confidence = scored if rule == "confidence" else (  # type: ignore[method-assign]  # the A/B switch
+            DFlashDrafter.confidence = scored if rule != "commit-cap" else (  # type: ignore[method-assign]  # the A/B switch
                 lambda self: None
             )
+            shards.tile_window = floor_rule if rule == "floor-0.1" else tiles.tile_window
             seconds.clear()
-            r = generate(model, drafter, prompt, plan=plan, max_new_tokens=n, block_size=16,
-                         policy=RollbackPolicy(mode="checkpoint"), baseline=True)
-            if not r.parity:
-                raise SystemExit(f"parity false under the {rule} rule")
-            steps = r.steps
+            spec_s = greedy_s = 0.0
+            steps = decodes = 0
+            committed = 0.0
+            for p in prompts:  # one prompt, or the held-out ones: their sums
+                r = generate(model, drafter, p, plan=plan, max_new_tokens=n, block_size=16,
+                             policy=RollbackPolicy(mode="checkpoint"), baseline=True)
+                if not r.parity:
+                    raise SystemExit(f"parity false under the {rule} rule")
+                spec_s += r.timings.decode_s
+                greedy_s += r.timings.greedy_decode_s or 0.0
+                steps += r.steps
+                committed += r.avg_commit * r.steps  # the tokens its steps committed
+                decodes += len(r.tokens) - 1
             rest = seconds["step"] - seconds["verify"] - seconds["propose"] - seconds["replay"]
             runs[rule].append({
-                "speedup": float(r.speedup_vs_greedy or 0.0), "avg_commit": r.avg_commit,
+                "speedup": greedy_s / spec_s, "avg_commit": committed / steps,
                 "steps": steps, "step_ms": seconds["step"] / steps * 1e3,
                 "verify_ms": seconds["verify"] / steps * 1e3,
                 "propose_ms": seconds["propose"] / steps * 1e3,
                 "replay_ms": seconds["replay"] / steps * 1e3, "rest_ms": rest / steps * 1e3,
-                "decode_ms": seconds["decode"] / max(1, len(r.tokens) - 1) * 1e3,
+                "decode_ms": seconds["decode"] / max(1, decodes) * 1e3,
             })
     DFlashDrafter.confidence = scored  # type: ignore[method-assign]  # restored
+    shards.tile_window = tiles.tile_window
     rows = []
     for rule, got in runs.items():
         med = {k: statistics.median(run[k] for run in got) for k in got[0]}

@@ -50,8 +50,8 @@ class ScoredDrafter(Drafter, Protocol):
     ``confidence()`` is the probability the drafter gave each guess of its most recent
     ``propose`` (``block_size - 1`` floats in [0, 1], in guess order), or None when it has
     none (nothing proposed since the last reset, or the last guesses came from the device).
-    On CPU the engine verifies only the guesses that are likely enough to be accepted
-    (:func:`dflash.model.tiles.tile_window`); the emitted tokens do not depend on it.
+    On CPU the engine verifies only the guesses whose expected acceptance pays for their
+    verify (:func:`dflash.model.tiles.tile_window`); the emitted tokens do not depend on it.
     """
 
     def confidence(self) -> list[float] | None: ...

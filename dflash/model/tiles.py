@@ -103,8 +103,6 @@ def tile_window(
     """
     if start < 0 or block < 1:
         raise ValueError(f"'start' must be >= 0 and 'block' >= 1 (got {start}, {block})")
-    room = TILE_ROWS - start % TILE_ROWS
-    window = room if MIN_WINDOW <= room < block else block
     if confidence is not None:
         probs = list(confidence)
         if not is_confidence(probs, block):
@@ -125,6 +123,8 @@ def tile_window(
             if value > best_value:
                 best, best_value = t, value
         return best
+    room = TILE_ROWS - start % TILE_ROWS
+    window = room if MIN_WINDOW <= room < block else block
     if last is not None:
         commit_n, verified = last
         if not 1 <= commit_n <= verified:

@@ -108,6 +108,12 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config)
+        #: every layer's block queries see every context and block key (no causal rule, no
+        #: window): the case DrafterLayer.infer computes
+        self._sees_every_key = all(
+            not config.layer_causal(i) and config.layer_window(i) is None
+            for i in range(config.num_hidden_layers)
+        )
         # plain attributes, not submodules/parameters: shared with the target, never saved
         object.__setattr__(self, "_embed_weight", embed_weight)
         object.__setattr__(self, "_lm_head_weight", lm_head_weight)
@@ -419,15 +425,6 @@ class DFlashDrafter(nn.Module):
             for k_buf, v_buf in self._cache
         ]
 
-    def _sees_every_key(self) -> bool:
-        """Every layer's block queries see every context and block key (no causal rule, no
-        window): the case :meth:`DrafterLayer.infer` computes."""
-        cfg = self.config
-        return all(
-            not cfg.layer_causal(i) and cfg.layer_window(i) is None
-            for i in range(cfg.num_hidden_layers)
-        )
-
     @torch.inference_mode()  # as _extend
     def _draft_hidden(self, last: int, block_size: int) -> Tensor:
         """[B, H] final hidden states of the block over the cached context.
@@ -439,11 +436,11 @@ class DFlashDrafter(nn.Module):
         n = len(self._tokens)
         x = self.embed(self.block_ids(last, block_size))  # [1, B, H]
         q_pos = torch.arange(n, n + block_size, device=self.device)[None]
-        if self._cache and self._sees_every_key():
+        if self._cache and self._sees_every_key:
             cos, sin = self.rotary(q_pos, x.dtype)
             self._reserve(n + block_size)
             for layer, (k_buf, v_buf) in zip(self._layers(), self._cache, strict=True):
-                x = layer.infer(x, k_buf, v_buf, 0, n, cos, sin)
+                x = layer.infer(x, k_buf, v_buf, n, cos, sin)
             out: Tensor = self.norm(x)[0]
             return out
         # a windowed layer's queries (positions >= n) see no key below n - window + 1

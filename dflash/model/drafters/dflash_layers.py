@@ -293,16 +293,14 @@ class DraftAttention(nn.Module):
         out: Tensor = self.o_proj(o)
         return out
 
-
     def infer(
-        self, x: Tensor, k_cache: Tensor, v_cache: Tensor, lo: int, n: int, cos: Tensor,
-        sin: Tensor,
+        self, x: Tensor, k_cache: Tensor, v_cache: Tensor, n: int, cos: Tensor, sin: Tensor
     ) -> Tensor:
         """Inference of a block that sees every key, in place of :meth:`forward`.
 
         The block's ``Q`` rows sit at cache rows ``n … n+Q-1``: their keys/values are
-        written there (the cache's rows ``lo … n-1`` hold the context), and the block
-        attends over rows ``lo … n+Q-1`` — no concatenated or head-expanded copies of the
+        written there (the cache's rows ``0 … n-1`` hold the context), and the block
+        attends over rows ``0 … n+Q-1`` — no concatenated or head-expanded copies of the
         keys. The same maths as :meth:`forward` with ``visible=None``, without autograd.
 
         x: [1, Q, H]; k_cache, v_cache: [1, kv_heads, >= n+Q, D]; cos/sin: [1, Q, D].
@@ -317,8 +315,8 @@ class DraftAttention(nn.Module):
         ).transpose(1, 2)
         with sdpa_kernel(attention_backends()):
             o = F.scaled_dot_product_attention(
-                rotate(q.transpose(1, 2), cos, sin), k_cache[:, :, lo:end],
-                v_cache[:, :, lo:end], scale=self.head_dim**-0.5,
+                rotate(q.transpose(1, 2), cos, sin), k_cache[:, :, :end],
+                v_cache[:, :, :end], scale=self.head_dim**-0.5,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )
         out: Tensor = self.o_proj(o.transpose(1, 2).reshape(n_, q_len, -1))

@@ -338,10 +338,20 @@ def test_cached_and_uncached_context_give_the_same_drafts(changes: dict[str, obj
     )
 
 
-def test_the_inference_layers_equal_the_reference_block() -> None:
+def test_the_inference_layers_equal_the_reference_block(monkeypatch: pytest.MonkeyPatch) -> None:
     """``_draft_hidden`` (every key visible: :meth:`DrafterLayer.infer`, block keys written
     into the cache's scratch rows) equals ``run_block`` over the whole context, with grouped
     queries and across a growth of the cache buffers (62 cached rows + a 3-row block > 64)."""
+    from dflash.model.drafters.dflash_layers import DrafterLayer
+
+    calls: list[int] = []
+    real = DrafterLayer.infer
+
+    def counted(self: DrafterLayer, *args: object) -> torch.Tensor:
+        calls.append(1)
+        return real(self, *args)
+
+    monkeypatch.setattr(DrafterLayer, "infer", counted)
     cfg = tiny_config(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
     d = make(cfg, seed=4)
     gen = torch.Generator().manual_seed(9)
@@ -356,6 +366,7 @@ def test_the_inference_layers_equal_the_reference_block() -> None:
             d._draft_hidden(tokens[n], 3), d.uncached_hidden(feats[:n], tokens[n], 3),
             rtol=1e-12, atol=1e-12,
         )
+    assert len(calls) == 2 * 9  # the cached proposals ran the inference layers (2 per call)
 
 
 def test_context_rows_are_projected_once() -> None:

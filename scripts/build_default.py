@@ -41,6 +41,7 @@ Usage::
     python3 scripts/build_default.py --out OUT                 # everything (GPU)
     python3 scripts/build_default.py --out OUT --skip-drafter  # data, tokenizer, target
     python3 scripts/build_default.py --out OUT2 --only-drafter --target-dir OUT/target
+    python3 scripts/build_default.py --out OUT --work W --resume   # continue a stopped run
     python3 scripts/build_default.py --out OUT --tiny          # CPU smoke run, ~1 minute
     python3 scripts/build_default.py --out OUT --set drafter_steps=8000   # one field changed
     python3 scripts/build_default.py --install-from OUT        # copy into dflash/data/default
@@ -649,7 +650,7 @@ def drafter_summary(train_log: Any) -> dict[str, Any]:
         out["tau"] = taus[-1]["tau"]
         out["final_eval"] = {k: v for k, v in taus[-1].items() if isinstance(v, (int, float))}
     if isinstance(train_log, dict):
-        for key in ("prompt_lookup_tau", "gamma", "seconds"):
+        for key in ("prompt_lookup_tau", "gamma", "seconds", "resumed_at"):
             if key in train_log:
                 out[key] = train_log[key]
     return out
@@ -663,11 +664,18 @@ def run_drafter(
     out: Path,
     device: str,
     extra: Sequence[str] = (),
+    resume: bool = False,
 ) -> dict[str, Any]:
-    """Train the drafter in ``work`` (its step checkpoints stay there); copy the result."""
+    """Train the drafter in ``work`` (its step checkpoints stay there); copy the result.
+
+    With ``resume``, a run stopped after a step checkpoint under ``work/drafter`` continues
+    from that checkpoint (``train-drafter --resume``: the weights, the optimizer's state and
+    the step; each step's batch is drawn from a generator seeded by the step, so the result
+    is the uninterrupted run's); without a checkpoint it starts afresh."""
     import numpy as np
 
     from dflash.model.tokenizer import TextTokenizer
+    from dflash.training.loop import latest_checkpoint
 
     tok = TextTokenizer.from_file(target_dir / "tokenizer.json")._backend
     work.mkdir(parents=True, exist_ok=True)
@@ -675,14 +683,16 @@ def run_drafter(
     np.save(train_npy, token_stream(tok, corpus.train))
     np.save(heldout_npy, token_stream(tok, corpus.heldout))
     trained = work / "drafter"
-    if trained.exists():
-        shutil.rmtree(trained)
     cmd = [*drafter_command(recipe, target_dir, train_npy, heldout_npy, trained, device), *extra]
-    log("drafter: " + " ".join(cmd))
+    last = latest_checkpoint(trained) if resume else None
+    if last is None and trained.exists():
+        shutil.rmtree(trained)
+    log("drafter: " + " ".join(cmd) + (f" --resume  # from {last}" if last else ""))
+    run = [*cmd, "--resume"] if last else cmd
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, env=env, cwd=str(REPO), check=False)
+    done = subprocess.run(run, env=env, cwd=str(REPO), check=False)
     elapsed = time.perf_counter() - t0
     if done.returncode != 0:
         raise RecipeError(f"dflash train-drafter exited with status {done.returncode}")
@@ -829,6 +839,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--work", type=Path, default=None,
                    help="scratch directory for token files (default: a temporary directory)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the drafter stage from its last step checkpoint under "
+                   "WORK/tokens/drafter (needs --work; without a checkpoint it starts afresh)")
     p.add_argument("--stdlib", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="target training steps")
@@ -922,6 +935,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise RecipeError("--out is required (or --install-from)")
     if args.skip_drafter and args.only_drafter:
         raise RecipeError("--skip-drafter and --only-drafter exclude each other")
+    if args.resume and (args.work is None or args.skip_drafter):
+        raise RecipeError("--resume continues the drafter stage in --work: give --work, "
+                          "without --skip-drafter")
     try:  # fail before any training when dflash (the parity check, the drafter) cannot run
         import dflash.cli
         import dflash.model
@@ -1022,7 +1038,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise RecipeError(f"no target at {str(target_dir)!r} (build it first)")
         extra = shlex.split(args.drafter_extra)
         drafter = run_drafter(
-            recipe, target_dir, corpus, work / "tokens", out / "drafter", device, extra
+            recipe, target_dir, corpus, work / "tokens", out / "drafter", device, extra,
+            resume=args.resume,
         )
         timings["drafter_train_s"] = drafter["train_s"]
         drafter["bytes"] = dir_bytes(out / "drafter")

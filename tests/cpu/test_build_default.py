@@ -128,6 +128,62 @@ def test_drafter_summary_reads_tau_and_loss() -> None:
     assert "tau" not in bd.drafter_summary({"loss": []})
 
 
+def _fake_train_drafter(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """``subprocess.run`` replaced by a stand-in train-drafter that records its command and
+    writes the files the drafter stage copies; returns the recorded commands."""
+    calls: list[list[str]] = []
+
+    def run(cmd: list[str], **_: object) -> object:
+        calls.append(cmd)
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        for name in (*bd.DRAFTER_FILES, "model.safetensors"):
+            (out / name).write_text("{}", encoding="utf-8")
+        resumed = [4] if "--resume" in cmd else []
+        log = {"loss": [[8, 1.0, 0.5]], "eval": [{"step": 8, "tau": 2.0}], "resumed_at": resumed}
+        (out / "train_log.json").write_text(json.dumps(log), encoding="utf-8")
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(bd.subprocess, "run", run)
+    return calls
+
+
+def test_drafter_stage_resumes_from_its_last_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _fake_train_drafter(monkeypatch)
+    corpus = bd.collect_corpus(replace(bd.TINY, heldout_fraction=0.5), _tree(tmp_path / "lib"))
+    target = Path(bd.PACKAGE_DATA) / "target"  # its tokenizer.json
+    work, out = tmp_path / "work", tmp_path / "out"
+    ckpt = work / "drafter" / "checkpoints" / "step-000004"
+
+    def stage(resume: bool) -> dict[str, object]:
+        got: dict[str, object] = bd.run_drafter(
+            bd.TINY, target, corpus, work, out, "cpu", resume=resume
+        )
+        return got
+
+    def checkpoint() -> None:
+        ckpt.mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text('{"step": 4}', encoding="utf-8")
+
+    checkpoint()
+    got = stage(resume=True)  # a checkpoint: kept, and train-drafter continues from it
+    assert calls[-1][-1] == "--resume" and ckpt.is_dir()
+    assert got["resumed_at"] == [4]
+    assert "--resume" not in got["command"]  # the recorded command is the recipe's own
+    assert got["command"][1:] == calls[-1][1:-1]
+    stage(resume=False)  # without --resume a stopped run is started afresh
+    assert "--resume" not in calls[-1] and not ckpt.exists()
+    (ckpt.parent / "step-000008.tmp").mkdir(parents=True)  # an unfinished save only
+    stage(resume=True)
+    assert "--resume" not in calls[-1]  # nothing to resume from: a fresh start
+    with pytest.raises(bd.RecipeError, match="--resume continues the drafter stage"):
+        bd.main(["--out", str(tmp_path / "x"), "--resume"])  # no --work
+    with pytest.raises(bd.RecipeError, match="--resume continues the drafter stage"):
+        bd.main(["--out", str(tmp_path / "x"), "--work", str(work), "--resume", "--skip-drafter"])
+
+
 def _fake_build(out: Path, weight_bytes: int = 100) -> None:
     for part, names in (("target", bd.TARGET_FILES), ("drafter", bd.DRAFTER_FILES)):
         (out / part).mkdir(parents=True)

@@ -23,7 +23,9 @@ The data is the Python standard library of the interpreter running this script (
    ``tokenizer_config.json``, ``generation_config.json`` with the EOS id);
 4. **evaluation**: held-out perplexity of the saved (bf16) weights in float32, and a
    check that dflash loads the directory and its logits equal transformers';
-5. **drafter**: ``python -m dflash.cli train-drafter`` on the same token streams;
+5. **drafter**: ``python -m dflash.cli train-drafter`` on the same token streams (with
+   ``--work W --resume``, a stopped stage continues from its last step checkpoint in ``W``
+   and ends with the uninterrupted run's bytes);
 6. **report**: ``loss_curves.png`` and ``summary.json`` (perplexity, τ, data hashes,
    timings).
 
@@ -41,7 +43,8 @@ Usage::
     python3 scripts/build_default.py --out OUT                 # everything (GPU)
     python3 scripts/build_default.py --out OUT --skip-drafter  # data, tokenizer, target
     python3 scripts/build_default.py --out OUT2 --only-drafter --target-dir OUT/target
-    python3 scripts/build_default.py --out OUT --work W --resume   # continue a stopped run
+    python3 scripts/build_default.py --out OUT2 --only-drafter --target-dir OUT/target \
+        --work W --resume      # the drafter stage, continued from its last checkpoint in W
     python3 scripts/build_default.py --out OUT --tiny          # CPU smoke run, ~1 minute
     python3 scripts/build_default.py --out OUT --set drafter_steps=8000   # one field changed
     python3 scripts/build_default.py --install-from OUT        # copy into dflash/data/default

@@ -349,9 +349,10 @@ class DFlashDrafter(nn.Module):
             self._extend(tokens, features)
             hidden = self._draft_hidden(last, block_size)  # [B, H]
             logits = self.logits(hidden[1:])  # [B-1, V]: the mask slots
-            picked = logits.argmax(dim=-1)  # [B-1]
             wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
-            probs = torch.softmax(wide, dim=-1).gather(-1, picked[:, None])[:, 0]
+            top, picked = wide.max(dim=-1)  # [B-1]: argmax's guesses (its first maximum)
+            # the softmax probability at the guess: 1 / sum(exp(logit - top))
+            probs = torch.exp(wide - top[:, None]).sum(-1).reciprocal()
             # one device-to-host transfer for both (ids < 2^53 are exact in float64)
             read = torch.stack([picked.double(), probs.double()]).tolist()
         self._confidence = [float(c) for c in read[1]]
@@ -403,7 +404,11 @@ class DFlashDrafter(nn.Module):
             return
         ctx = self.project_context(features[None])  # [1, T, H]
         positions = torch.arange(keep, n, device=self.device)[None]
-        new = self.context_kv(ctx, positions)
+        if self._packed_inference:
+            cos, sin = self.rotary(positions, ctx.dtype)
+            new = [layer.context_keys_values(ctx[0], cos, sin) for layer in self._layers()]
+        else:
+            new = self.context_kv(ctx, positions)
         if not self._cache:
             self._cache = [(k.new_empty(0), v.new_empty(0)) for k, v in new]
         grown: list[tuple[Tensor, Tensor]] = []
@@ -415,6 +420,13 @@ class DFlashDrafter(nn.Module):
             grown.append((k_buf, v_buf))
         self._cache = grown
         self._tokens = tokens
+
+    @property
+    def _packed_inference(self) -> bool:
+        """Host proposals run on :meth:`DrafterLayer.packed` weights: on CPU, where the
+        packed copies make each projection one BLAS call (on a GPU the eager host path
+        keeps the modules' weights, not a second copy of them in device memory)."""
+        return self.device.type == "cpu"
 
     def _reserve(self, rows: int) -> None:
         """Grow the cache buffers to hold at least ``rows`` rows (the cached ones kept)."""
@@ -429,14 +441,15 @@ class DFlashDrafter(nn.Module):
     def _draft_hidden(self, last: int, block_size: int) -> Tensor:
         """[B, H] final hidden states of the block over the cached context.
 
-        When every key is visible, the layers run :meth:`DrafterLayer.infer`: the block's
-        keys/values go into the cache rows after the context (scratch rows, overwritten by
-        the next committed tokens) instead of concatenated copies; :meth:`run_block` (what
-        :meth:`uncached_hidden` runs) is the reference it is tested against."""
+        On CPU, when every key is visible, the layers run :meth:`DrafterLayer.infer` on
+        their packed weights: the block's keys/values go into the cache rows after the
+        context (scratch rows, overwritten by the next committed tokens) instead of
+        concatenated copies; :meth:`run_block` (what :meth:`uncached_hidden` runs, and
+        the path elsewhere) is the reference it is tested against."""
         n = len(self._tokens)
         x = self.embed(self.block_ids(last, block_size))  # [1, B, H]
         q_pos = torch.arange(n, n + block_size, device=self.device)[None]
-        if self._cache and self._sees_every_key:
+        if self._cache and self._sees_every_key and self._packed_inference:
             cos, sin = self.rotary(q_pos, x.dtype)
             self._reserve(n + block_size)
             for layer, (k_buf, v_buf) in zip(self._layers(), self._cache, strict=True):

@@ -16,6 +16,7 @@ embedding (``x * cos + rotate_half(x) * sin``); SwiGLU MLP ``down(silu(gate x) *
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -69,10 +70,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out: Tensor = self.weight * x32.to(x.dtype)
+        out: Tensor = self.weight * rms_normalized(x, self.eps)
         return out
+
+
+def rms_normalized(x: Tensor, eps: float) -> Tensor:
+    """``x / sqrt(mean(x²) + eps)`` over the last dimension, computed in float32."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def inverse_frequencies(config: DFlashConfig) -> tuple[Tensor, float]:
@@ -293,35 +298,6 @@ class DraftAttention(nn.Module):
         out: Tensor = self.o_proj(o)
         return out
 
-    def infer(
-        self, x: Tensor, k_cache: Tensor, v_cache: Tensor, n: int, cos: Tensor, sin: Tensor
-    ) -> Tensor:
-        """Inference of a block that sees every key, in place of :meth:`forward`.
-
-        The block's ``Q`` rows sit at cache rows ``n … n+Q-1``: their keys/values are
-        written there (the cache's rows ``0 … n-1`` hold the context), and the block
-        attends over rows ``0 … n+Q-1`` — no concatenated or head-expanded copies of the
-        keys. The same maths as :meth:`forward` with ``visible=None``, without autograd.
-
-        x: [1, Q, H]; k_cache, v_cache: [1, kv_heads, >= n+Q, D]; cos/sin: [1, Q, D].
-        """
-        n_, q_len, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(n_, q_len, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(n_, q_len, self.num_kv_heads, self.head_dim))
-        end = n + q_len
-        k_cache[:, :, n:end] = rotate(k.transpose(1, 2), cos, sin)
-        v_cache[:, :, n:end] = self.v_proj(x).view(
-            n_, q_len, self.num_kv_heads, self.head_dim
-        ).transpose(1, 2)
-        with sdpa_kernel(attention_backends()):
-            o = F.scaled_dot_product_attention(
-                rotate(q.transpose(1, 2), cos, sin), k_cache[:, :, :end],
-                v_cache[:, :, :end], scale=self.head_dim**-0.5,
-                enable_gqa=self.num_heads != self.num_kv_heads,
-            )
-        out: Tensor = self.o_proj(o.transpose(1, 2).reshape(n_, q_len, -1))
-        return out
-
 
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))``."""
@@ -346,17 +322,124 @@ class DrafterLayer(nn.Module):
         self.self_attn = DraftAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self._packed: PackedLayer | None = None  # see packed()
+        self._packed_key: tuple[tuple[int, int], ...] = ()
 
     def forward(self, x: Tensor, *attn_args: Any) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), *attn_args)
         out: Tensor = x + self.mlp(self.post_attention_layernorm(x))
         return out
 
-    def infer(self, x: Tensor, *cache_args: Any) -> Tensor:
-        """:meth:`forward` through :meth:`DraftAttention.infer` (its arguments after ``x``)."""
-        x = x + self.self_attn.infer(self.input_layernorm(x), *cache_args)
-        out: Tensor = x + self.mlp(self.post_attention_layernorm(x))
-        return out
+    def infer(
+        self, x: Tensor, k_cache: Tensor, v_cache: Tensor, n: int, cos: Tensor, sin: Tensor
+    ) -> Tensor:
+        """:meth:`forward` of one block that sees every key, for inference.
+
+        The block's ``Q`` rows sit at cache rows ``n … n+Q-1``: their keys/values are
+        written there (rows ``0 … n-1`` hold the context) and the block attends over rows
+        ``0 … n+Q-1``, with no concatenated or head-expanded copies of the keys. The
+        products run on :meth:`packed` weights (q/k/v as one, gate/up as one, each an
+        ``x @ W`` with the residual added inside the product); the same maths as
+        :meth:`forward` with ``visible=None``, rounded differently, without autograd.
+
+        x: [1, Q, H]; k_cache, v_cache: [1, kv_heads, >= n+Q, D]; cos/sin: [1, Q, D].
+        """
+        attn, w = self.self_attn, self.packed()
+        heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        q_len, end = x.shape[1], n + x.shape[1]
+        rows = x[0]  # [Q, H]
+        qkv = _product(self.input_layernorm(rows), w.qkv, w.qkv_bias)
+        # queries and keys normed and rotated together: [1, heads + kv_heads, Q, D]
+        qk = qkv[:, : (heads + kv_heads) * d].view(q_len, heads + kv_heads, d)
+        qk = rotate((rms_normalized(qk, w.eps) * w.qk_norm).transpose(0, 1)[None], cos, sin)
+        k_cache[:, :, n:end] = qk[:, heads:]
+        v = qkv[:, (heads + kv_heads) * d :].view(q_len, kv_heads, d)
+        v_cache[:, :, n:end] = v.transpose(0, 1)[None]
+        with _backends(x):
+            o = F.scaled_dot_product_attention(
+                qk[:, :heads], k_cache[:, :, :end], v_cache[:, :, :end], scale=d**-0.5,
+                enable_gqa=heads != kv_heads,
+            )
+        rows = _product(o[0].transpose(0, 1).reshape(q_len, heads * d), w.o, w.o_bias, rows)
+        gate_up = torch.mm(self.post_attention_layernorm(rows), w.gate_up)
+        inner = gate_up.shape[1] // 2
+        act = F.silu(gate_up[:, :inner]) * gate_up[:, inner:]
+        return torch.addmm(rows, act, w.down)[None]
+
+    def context_keys_values(
+        self, context: Tensor, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`DraftAttention.keys_values` of context rows ``[T, H]`` (cos/sin [1, T, D])
+        on the :meth:`packed` weights: rotated k, v ``[1, kv_heads, T, D]``."""
+        attn, w = self.self_attn, self.packed()
+        q_cols, d = attn.num_heads * attn.head_dim, attn.head_dim
+        bias = None if w.qkv_bias is None else w.qkv_bias[q_cols:]
+        kv = _product(context, w.qkv[:, q_cols:], bias)  # [T, 2 kv_heads D]
+        k, v = kv.view(kv.shape[0], 2 * attn.num_kv_heads, d).chunk(2, dim=1)
+        k = rms_normalized(k, w.eps) * w.qk_norm[attn.num_heads :]
+        return rotate(k.transpose(0, 1)[None], cos, sin), v.transpose(0, 1)[None]
+
+    def packed(self) -> PackedLayer:
+        """This layer's weights laid out for :meth:`infer`, made again whenever a parameter
+        was changed or replaced since (its storage address or version counter moved)."""
+        key = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        if self._packed is None or self._packed_key != key:
+            self._packed, self._packed_key = PackedLayer.of(self), key
+        return self._packed
+
+
+@dataclass(frozen=True)
+class PackedLayer:
+    """A :class:`DrafterLayer`'s weights as :meth:`DrafterLayer.infer` multiplies them:
+    ``[in, out]`` row-major matrices (``x @ W``, which CPU BLAS runs faster than
+    ``x @ weight.T`` on these skinny products), the q/k/v projections side by side, the
+    gate and up projections side by side, and the per-head q/k norm weights as one
+    ``[heads + kv_heads, D]`` table. Copies: training never sees them."""
+
+    qkv: Tensor  # [H, (heads + 2 kv_heads) D]
+    qkv_bias: Tensor | None
+    qk_norm: Tensor  # [heads + kv_heads, D]
+    o: Tensor  # [heads D, H]
+    o_bias: Tensor | None
+    gate_up: Tensor  # [H, 2 I]
+    down: Tensor  # [I, H]
+    eps: float
+
+    @staticmethod
+    @torch.no_grad()
+    def of(layer: DrafterLayer) -> PackedLayer:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        biases: list[Tensor] = [m.bias for m in projections if m.bias is not None]
+        heads, kv_heads = attn.num_heads, attn.num_kv_heads
+        return PackedLayer(
+            qkv=torch.cat([m.weight for m in projections]).T.contiguous(),
+            qkv_bias=torch.cat(biases) if len(biases) == 3 else None,
+            qk_norm=torch.cat(
+                [attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1)]
+            ),
+            o=attn.o_proj.weight.T.contiguous(),
+            o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.clone(),
+            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).T.contiguous(),
+            down=mlp.down_proj.weight.T.contiguous(),
+            eps=attn.q_norm.eps,
+        )
+
+
+def _product(x: Tensor, w: Tensor, bias: Tensor | None, residual: Tensor | None = None) -> Tensor:
+    """``residual + x @ w + bias`` for 2-D ``x`` (each term optional), in one BLAS call
+    when at most one of ``residual`` / ``bias`` is given."""
+    if bias is None:
+        return torch.mm(x, w) if residual is None else torch.addmm(residual, x, w)
+    return torch.addmm(bias if residual is None else residual + bias, x, w)
+
+
+def _backends(x: Tensor) -> contextlib.AbstractContextManager[Any]:
+    """The SDPA backend rule of :func:`attention_backends` where it changes anything: on a
+    GPU, or on the math backend; on CPU SDPA otherwise chooses among the same kernels."""
+    if x.device.type == "cpu" and not _MATH_ONLY.get():
+        return contextlib.nullcontext()
+    return sdpa_kernel(attention_backends())
 
 
 def visibility(

@@ -369,6 +369,54 @@ def test_the_inference_layers_equal_the_reference_block(monkeypatch: pytest.Monk
     assert len(calls) == 2 * 9  # the cached proposals ran the inference layers (2 per call)
 
 
+def _hidden_pair(d: DFlashDrafter, seed: int, n: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached proposal's hidden states after a fresh context of ``n`` rows, and the
+    reference's (``uncached_hidden``) for the same rows."""
+    gen = torch.Generator().manual_seed(seed)
+    feats = torch.randn(n, d.config.feature_size, generator=gen, dtype=torch.float64)
+    tokens = torch.randint(0, V - 1, (n + 1,), generator=gen).tolist()
+    d.reset()
+    d.propose(tokens[:n], tokens[n], 3, feats)
+    return d._draft_hidden(tokens[n], 3), d.uncached_hidden(feats, tokens[n], 3)
+
+
+def test_inference_layers_with_biases_equal_the_reference_block() -> None:
+    """The packed q/k/v and o biases (``attention_bias``) enter as the modules' biases do,
+    in the block's rows and in the context's keys/values."""
+    cfg = tiny_config(
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, attention_bias=True
+    )
+    d = make(cfg, seed=5)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        biases = [p for name, p in d.named_parameters() if name.endswith("proj.bias")]
+        assert len(biases) == 2 * 4  # q, k, v, o in each layer
+        for p in biases:
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
+    got, ref = _hidden_pair(d, seed=1)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_packed_weights_follow_changed_parameters() -> None:
+    """A weight changed in place after a proposal (an optimizer step, ``load_state_dict``)
+    or replaced is seen by the next proposal: the packed copies are made again."""
+    cfg = tiny_config(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    d = make(cfg, seed=6)
+    _hidden_pair(d, seed=2)  # packs every layer
+    with torch.no_grad():
+        d.layers[1].mlp.down_proj.weight.mul_(-2.0)  # the block's rows
+        d.layers[0].self_attn.k_proj.weight.add_(0.3)  # the context's keys
+    got, ref = _hidden_pair(d, seed=2)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    d.load_state_dict(make(cfg, seed=7).state_dict())
+    got, ref = _hidden_pair(d, seed=2)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    o_proj = d.layers[0].self_attn.o_proj
+    o_proj.weight.data = torch.randn(o_proj.weight.shape, dtype=torch.float64)  # replaced
+    got, ref = _hidden_pair(d, seed=2)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
 def test_context_rows_are_projected_once() -> None:
     """Cost: each committed row goes through fc (and K/V) once, never the whole context."""
     d = make(tiny_config(), seed=2)

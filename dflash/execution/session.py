@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.data import DefaultDataMissingError, require_default
+from dflash.data import DefaultDataMissingError, default_dir, require_default
 from dflash.errors import UsageError
 from dflash.execution.oracle import reference_greedy
 from dflash.execution.shards import ShardPlan
@@ -215,6 +215,20 @@ def per_slot_probability(drafted_rate: float, block_size: int) -> float:
     return (lo + hi) / 2
 
 
+def is_default_target(model_spec: str | None) -> bool:
+    """``--model`` names the default target: ``default``, or the directory the installed
+    default target lives in (by any path to it)."""
+    if model_spec == DEFAULT_MODEL:
+        return True
+    if model_spec is None or model_spec in SEEDED_MODELS:
+        return False
+    target = default_dir("target")
+    try:
+        return Path(model_spec).is_dir() and target.is_dir() and target.samefile(model_spec)
+    except OSError:  # unreadable or vanished paths name no default target
+        return False
+
+
 def build_drafter(
     spec: str,
     model: TargetModel,
@@ -229,9 +243,11 @@ def build_drafter(
 ) -> tuple[Drafter, list[int] | None]:
     """The drafter, and for ``synthetic`` the target-only greedy tokens it was given.
 
-    ``dflash`` with ``model_spec == "default"`` is the shipped trained drafter.
+    ``dflash`` with the default target — ``model_spec`` ``"default"``, or the installed
+    default target's directory — is the shipped trained drafter; with any other target it
+    is a seeded drafter of the target's shape.
     """
-    if spec == "dflash" and model_spec == DEFAULT_MODEL:
+    if spec == "dflash" and is_default_target(model_spec):
         try:
             directory = require_default("drafter")
         except DefaultDataMissingError as exc:

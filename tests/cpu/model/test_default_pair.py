@@ -181,6 +181,40 @@ def test_draft_dflash_with_default_loads_the_shipped_drafter(stand_in: Path) -> 
     )
 
 
+def test_draft_dflash_with_the_default_target_directory_loads_the_shipped_drafter(
+    stand_in: Path,
+) -> None:
+    """``--model <the installed default target's directory>`` (by any path to it) pairs with
+    the shipped drafter too; a copy of that directory elsewhere is just another target."""
+    import shutil
+
+    from dflash.execution.shards import plan_shards
+
+    model = session.build_model("default", seed=0, dtype=torch.float32, device="cpu")
+    plan = plan_shards(model.config.num_hidden_layers, "cpu", None)
+    kwargs = dict(plan=plan, acceptance=0.8, seed=0, max_new_tokens=4, block_size=4)
+
+    def state(model_spec: str) -> dict[str, torch.Tensor]:
+        drafter, _ = session.build_drafter("dflash", model, [1, 2], model_spec=model_spec, **kwargs)
+        return dict(drafter.state_dict())  # type: ignore[attr-defined]  # a DFlashDrafter
+
+    def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    shipped = state("default")
+    target = stand_in / "default" / "target"
+    (stand_in / "link").symlink_to(target)
+    for spec in (str(target), str(stand_in / "default" / ".." / "default" / "target"),
+                 str(stand_in / "link")):
+        assert session.is_default_target(spec)
+        assert same(state(spec), shipped), spec
+    shutil.copytree(target, stand_in / "copy")
+    assert not session.is_default_target(str(stand_in / "copy"))
+    assert not same(state(str(stand_in / "copy")), shipped)  # a seeded drafter
+    assert not session.is_default_target("tiny")
+    assert not session.is_default_target(str(stand_in / "missing"))
+
+
 def test_default_missing_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_VAR, str(tmp_path))
     with pytest.raises(DefaultDataMissingError, match=r"default target is not installed"):

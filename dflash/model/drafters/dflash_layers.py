@@ -381,8 +381,14 @@ class DrafterLayer(nn.Module):
 
     def packed(self) -> PackedLayer:
         """This layer's weights laid out for :meth:`infer`, made again whenever a parameter
-        was changed or replaced since (its storage address or version counter moved)."""
-        key = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        was changed or replaced since (its storage address or version counter moved).
+
+        Parameters made under ``torch.inference_mode`` have no version counter: for them
+        only a replaced parameter is noticed, not one written in place (a stale copy only
+        changes the guesses, never the verified output)."""
+        key = tuple(
+            (p.data_ptr(), -1 if p.is_inference() else p._version) for p in self.parameters()
+        )
         if self._packed is None or self._packed_key != key:
             self._packed, self._packed_key = PackedLayer.of(self), key
         return self._packed

@@ -417,6 +417,17 @@ def test_packed_weights_follow_changed_parameters() -> None:
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 
 
+def test_a_drafter_made_under_inference_mode_proposes() -> None:
+    """Inference-mode parameters have no version counter; the packed copies key on their
+    storage alone, and the proposals equal the reference's."""
+    cfg = tiny_config(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    with torch.inference_mode():
+        d = make(cfg, seed=8)
+        assert next(d.parameters()).is_inference()
+        got, ref = _hidden_pair(d, seed=4)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
 def test_context_rows_are_projected_once() -> None:
     """Cost: each committed row goes through fc (and K/V) once, never the whole context."""
     d = make(tiny_config(), seed=2)

@@ -386,8 +386,14 @@ class DrafterLayer(nn.Module):
         Parameters made under ``torch.inference_mode`` have no version counter: for them
         only a replaced parameter is noticed, not one written in place (a stale copy only
         changes the guesses, never the verified output)."""
+        attn, mlp = self.self_attn, self.mlp
+        packed_from = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, attn.q_norm,
+                       attn.k_norm, mlp.gate_proj, mlp.up_proj, mlp.down_proj)  # fmt: skip
         key = tuple(
-            (p.data_ptr(), -1 if p.is_inference() else p._version) for p in self.parameters()
+            (p.data_ptr(), -1 if p.is_inference() else p._version)
+            for m in packed_from  # looked up each time: a replaced module is seen too
+            for p in m._parameters.values()
+            if p is not None
         )
         if self._packed is None or self._packed_key != key:
             self._packed, self._packed_key = PackedLayer.of(self), key

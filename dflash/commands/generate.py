@@ -251,6 +251,11 @@ def summary_table(r: GenerationResult) -> str:
         ("steps", str(r.steps)),
         ("acceptance rate", f"{r.acceptance_rate:.3f}"),
         ("avg commit", f"{r.avg_commit:.2f}"),
+        *(
+            []
+            if r.copied_drafts is None
+            else [("copied drafts", f"{r.copied_drafts} of {r.steps} steps (prompt lookup)")]
+        ),
         (
             "target forwards/step",
             f"{r.target_forwards_per_step:.2f}"

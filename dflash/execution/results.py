@@ -133,6 +133,9 @@ class GenerationResult(_Frozen):
     effective_forwards_per_step: float | None = None  # over steps begun with status effective
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    # steps whose draft was a copy from the context (``dflash+lookup``); null for drafters
+    # that never copy
+    copied_drafts: int | None = None
     parity_sha256: str | None = None  # the oracle's SHA-256 when --check-parity ran
     text: str | None = None  # decoded new text (final EOS left out) when there is a tokenizer
     # timings.tokens_per_s / timings.greedy_tokens_per_s; null when either is null

@@ -18,7 +18,7 @@ from dflash.execution.policy import RollbackPolicy, RollbackStatus
 from dflash.execution.results import GenerationResult, RollbackReport, Timings, token_sha256
 from dflash.execution.shards import ShardedTarget, ShardPlan
 from dflash.model import TargetModel
-from dflash.model.drafters import Drafter
+from dflash.model.drafters import Drafter, LookupAssistedDrafter
 
 
 def _sync(plan: ShardPlan) -> None:
@@ -208,6 +208,7 @@ def generate(
         target, drafter, prompt, plan, max_new_tokens, block_size, policy, faults, eos_id,
         on_progress,
     )
+    copied = drafter.copied_drafts if isinstance(drafter, LookupAssistedDrafter) else None
     ref = None if oracle_tokens is None else list(oracle_tokens)
     greedy: GreedyRun | None = None
     if baseline or (check_parity and ref is None):  # one greedy decode serves both
@@ -284,6 +285,7 @@ def generate(
         ),
         drafted_tokens=drafted,
         accepted_tokens=accepted,
+        copied_drafts=copied,
         parity_sha256=parity_sha,
         speedup_vs_greedy=(
             rate / greedy_rate if rate is not None and greedy_rate is not None else None

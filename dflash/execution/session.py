@@ -8,7 +8,8 @@
 - drafters: ``dflash`` (with ``--model default`` the shipped trained drafter, else a seeded
   DFlash block drafter shaped for the target), ``prompt-lookup``, ``synthetic`` (SYNTHETIC
   acceptance profile; needs the target's own greedy continuation, computed here), or a
-  DFlash drafter checkpoint directory;
+  DFlash drafter checkpoint directory; ``+lookup`` after a DFlash spec (``dflash+lookup``,
+  ``DIR+lookup``): that drafter assisted by prompt lookup;
 - prompts: explicit ids, text (the model directory's ``tokenizer.json``; a model without
   one encodes UTF-8 bytes as ids when ``allow_bytes``), or ``N`` seeded random ids.
 """
@@ -26,7 +27,7 @@ from dflash.errors import UsageError
 from dflash.execution.oracle import reference_greedy
 from dflash.execution.shards import ShardPlan
 from dflash.model import HybridConfig, TargetModel
-from dflash.model.drafters import Drafter, make_drafter
+from dflash.model.drafters import LOOKUP_SUFFIX, Drafter, make_drafter
 from dflash.model.tokenizer import TextTokenizer, TokenizerError, eos_token_id, load_tokenizer
 
 DEFAULT_MODEL = "default"
@@ -245,14 +246,16 @@ def build_drafter(
 
     ``dflash`` with the default target — ``model_spec`` ``"default"``, or the installed
     default target's directory — is the shipped trained drafter; with any other target it
-    is a seeded drafter of the target's shape.
+    is a seeded drafter of the target's shape. ``dflash+lookup`` is the same drafter
+    assisted by prompt lookup.
     """
-    if spec == "dflash" and is_default_target(model_spec):
+    if spec in ("dflash", "dflash" + LOOKUP_SUFFIX) and is_default_target(model_spec):
         try:
             directory = require_default("drafter")
         except DefaultDataMissingError as exc:
-            raise SessionError(f"--draft dflash with --model default: {exc}") from None
-        return make_drafter(str(directory), model, seed=seed), None
+            raise SessionError(f"--draft {spec} with --model default: {exc}") from None
+        shipped = str(directory) + spec[len("dflash") :]
+        return make_drafter(shipped, model, seed=seed), None
     if spec != "synthetic":
         return make_drafter(spec, model, seed=seed), None
     oracle = reference_greedy(model, plan, prompt, max_new_tokens + block_size)

@@ -456,3 +456,45 @@ def test_dflash_drafting_on_the_device_in_graphs_is_plain_greedy() -> None:
     finally:
         del m
         torch.cuda.empty_cache()
+
+
+@torch.inference_mode()
+def test_lookup_assisted_dflash_on_cuda_is_plain_greedy() -> None:
+    """``dflash+lookup`` on CUDA: with graphs the drafts are the DFlash drafter's own, made
+    on the device (no copy); eager, every step's host proposal goes through the lookup rule
+    (copies counted in the summary). Tokens are plain greedy's in every mode either way."""
+    from dflash.model.drafters import DFlashConfig, DFlashDrafter, LookupAssistedDrafter
+
+    m = _eight_layer_bf16()
+    try:
+        vocab = m.config.vocab_size
+        cfg = DFlashConfig.for_target(
+            hidden_size=m.config.hidden_size, vocab_size=vocab, num_target_layers=8,
+            num_hidden_layers=2, block_size=BLOCK,
+        )
+        inner = DFlashDrafter.random(cfg, m.embed_tokens.weight, m.lm_head.weight, seed=1)
+        hybrid = LookupAssistedDrafter(inner)
+        prompt, n = _prompt(vocab, 32, seed=37) * 4, 96
+        plan = plan_shards(8, "cuda:0")
+        oracle = reference_greedy(m, plan, prompt, n + BLOCK)
+        for mode in ROLLBACK_MODES:
+            for graphs in (False, True):
+                target = ShardedTarget(m, plan, max_len=len(prompt) + n + BLOCK + 1,
+                                       max_draft=BLOCK, graphs=graphs)
+                engine = SpecDecoder(target, hybrid, block_size=BLOCK,
+                                     policy=RollbackPolicy(mode=mode))
+                out = [engine.prefill(prompt)]
+                while len(out) < n:
+                    out.extend(engine.step())
+                assert out[:n] == oracle[:n], f"{mode} graphs={graphs}"
+                if graphs:
+                    assert engine.device_drafter is hybrid
+                    assert hybrid.copied_drafts == 0
+                else:
+                    assert hybrid.drafts == len(engine.records)
+                ROWS.append(f"dflash+lookup {mode} graphs={graphs}: {len(engine.records)} "
+                            f"steps, {hybrid.copied_drafts} copied")
+                print("\n" + ROWS[-1])
+    finally:
+        del m
+        torch.cuda.empty_cache()

@@ -3,6 +3,8 @@
 - :class:`DFlashDrafter` — z-lab's DFlash block drafter (their checkpoint format), conditioned
   on target tap features through a cached context;
 - :class:`PromptLookupDrafter` — n-gram lookup in the context;
+- :class:`LookupAssistedDrafter` — a DFlash drafter whose draft is a context copy when the
+  copy starts with its own first guess (``--draft dflash+lookup``);
 - :class:`SyntheticDrafter` — SYNTHETIC, for benchmarks: a chosen acceptance profile
   against the target's own greedy continuation.
 """
@@ -33,12 +35,19 @@ from dflash.model.drafters.errors import (
     UnknownArchitectureError,
     UnknownDrafterSpecError,
 )
+from dflash.model.drafters.lookup_assisted import LookupAssistedDrafter
 from dflash.model.drafters.prompt_lookup import LookupResult, PromptLookupDrafter
-from dflash.model.drafters.registry import DRAFTER_NAMES, DraftTarget, make_drafter
+from dflash.model.drafters.registry import (
+    DRAFTER_NAMES,
+    LOOKUP_SUFFIX,
+    DraftTarget,
+    make_drafter,
+)
 from dflash.model.drafters.synthetic import AcceptanceProfile, Oracle, SyntheticDrafter
 
 __all__ = [
     "DRAFTER_NAMES",
+    "LOOKUP_SUFFIX",
     "AcceptanceProfile",
     "CheckpointConfigError",
     "CheckpointFileError",
@@ -51,6 +60,7 @@ __all__ = [
     "Drafter",
     "DrafterCheckpointError",
     "DrafterError",
+    "LookupAssistedDrafter",
     "LookupResult",
     "MaskTokenRangeError",
     "MissingKeysError",

@@ -30,6 +30,7 @@ parameters of the drafter and are not saved with it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -120,6 +121,9 @@ class DFlashDrafter(nn.Module):
         self._cache: list[tuple[Tensor, Tensor]] = []  # per layer k, v [1, kv_heads, cap, D]
         self._tokens: list[int] = []  # the committed tokens whose K/V are cached
         self._confidence: list[float] | None = None  # the last host proposal's probabilities
+        # the last host proposal's logits [B-1, V] (float32 or wider) with each row's max and
+        # 1 / sum(exp(logit - max)): what probabilities() reads
+        self._scores: tuple[Tensor, Tensor, Tensor] | None = None
         self.rows_projected = 0  # context rows the host path ran through fc (cost accounting)
         self._device: _DeviceCache | None = None
         #: bumped whenever the device buffers are allocated anew (graphs of the old ones
@@ -331,6 +335,7 @@ class DFlashDrafter(nn.Module):
         self._cache = []
         self._tokens = []
         self._confidence = None
+        self._scores = None
 
     def propose(
         self, context: list[int], last: int, block_size: int, features: Tensor | None
@@ -344,7 +349,7 @@ class DFlashDrafter(nn.Module):
         check_token("last", last, self.config.vocab_size)
         tokens = check_context(context, check_tokens=False)
         features = self._check_features(features, len(tokens))
-        self._confidence = None
+        self._confidence, self._scores = None, None
         with torch.no_grad():
             self._extend(tokens, features)
             hidden = self._draft_hidden(last, block_size)  # [B, H]
@@ -356,7 +361,35 @@ class DFlashDrafter(nn.Module):
             # one device-to-host transfer for both (ids < 2^53 are exact in float64)
             read = torch.stack([picked.double(), probs.double()]).tolist()
         self._confidence = [float(c) for c in read[1]]
+        self._scores = (wide, top, probs)
         return [int(t) for t in read[0]]
+
+    def probabilities(self, tokens: Sequence[int]) -> list[float]:
+        """The softmax probability the last :meth:`propose` gave ``tokens[i]`` at guess
+        slot ``i`` (one token per slot, ``block_size - 1`` of them); its own guesses get
+        :meth:`confidence`'s values.
+
+        Raises:
+            DraftArgumentError: no host proposal since the last reset, or ``tokens`` is
+                not one token id per guess slot.
+        """
+        if self._scores is None:
+            raise DraftArgumentError(
+                "probabilities() needs a host proposal first (none since the last reset)"
+            )
+        wide, top, inverse = self._scores
+        slots, vocab = wide.shape
+        if not isinstance(tokens, Sequence) or len(tokens) != slots:
+            got = len(tokens) if isinstance(tokens, Sequence) else type(tokens).__name__
+            raise DraftArgumentError(
+                f"'tokens' must be {slots} token ids, one per guess slot (got {got})"
+            )
+        for i, tok in enumerate(tokens):
+            check_token(f"tokens[{i}]", tok, vocab)
+        index = torch.tensor(list(tokens), device=wide.device)[:, None]
+        at = wide.gather(1, index)[:, 0]  # [B-1]
+        probs = (torch.exp(at - top) * inverse).clamp(max=1.0)
+        return [float(p) for p in probs.double().tolist()]
 
     def confidence(self) -> list[float] | None:
         """The softmax probability of each guess of the last :meth:`propose` (None before

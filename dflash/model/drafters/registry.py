@@ -4,7 +4,10 @@ Specs: ``"prompt-lookup"``, ``"synthetic"`` (needs ``oracle``), ``"dflash"`` (a 
 DFlash drafter shaped for the target — the built-in default, untrained) or a directory
 holding a DFlash drafter checkpoint in z-lab's format (``config.json`` +
 ``model.safetensors``, as published for vLLM / SGLang). Names win over directories; write
-``./dflash`` to load a directory of that name.
+``./dflash`` to load a directory of that name. A DFlash spec followed by ``+lookup``
+(``"dflash+lookup"``, ``"DIR+lookup"``) is that drafter assisted by prompt lookup
+(:class:`~dflash.model.drafters.lookup_assisted.LookupAssistedDrafter`); a directory
+whose name itself ends in ``+lookup`` is named with a trailing ``/``.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from dflash.model.drafters.base import Drafter
 from dflash.model.drafters.dflash_config import DFlashConfig
 from dflash.model.drafters.dflash_drafter import DFlashDrafter
 from dflash.model.drafters.errors import DraftArgumentError, UnknownDrafterSpecError
+from dflash.model.drafters.lookup_assisted import LookupAssistedDrafter
 from dflash.model.drafters.prompt_lookup import PromptLookupDrafter
 from dflash.model.drafters.synthetic import Oracle, SyntheticDrafter
 
-DRAFTER_NAMES = ("dflash", "prompt-lookup", "synthetic")
+DRAFTER_NAMES = ("dflash", "dflash+lookup", "prompt-lookup", "synthetic")
+LOOKUP_SUFFIX = "+lookup"  # a DFlash spec with it: that drafter assisted by prompt lookup
 
 
 class _HasWeight(Protocol):
@@ -56,7 +61,8 @@ def make_drafter(
     """Build the drafter named by ``spec`` for ``target``.
 
     Args:
-        spec: a name in :data:`DRAFTER_NAMES` or a DFlash drafter checkpoint directory.
+        spec: a name in :data:`DRAFTER_NAMES`, a DFlash drafter checkpoint directory, or
+            either DFlash spec followed by :data:`LOOKUP_SUFFIX`.
         target: supplies the shared embedding / LM head and the layer count.
         seed: seeds the random ``"dflash"`` drafter and the ``"synthetic"`` drafter.
         oracle: ``"synthetic"`` only: the target's greedy sequence or next-token callable.
@@ -65,6 +71,16 @@ def make_drafter(
     """
     if not isinstance(spec, str) or not spec:
         raise UnknownDrafterSpecError(f"'spec' must be a non-empty string (got {spec!r})")
+    if spec.endswith(LOOKUP_SUFFIX):
+        inner = spec[: -len(LOOKUP_SUFFIX)]
+        if inner in ("prompt-lookup", "synthetic") or not inner:
+            raise UnknownDrafterSpecError(
+                f"unknown drafter spec {spec!r}: {LOOKUP_SUFFIX!r} follows a DFlash drafter "
+                f"('dflash' or a DFlash drafter checkpoint directory)"
+            )
+        dflash = make_drafter(inner, target, seed=seed, dtype=dtype)
+        assert isinstance(dflash, DFlashDrafter)  # the inner spec names a DFlash drafter
+        return LookupAssistedDrafter(dflash)
     embed = target.embed_tokens.weight  # [V, H]
     lm_head = target.lm_head.weight  # [V, H]
     if spec == "prompt-lookup":

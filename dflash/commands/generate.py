@@ -79,9 +79,11 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--draft",
-        default="dflash",
-        help="DFlash drafter directory, 'dflash' (built-in seeded default), "
-        "'prompt-lookup' or 'synthetic' (benchmark drafter, see --acceptance)",
+        default="dflash+lookup",
+        help="DFlash drafter directory, 'dflash' (with --model default the shipped drafter, "
+        "else a seeded one), either followed by '+lookup' (assisted by prompt lookup; the "
+        "default: 'dflash+lookup'), 'prompt-lookup' or 'synthetic' (benchmark drafter, "
+        "see --acceptance)",
     )
     acc = p.add_mutually_exclusive_group()
     acc.add_argument(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -33,7 +34,13 @@ from dflash.execution.policy import RollbackPolicy, RollbackStatus, parse_mode
 from dflash.execution.shards import ShardedTarget, device_ids
 from dflash.geometry import ChainGeometry, require_chain
 from dflash.model import RecurrentPool
-from dflash.model.drafters import DeviceDrafter, Drafter, ScoredDrafter, stack_tap_features
+from dflash.model.drafters import (
+    DeviceDrafter,
+    Drafter,
+    RevisingDrafter,
+    ScoredDrafter,
+    stack_tap_features,
+)
 from dflash.model.tiles import DEFAULT_RATE, STEP_COST, is_confidence, verify_cost
 
 
@@ -118,6 +125,8 @@ class SpecDecoder:
         #: each step enqueues the next step's proposal and reads it with the step's tokens
         self.device_drafter: DeviceDrafter | None = None
         self._next_guesses: list[int] | None = None
+        #: the host may replace the device's guesses (checked once: a runtime Protocol)
+        self._revising = isinstance(drafter, RevisingDrafter)
         #: (tokens committed, modelled cost in decodes) of this generation's steps
         self._rate_seen = [0.0, 0.0]
 
@@ -211,6 +220,9 @@ class SpecDecoder:
         confidence: list[float] | None = None
         if self._next_guesses is not None:  # drafted on the device by the previous step
             proposal, self._next_guesses = self._next_guesses, None
+            if self._revising:  # e.g. a copy from the context instead
+                revising = cast(RevisingDrafter, self.drafter)  # checked in __init__
+                proposal = revising.revise(list(self.context), self.last, proposal)
         else:
             proposal = self.drafter.propose(list(self.context), self.last, B, self.features)
             if isinstance(self.drafter, ScoredDrafter):

@@ -460,9 +460,9 @@ def test_dflash_drafting_on_the_device_in_graphs_is_plain_greedy() -> None:
 
 @torch.inference_mode()
 def test_lookup_assisted_dflash_on_cuda_is_plain_greedy() -> None:
-    """``dflash+lookup`` on CUDA: with graphs the drafts are the DFlash drafter's own, made
-    on the device (no copy); eager, every step's host proposal goes through the lookup rule
-    (copies counted in the summary). Tokens are plain greedy's in every mode either way."""
+    """``dflash+lookup`` on CUDA, every mode: eager (host proposals) and with graphs (the
+    DFlash drafter drafts on the device, the host revises its guesses after each step's
+    read); tokens are plain greedy's, every step's draft went through the rule."""
     from dflash.model.drafters import DFlashConfig, DFlashDrafter, LookupAssistedDrafter
 
     m = _eight_layer_bf16()
@@ -487,14 +487,44 @@ def test_lookup_assisted_dflash_on_cuda_is_plain_greedy() -> None:
                 while len(out) < n:
                     out.extend(engine.step())
                 assert out[:n] == oracle[:n], f"{mode} graphs={graphs}"
-                if graphs:
-                    assert engine.device_drafter is hybrid
-                    assert hybrid.copied_drafts == 0
-                else:
-                    assert hybrid.drafts == len(engine.records)
+                assert (engine.device_drafter is hybrid) == graphs
+                assert hybrid.drafts == len(engine.records)
                 ROWS.append(f"dflash+lookup {mode} graphs={graphs}: {len(engine.records)} "
                             f"steps, {hybrid.copied_drafts} copied")
                 print("\n" + ROWS[-1])
     finally:
         del m
         torch.cuda.empty_cache()
+
+
+@torch.inference_mode()
+def test_the_default_pair_copies_on_the_device_and_stays_plain_greedy() -> None:
+    """The shipped pair in bf16 with graphs, the main job's prompt, 256 tokens: the host
+    revises the device's drafts into copies (the continuation repeats), and the tokens are
+    plain greedy's in every mode."""
+    from dflash.data import default_dir
+    from dflash.execution import session
+    from dflash.model.drafters import LookupAssistedDrafter
+
+    if not (default_dir("drafter") / "model.safetensors").is_file():
+        pytest.skip("the default pair is not installed")
+    m = session.build_model("default", seed=0, dtype=torch.bfloat16, device="cuda:0")
+    prompt = session.encode_prompt(
+        "default", m.config.vocab_size, text=None, ids=None, length=None, seed=0
+    )
+    plan = plan_shards(m.config.num_hidden_layers, "cuda:0")
+    n = 256
+    drafter, _ = session.build_drafter(
+        "dflash+lookup", m, prompt, plan=plan, acceptance=0.8, seed=0, max_new_tokens=n,
+        block_size=BLOCK, model_spec="default",
+    )
+    assert isinstance(drafter, LookupAssistedDrafter)
+    oracle = reference_greedy(m, plan, prompt, n)
+    for mode in ROLLBACK_MODES:
+        r = generate(m, drafter, prompt, plan=plan, max_new_tokens=n, block_size=BLOCK,
+                     policy=RollbackPolicy(mode=mode), graphs=True)
+        assert r.tokens == oracle[:n], mode
+        assert r.copied_drafts is not None and r.copied_drafts > 0, mode
+        ROWS.append(f"default pair, dflash+lookup, graphs, {mode}: {r.steps} steps, "
+                    f"{r.copied_drafts} copied, commit {r.avg_commit:.2f}")
+        print("\n" + ROWS[-1])

@@ -12,6 +12,7 @@
 from dflash.model.drafters.base import (
     DeviceDrafter,
     Drafter,
+    RevisingDrafter,
     ScoredDrafter,
     stack_tap_features,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "Oracle",
     "OracleMismatchError",
     "PromptLookupDrafter",
+    "RevisingDrafter",
     "ScoredDrafter",
     "SyntheticDrafter",
     "TapLayerRangeError",

@@ -76,6 +76,18 @@ class DeviceDrafter(Drafter, Protocol):
     def device_step(self) -> Tensor: ...
 
 
+@runtime_checkable
+class RevisingDrafter(DeviceDrafter, Protocol):
+    """A device drafter whose guesses the host may replace: after the step's one read-back
+    the engine hands ``revise`` the guesses the device made for the next step, with the
+    committed ``context`` and the pending ``last`` token, and verifies the ``B-1`` tokens
+    it returns instead (:class:`~dflash.model.drafters.lookup_assisted.
+    LookupAssistedDrafter`: a copy from the context when it starts with the device's first
+    guess)."""
+
+    def revise(self, context: list[int], last: int, guesses: list[int]) -> list[int]: ...
+
+
 def check_block_size(block_size: object) -> int:
     """``block_size`` must be an int >= 2 (a block is ``last`` plus at least one guess)."""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:

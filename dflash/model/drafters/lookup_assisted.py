@@ -22,9 +22,10 @@ slot ``i``, ``q`` the copies' acceptance so far in this generation, ``(accepted 
 target's token after an accepted prefix that equals the next guess means that guess was
 right but not verified: it counts neither way).
 
-Drafting on the device (a target running CUDA graphs) is the DFlash drafter's own: the
-device step never brings the context to the host, so no copy is made there
-(:attr:`copied_drafts` stays 0).
+Drafting on the device (a target running CUDA graphs) is the DFlash drafter's own, and the
+engine hands the guesses it read back to :meth:`revise`, which applies the same rule: the
+next step verifies the copy instead when it starts with the device's first guess (on the
+device every step verifies the whole block, so no confidence is needed there).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from dflash.model.drafters.base import check_block_size, check_token
 from dflash.model.drafters.dflash_drafter import DFlashDrafter
 from dflash.model.drafters.errors import DraftArgumentError
 from dflash.model.drafters.prompt_lookup import PromptLookupDrafter
@@ -102,17 +104,31 @@ class LookupAssistedDrafter:
         guesses = self.dflash.propose(context, last, block_size, features)
         if features is not None and features.shape[0] == len(context):
             self._new_generation()  # every row given again: a new context
-        else:
-            self._observe(context, last)
-        self.drafts += 1
-        found = self.lookup.lookup(context, last, block_size)
-        copy = list(found.tokens)
+        draft = self._choose(context, last, guesses)
         confidence = self.dflash.confidence()
+        if draft is not guesses:  # copied: each guess scored max(p_i, q)
+            q = self.copy_acceptance
+            confidence = [max(p, q) for p in self.dflash.probabilities(draft)]
+        self._confidence = confidence
+        return draft
+
+    def revise(self, context: list[int], last: int, guesses: list[int]) -> list[int]:
+        """The next step's draft from the guesses the DFlash drafter made on the device:
+        the copy when it starts with their first guess, else those guesses
+        (:class:`~dflash.model.drafters.base.RevisingDrafter`)."""
+        check_block_size(len(guesses) + 1)
+        check_token("last", last)  # the lookup checks the context
+        self._confidence = None
+        return self._choose(context, last, list(guesses))
+
+    def _choose(self, context: list[int], last: int, guesses: list[int]) -> list[int]:
+        """The rule of the module docstring, counted; ``guesses`` itself when not copied."""
+        found = self.lookup.lookup(context, last, len(guesses) + 1)  # checks the context
+        self._observe(context, last)
+        self.drafts += 1
+        copy = list(found.tokens)
         if found.ngram == 0 or copy[0] != guesses[0]:
-            self._confidence = confidence
             return guesses
-        q = self.copy_acceptance
-        self._confidence = [max(p, q) for p in self.dflash.probabilities(copy)]
         self.copied_drafts += 1
         self._pending = _Copied(len(context), last, tuple(copy))
         return copy

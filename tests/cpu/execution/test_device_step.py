@@ -97,6 +97,11 @@ def _stand_in_capture(
         again = work()
         if outputs is None or again is None:
             return
+        if isinstance(outputs, torch.Tensor):  # the drafter's step: its [B-1] guesses
+            assert isinstance(again, torch.Tensor)
+            outputs.copy_(again)
+            return
+        assert not isinstance(again, torch.Tensor)
         hidden, logits, taps = again
         outputs[0].copy_(hidden)
         if logits is not None:
@@ -190,3 +195,43 @@ def test_a_count_disagreement_puts_the_enqueued_rollback_back(
             assert pool.live_slot is None and pool.live.tolist() == [-1]
             assert torch.equal(pool.state, pool.snapshot)
             assert pool.verify_start == committed  # the verify still awaits its rollback
+
+
+def test_the_host_revises_the_device_drafters_guesses_on_cpu_stand_in(
+    tiny: TargetModel, greedy: Callable[..., list[int]], prompts: dict[str, list[int]]
+) -> None:
+    """A RevisingDrafter drafting on the device (``dflash+lookup``): after each step's read
+    the engine hands ``revise`` the device's guesses, with the committed context and the
+    pending token, and verifies what it returns; tokens stay greedy."""
+    from dflash.model.drafters import DFlashConfig, DFlashDrafter, LookupAssistedDrafter
+
+    cfg = DFlashConfig.for_target(
+        hidden_size=64, vocab_size=256, num_target_layers=6, num_hidden_layers=2, block_size=4
+    )
+    inner = DFlashDrafter.random(cfg, tiny.embed_tokens.weight, tiny.lm_head.weight, seed=2)
+    hybrid = LookupAssistedDrafter(inner)
+    seen: list[tuple[list[int], int, list[int], list[int]]] = []
+    revise = hybrid.revise
+
+    def spy(context: list[int], last: int, guesses: list[int]) -> list[int]:
+        out = revise(context, last, guesses)
+        seen.append((list(context), last, list(guesses), out))
+        return out
+
+    hybrid.revise = spy  # type: ignore[method-assign]  # records each call
+    prompt = prompts["repeat"]
+    oracle = greedy("repeat", 40)
+    target = ShardedTarget(tiny, plan_shards(6, "cpu"), max_len=64, max_draft=4)
+    target.graphs = [ShardGraphs(s.device, capture=_stand_in_capture) for s in target.shards]
+    engine = SpecDecoder(target, hybrid, block_size=4, policy=RollbackPolicy(mode="checkpoint"))
+    out = [engine.prefill(prompt)]
+    while len(out) < 24:
+        out.extend(engine.step())
+    assert engine.device_drafter is hybrid
+    assert len(seen) == len(engine.records) == hybrid.drafts
+    committed = list(prompt)
+    for (context, last, _, verified), record in zip(seen, engine.records, strict=True):
+        assert (context, last) == (committed, record.draft[0])
+        assert list(record.draft[1:]) == verified[: len(record.draft) - 1]
+        committed += list(record.draft[: record.accept_n])
+    assert out[:24] == oracle[:24]

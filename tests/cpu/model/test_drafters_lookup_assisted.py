@@ -17,9 +17,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from dflash.execution import RollbackPolicy, generate, plan_shards
+from dflash.execution import RollbackPolicy, generate, plan_shards, session
 from dflash.execution.engine import SpecDecoder, StepRecord
-from dflash.execution import session
 from dflash.model import TargetModel, greedy_generate
 from dflash.model.drafters import (
     DFlashConfig,
@@ -343,3 +342,24 @@ def test_the_shipped_pair_copies_and_stays_lossless() -> None:
     )  # fmt: skip
     assert result.parity is True
     assert result.copied_drafts is not None and result.copied_drafts > 0
+
+
+def test_revise_applies_the_rule_to_the_devices_guesses(tiny: TargetModel) -> None:
+    hybrid = LookupAssistedDrafter(seeded(tiny))
+    context = [5, 7, 20, 21, 22, 23, 24, 6]
+    assert hybrid.revise(context, 7, [20, 1, 2, 3, 4]) == [20, 21, 22, 23, 24]
+    assert (hybrid.drafts, hybrid.copied_drafts) == (1, 1)
+    assert hybrid.confidence() is None  # device drafts carry no probabilities
+    # the next read: two guesses accepted, then the target's 99: counted as with propose
+    guesses = [1, 2, 3, 4, 5]
+    assert hybrid.revise([*context, 7, 20, 21], 99, guesses) == guesses
+    assert (hybrid.drafts, hybrid.copied_drafts, hybrid.accepted, hybrid.rejected) == (2, 1, 2, 1)
+    # the device's first guess is not the copy's: its guesses stand
+    assert hybrid.revise([*context, 7, 20, 21, 99, 1], 7, [33, 1, 2, 3, 4]) == [33, 1, 2, 3, 4]
+    with pytest.raises(DraftArgumentError, match="block_size"):
+        hybrid.revise(context, 7, [])
+    with pytest.raises(DraftArgumentError, match="last"):
+        hybrid.revise(context, -2, guesses)
+    with pytest.raises(DraftArgumentError, match="context"):
+        hybrid.revise("abc", 7, guesses)  # type: ignore[arg-type]  # the error
+    assert hybrid.drafts == 3  # refused calls count nothing

@@ -22,6 +22,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -306,6 +307,30 @@ def _eight_layer_bf16() -> TargetModel:
     return TargetModel.seeded(config, seed=0, dtype=torch.bfloat16, device="cuda:0")
 
 
+def _random_dflash(m: TargetModel, seed: int) -> Any:
+    """A seeded 2-layer DFlash drafter of block ``BLOCK`` for ``m``."""
+    from dflash.model.drafters import DFlashConfig, DFlashDrafter
+
+    cfg = DFlashConfig.for_target(
+        hidden_size=m.config.hidden_size, vocab_size=m.config.vocab_size, num_target_layers=8,
+        num_hidden_layers=2, block_size=BLOCK,
+    )
+    return DFlashDrafter.random(cfg, m.embed_tokens.weight, m.lm_head.weight, seed=seed)
+
+
+def _decode(
+    m: TargetModel, drafter: Any, plan: Any, prompt: list[int], n: int, mode: str, graphs: bool
+) -> tuple[list[int], SpecDecoder, ShardedTarget]:
+    """``n`` tokens of speculative decoding on a fresh target: (tokens, engine, target)."""
+    target = ShardedTarget(m, plan, max_len=len(prompt) + n + BLOCK + 1, max_draft=BLOCK,
+                           graphs=graphs)
+    engine = SpecDecoder(target, drafter, block_size=BLOCK, policy=RollbackPolicy(mode=mode))
+    out = [engine.prefill(prompt)]
+    while len(out) < n:
+        out.extend(engine.step())
+    return out[:n], engine, target
+
+
 @torch.inference_mode()
 def test_gdn_verify_reading_a_slot_it_writes_equals_reading_a_copy() -> None:
     """After a remap the verify's initial state is checkpoint slot ``j`` of the very tensor
@@ -416,29 +441,16 @@ def test_dflash_drafting_on_the_device_in_graphs_is_plain_greedy() -> None:
     shards: tokens are plain greedy's in every mode, the drafter's graph really replays,
     and its drafts agree with the host path's (reported: bf16 attention over a padded,
     masked context may round differently from the cropped one)."""
-    from dflash.model.drafters import DFlashConfig, DFlashDrafter
-
     m = _eight_layer_bf16()
     try:
-        vocab = m.config.vocab_size
-        cfg = DFlashConfig.for_target(
-            hidden_size=m.config.hidden_size, vocab_size=vocab, num_target_layers=8,
-            num_hidden_layers=2, block_size=BLOCK,
-        )
-        drafter = DFlashDrafter.random(cfg, m.embed_tokens.weight, m.lm_head.weight, seed=1)
-        prompt, n = _prompt(vocab, 128, seed=31), 96
+        drafter = _random_dflash(m, seed=1)
+        prompt, n = _prompt(m.config.vocab_size, 128, seed=31), 96
         plan = plan_shards(8, "cuda:0,cuda:0", "4,4")
         oracle = reference_greedy(m, plan, prompt, n + BLOCK)
         for mode in ROLLBACK_MODES:
             drafts = []
             for graphs in (False, True):
-                target = ShardedTarget(m, plan, max_len=len(prompt) + n + BLOCK + 1,
-                                       max_draft=BLOCK, graphs=graphs)
-                engine = SpecDecoder(target, drafter, block_size=BLOCK,
-                                     policy=RollbackPolicy(mode=mode))
-                out = [engine.prefill(prompt)]
-                while len(out) < n:
-                    out.extend(engine.step())
+                out, engine, target = _decode(m, drafter, plan, prompt, n, mode, graphs)
                 assert out[:n] == oracle[:n], f"{mode} graphs={graphs}"
                 drafts.append([r.draft for r in engine.records])
                 if graphs:
@@ -463,29 +475,17 @@ def test_lookup_assisted_dflash_on_cuda_is_plain_greedy() -> None:
     """``dflash+lookup`` on CUDA, every mode: eager (host proposals) and with graphs (the
     DFlash drafter drafts on the device, the host revises its guesses after each step's
     read); tokens are plain greedy's, every step's draft went through the rule."""
-    from dflash.model.drafters import DFlashConfig, DFlashDrafter, LookupAssistedDrafter
+    from dflash.model.drafters import LookupAssistedDrafter
 
     m = _eight_layer_bf16()
     try:
-        vocab = m.config.vocab_size
-        cfg = DFlashConfig.for_target(
-            hidden_size=m.config.hidden_size, vocab_size=vocab, num_target_layers=8,
-            num_hidden_layers=2, block_size=BLOCK,
-        )
-        inner = DFlashDrafter.random(cfg, m.embed_tokens.weight, m.lm_head.weight, seed=1)
-        hybrid = LookupAssistedDrafter(inner)
-        prompt, n = _prompt(vocab, 32, seed=37) * 4, 96
+        hybrid = LookupAssistedDrafter(_random_dflash(m, seed=1))
+        prompt, n = _prompt(m.config.vocab_size, 32, seed=37) * 4, 96
         plan = plan_shards(8, "cuda:0")
         oracle = reference_greedy(m, plan, prompt, n + BLOCK)
         for mode in ROLLBACK_MODES:
             for graphs in (False, True):
-                target = ShardedTarget(m, plan, max_len=len(prompt) + n + BLOCK + 1,
-                                       max_draft=BLOCK, graphs=graphs)
-                engine = SpecDecoder(target, hybrid, block_size=BLOCK,
-                                     policy=RollbackPolicy(mode=mode))
-                out = [engine.prefill(prompt)]
-                while len(out) < n:
-                    out.extend(engine.step())
+                out, engine, _ = _decode(m, hybrid, plan, prompt, n, mode, graphs)
                 assert out[:n] == oracle[:n], f"{mode} graphs={graphs}"
                 assert (engine.device_drafter is hybrid) == graphs
                 assert hybrid.drafts == len(engine.records)

@@ -78,7 +78,10 @@ def make_drafter(
                 f"unknown drafter spec {spec!r}: {LOOKUP_SUFFIX!r} follows a DFlash drafter "
                 f"('dflash' or a DFlash drafter checkpoint directory)"
             )
-        dflash = make_drafter(inner, target, seed=seed, dtype=dtype)
+        try:
+            dflash = make_drafter(inner, target, seed=seed, dtype=dtype)
+        except UnknownDrafterSpecError as exc:
+            raise UnknownDrafterSpecError(f"drafter spec {spec!r}: {exc}") from None
         assert isinstance(dflash, DFlashDrafter)  # the inner spec names a DFlash drafter
         return LookupAssistedDrafter(dflash)
     embed = target.embed_tokens.weight  # [V, H]

@@ -70,7 +70,7 @@ class LookupAssistedDrafter:
         self._new_generation()
 
     def _new_generation(self) -> None:
-        self.drafts = 0  # host proposals in this generation
+        self.drafts = 0  # drafts made in this generation (host proposals and revisions)
         self.copied_drafts = 0  # of which copies
         self.accepted = 0  # copied guesses accepted
         self.rejected = 0  # copied guesses rejected

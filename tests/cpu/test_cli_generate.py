@@ -434,3 +434,25 @@ def test_warmup_runs_untimed_on_the_targets_the_timed_run_reuses(
     assert [c["n"] for c in calls] == [8] and calls[0]["target"] is None  # CPU default: none
     code = main(["generate", *FAST, "--warmup-tokens", "-2"])
     assert code == 2 and "--warmup-tokens must be >= 0 (got -2)" in capsys.readouterr().err
+
+
+def test_the_default_drafter_is_lookup_assisted_and_counts_its_copies(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--draft`` defaults to ``dflash+lookup``: the JSON and the summary report the copied
+    drafts; a drafter that never copies reports null and no row."""
+    import re
+
+    repeating = ["--prompt-ids", "3,14,15,3,14,15,3,14,15"]
+    code = main(["generate", *FAST, *repeating])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    rows = dict(re.findall(r"(?m)^  (\S.*?)\s{2,}(\S.*)$", err))
+    assert rows["drafter"] == "dflash+lookup"
+    assert re.fullmatch(rf"\d+ of {rows['steps']} steps \(prompt lookup\)", rows["copied drafts"])
+    result, _ = _json_run(capsys, *repeating)
+    assert result["drafter"] == "dflash+lookup"
+    assert isinstance(result["copied_drafts"], int)
+    assert 0 <= result["copied_drafts"] <= result["steps"]
+    result, err = _json_run(capsys, "--draft", "prompt-lookup")
+    assert result["copied_drafts"] is None and "copied drafts" not in err

@@ -65,7 +65,7 @@ def run(model: TargetModel, drafter: Any, prompts: list[list[int]], tokens: int)
         plain_s += r.timings.greedy_decode_s
         steps += r.steps
         committed += len(r.tokens)
-        copied += getattr(drafter, "copied_drafts", 0)
+        copied += r.copied_drafts or 0
         parity = parity and bool(r.parity)
     return {"speedup": plain_s / spec_s, "steps": steps, "commit": committed / steps,
             "copied_share": copied / steps, "parity": parity}

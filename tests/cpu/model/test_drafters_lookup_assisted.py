@@ -244,8 +244,9 @@ def test_registry_names(tiny: TargetModel, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("mode", ["replay", "checkpoint"])
-def test_decoding_is_lossless_and_copies(tiny: TargetModel, mode: str) -> None:
-    # a prompt that repeats: the copies are taken
+def test_decoding_with_a_seeded_drafter_is_lossless(tiny: TargetModel, mode: str) -> None:
+    """The real DFlash drafter inside (whether it copies here is up to its guesses; the
+    copies themselves: the Echo test below)."""
     prompt = [3, 14, 15, 92, 65, 35] * 3
     n = 24
     oracle = greedy_generate(tiny, prompt, n)
@@ -257,7 +258,6 @@ def test_decoding_is_lossless_and_copies(tiny: TargetModel, mode: str) -> None:
     assert result.tokens == oracle
     assert result.drafter == "dflash+lookup"
     assert result.copied_drafts == hybrid.copied_drafts
-    assert 0 <= hybrid.copied_drafts <= result.steps
     assert hybrid.drafts == result.steps
 
 

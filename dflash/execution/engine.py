@@ -19,6 +19,7 @@ the pre-verify state, replay the accepted tokens) and counts as ``replay_after_f
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -58,6 +59,7 @@ class StepRecord:
     failure: str | None = None
 
 
+@functools.cache  # immutable once validated: every step of a generation verifies one length
 def chain_of(n: int) -> ChainGeometry:
     """The validated pure chain of ``n`` slots; :func:`require_chain` raises on anything else."""
     return require_chain(tuple(range(-1, n - 1)))
@@ -254,8 +256,9 @@ class SpecDecoder:
             self.gate.arm(storages)
         status_before = self.status
         self.life.move("verify")
+        ids = device_ids(d, self.target.shards[0].device)  # [1, T]: the verify's and the count's
         logits, taps = self.target.forward(
-            d,
+            ids,
             "verify",
             self.committed,
             geometry=geometry,
@@ -265,7 +268,7 @@ class SpecDecoder:
         self.target_forwards += 1
         # argmax and acceptance on the device; a fast rollback is enqueued on the device's
         # count before the step's one host synchronisation reads the tokens and the count
-        t_dev, count = greedy_acceptance(logits, device_ids(d, logits.device)[0])
+        t_dev, count = greedy_acceptance(logits, ids[0].to(logits.device))
         fast = status_before is RollbackStatus.EFFECTIVE  # never the gate's step
         started = self._start_fast_rollback(d, count, step) if fast else None
         drafted = self._draft_on_device(taps, count, t_dev)  # the next step's guesses

@@ -28,9 +28,11 @@ The DFlash drafter's step runs on the first shard's graphs as well
 drafter's own static buffers, which it fills before each call; :meth:`ShardGraphs.bind`
 drops those graphs when another drafter, or new buffers, take over.
 
-The prefill, the capture gate's step (which inspects storage between shards), the
-self-test and fault injection never run inside a graph (faults fire on the host, between
-the graphs of a step).
+The prefill, the capture gate's checks, the self-test and fault injection never run
+inside a graph: they run on the host between a step's graphs. The gate's verify itself
+replays the verify graph when one exists (a target kept across generations), so its
+evidence comes from the path every later fast step runs; its between-shard checks run
+after each shard's replay (their reads wait for it).
 """
 
 from __future__ import annotations

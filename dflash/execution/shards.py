@@ -311,7 +311,7 @@ class ShardedTarget:
 
     def forward(
         self,
-        ids: Sequence[int],
+        ids: Sequence[int] | Tensor,
         mode: Mode,
         start: int,
         *,
@@ -321,9 +321,14 @@ class ShardedTarget:
     ) -> tuple[Tensor, dict[int, Tensor]]:
         """``ids`` at positions ``start…`` through every shard → (logits [T, vocab], taps).
 
+        ``ids``: token ids, or the ``[1, T]`` int64 tensor :func:`device_ids` made of them
+        on the first shard's device (a caller that needs them on the device too uploads
+        them once).
+
         Each shard: host checks and bookkeeping, then its device work — replayed from a
-        CUDA graph when graphs are on, the mode is not ``prefill`` and no ``after_shard``
-        hook (the capture gate) has to inspect storage between shards.
+        CUDA graph when graphs are on and the mode is not ``prefill`` — then
+        ``after_shard(k)`` on the host (the capture gate inspects storage between the
+        shards; its reads wait for the shard's graph like any later device work).
         """
         out, tapped = self._forward(ids, mode, start, geometry, taps, after_shard, True)
         assert out is not None  # the last shard computed the LM head
@@ -336,7 +341,7 @@ class ShardedTarget:
     @torch.inference_mode()
     def _forward(
         self,
-        ids: Sequence[int],
+        ids: Sequence[int] | Tensor,
         mode: Mode,
         start: int,
         geometry: ChainGeometry | None,
@@ -344,12 +349,23 @@ class ShardedTarget:
         after_shard: Callable[[int], None] | None,
         logits: bool,
     ) -> tuple[Tensor | None, dict[int, Tensor]]:
-        t = len(ids)
+        first = self.shards[0].device
+        if isinstance(ids, Tensor):
+            if ids.dim() != 2 or ids.shape[0] != 1 or ids.dtype != torch.int64 or (
+                ids.device != first
+            ):
+                raise ValueError(
+                    f"token ids as a tensor must be [1, T] int64 on {first} (got "
+                    f"{list(ids.shape)} {ids.dtype} on {ids.device})"
+                )
+            x = ids
+        else:
+            x = device_ids(ids, first)  # [1, T] int64
+        t = x.shape[1]
         if mode == "prefill":  # a new generation: the weights may have changed since the last
             self._check_weights()
         hidden_size = self.model.config.hidden_size
-        x = device_ids(ids, self.shards[0].device)  # [1, T] int64
-        graphed = self.graphs is not None and mode != "prefill" and after_shard is None
+        graphed = self.graphs is not None and mode != "prefill"
         tapped: dict[int, Tensor] = {}
         out_logits: Tensor | None = None
         for shard in self.shards:

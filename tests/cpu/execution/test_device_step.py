@@ -17,7 +17,7 @@ from dflash.execution import (
     plan_shards,
 )
 from dflash.execution.engine import greedy_acceptance, leading_accepted
-from dflash.execution.graphs import ShardGraphs, ShardOutput
+from dflash.execution.graphs import GraphKey, ShardCompute, ShardGraphs, ShardOutput
 from dflash.model import TargetModel
 from dflash.model.drafters import SyntheticDrafter
 
@@ -235,3 +235,138 @@ def test_the_host_revises_the_device_drafters_guesses_on_cpu_stand_in(
         assert list(record.draft[1:]) == verified[: len(record.draft) - 1]
         committed += list(record.draft[: record.accept_n])
     assert out[:24] == oracle[:24]
+
+
+class _Recorded(ShardGraphs):
+    """Stand-in graphs that record each forward's key and whether a graph replayed it."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device, capture=_stand_in_capture)
+        self.calls: list[tuple[GraphKey, bool]] = []
+
+    def run(
+        self,
+        key: GraphKey,
+        x: torch.Tensor,
+        compute: ShardCompute,
+        on_layer: Callable[[int], None] | None,
+    ) -> ShardOutput:
+        self.calls.append((key, key in self.captured_keys))
+        return super().run(key, x, compute, on_layer)
+
+
+def _generation(
+    tiny: TargetModel,
+    prompt: list[int],
+    oracle: list[int],
+    target: ShardedTarget,
+    graphs: list[_Recorded],
+    before_gate: Callable[[], None] | None = None,
+) -> tuple[SpecDecoder, list[int], list[list[tuple[GraphKey, bool]]]]:
+    """A checkpoint-mode generation of 20 tokens on ``target``: the engine, its tokens and,
+    per shard, the forwards of the gate's step (its first). ``before_gate`` runs just
+    before that step."""
+    drafter = SyntheticDrafter(prompt + oracle, 0.6, tiny.config.vocab_size, seed=2)
+    engine = SpecDecoder(target, drafter, block_size=4, policy=RollbackPolicy(mode="checkpoint"))
+    out = [engine.prefill(prompt)]
+    for g in graphs:
+        g.calls.clear()
+    if before_gate is not None:
+        before_gate()
+    out.extend(engine.step())
+    gate_calls = [list(g.calls) for g in graphs]
+    while len(out) < 20:
+        out.extend(engine.step())
+    return engine, out, gate_calls
+
+
+def _kept_target(
+    tiny: TargetModel, prompt: list[int], oracle: list[int]
+) -> tuple[ShardedTarget, list[_Recorded]]:
+    """Two CPU shards with recording stand-in graphs, after one generation (graphs captured)."""
+    target = ShardedTarget(tiny, plan_shards(6, "cpu,cpu", "3,3"), max_len=64, max_draft=4)
+    graphs = [_Recorded(s.device) for s in target.shards]
+    target.graphs = list(graphs)
+    _generation(tiny, prompt, oracle, target, graphs)
+    return target, graphs
+
+
+def test_the_capture_gate_judges_the_graphed_verify_on_cpu_stand_in(
+    tiny: TargetModel, greedy: Callable[..., list[int]], prompts: dict[str, list[int]]
+) -> None:
+    """On a target whose verify graph exists (a kept target), the gate's step replays it on
+    every shard, with the gate's checks between the shards, and validates: the evidence
+    comes from the path every later fast step runs."""
+    prompt, oracle = prompts["repeat"], greedy("repeat", 40)
+    target, graphs = _kept_target(tiny, prompt, oracle)
+    engine, out, gate_calls = _generation(tiny, prompt, oracle, target, graphs)
+    assert out[:20] == oracle[:20]
+    assert engine.gate.report.verdict == "validated", engine.gate.report.reason
+    assert engine.records[0].path == "replay" and engine.counts["fast"] == len(engine.records) - 1
+    for calls in gate_calls:  # per shard: the gate's verify, then the self-test's replay
+        assert [key[0] for key, _ in calls] == ["verify", "replay"], calls
+        assert calls[0][1], f"the gate's verify ran eagerly: {calls}"
+
+
+def test_a_graphed_gate_verify_that_leaves_a_slot_unwritten_is_refused_on_cpu_stand_in(
+    tiny: TargetModel, greedy: Callable[..., list[int]], prompts: dict[str, list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """If the replayed verify graph does not write a checkpoint slot (here: slot 2 of the
+    second shard's first recurrent layer is put back to NaN after the replay), the gate
+    refuses naming it, and the generation stays lossless on the replay path."""
+    prompt, oracle = prompts["repeat"], greedy("repeat", 40)
+    target, graphs = _kept_target(tiny, prompt, oracle)
+    pool = target.shards[1].caches.pool
+    armed = [False]
+    original = ShardGraphs._run
+
+    def run(self: ShardGraphs, key: GraphKey, x: torch.Tensor, eager: Callable[[], object],
+            work: Callable[[torch.Tensor], object]) -> object:
+        out = original(self, key, x, eager, work)
+        if armed[0] and key[0] == "verify" and self is graphs[1]:
+            armed[0] = False
+            pool.checkpoints[0, :, 2] = float("nan")
+        return out
+
+    def arm() -> None:
+        armed[0] = True
+
+    monkeypatch.setattr(ShardGraphs, "_run", run)
+    engine, out, _ = _generation(tiny, prompt, oracle, target, graphs, arm)
+    assert not armed[0], "the gate's verify never ran on shard 1's graph"
+    report = engine.gate.report
+    assert report.verdict == "refused", report
+    first = pool.layer_ids[0]
+    assert report.reason is not None and f"layer {first} slot 2" in report.reason, report.reason
+    assert engine.counts["fast"] == 0 and out[:20] == oracle[:20]
+
+
+def test_forward_takes_the_ids_uploaded_once_and_refuses_a_malformed_tensor(
+    tiny: TargetModel, prompts: dict[str, list[int]]
+) -> None:
+    """``ShardedTarget.forward`` on ``device_ids(ids)`` equals the same forward on the list;
+    a tensor of the wrong shape, dtype or device is refused naming what it got."""
+    from dflash.execution.engine import chain_of
+    from dflash.execution.shards import device_ids
+
+    prompt = prompts["digits"]
+    outs = []
+    for as_tensor in (False, True):
+        target = ShardedTarget(tiny, plan_shards(6), max_len=32, max_draft=4)
+        target.forward(prompt, "prefill", 0)
+        d = [5, 6, 7, 8]
+        ids = device_ids(d, torch.device("cpu")) if as_tensor else d
+        logits, _ = target.forward(ids, "verify", len(prompt), geometry=chain_of(4))
+        outs.append(logits)
+    assert torch.equal(outs[0], outs[1])
+    target = ShardedTarget(tiny, plan_shards(6), max_len=32, max_draft=4)
+    target.forward(prompt, "prefill", 0)
+    for bad, named in (
+        (torch.tensor([5, 6]), r"\[2\] torch.int64"),
+        (torch.tensor([[5, 6]], dtype=torch.int32), r"\[1, 2\] torch.int32"),
+        (torch.tensor([[5, 6], [7, 8]]), r"\[2, 2\] torch.int64"),
+    ):
+        with pytest.raises(ValueError, match=r"must be \[1, T\] int64 on cpu \(got " + named):
+            target.forward(bad, "verify", len(prompt), geometry=chain_of(2))
+    assert target.shards[0].caches.pool.length == len(prompt)  # nothing ran

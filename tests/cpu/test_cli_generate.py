@@ -425,8 +425,8 @@ def test_warmup_runs_untimed_on_the_targets_the_timed_run_reuses(
     calls = _count_greedy(monkeypatch)
     warmed, _ = _json_run(capsys, "--draft", "dflash", "--warmup-tokens", "5")
     assert warmed["tokens"] == plain["tokens"] and warmed["parity"] is True
-    # the warm-up's greedy, then the timed ones' (three on CPU)
-    assert [c["n"] for c in calls] == [5, 8, 8, 8]
+    # the two warm-up generations' greedy, then the timed ones' (three on CPU)
+    assert [c["n"] for c in calls] == [5, 5, 8, 8, 8]
     kept = [c["target"] for c in calls]
     assert kept[0] is not None and all(k is kept[0] for k in kept)  # one greedy target
     calls.clear()

@@ -50,6 +50,7 @@ from dflash.model.drafters.dflash_layers import (
     DrafterLayer,
     RMSNorm,
     Rotary,
+    product_dtype,
     visibility,
 )
 from dflash.model.drafters.errors import (
@@ -125,6 +126,8 @@ class DFlashDrafter(nn.Module):
         # 1 / sum(exp(logit - max)): what probabilities() reads
         self._scores: tuple[Tensor, Tensor, Tensor] | None = None
         self.rows_projected = 0  # context rows the host path ran through fc (cost accounting)
+        #: (weight key, copy) of the LM head in the packed products' dtype (_host_logits)
+        self._head_copy: tuple[tuple[int, int, torch.dtype], Tensor] | None = None
         self._device: _DeviceCache | None = None
         #: bumped whenever the device buffers are allocated anew (graphs of the old ones
         #: must be dropped: they hold their addresses)
@@ -319,6 +322,21 @@ class DFlashDrafter(nn.Module):
         weight = self._lm_head_weight
         return F.linear(hidden.to(weight.device, weight.dtype), weight)
 
+    def _host_logits(self, hidden: Tensor) -> Tensor:
+        """:meth:`logits` of a host proposal: with the packed layers, the LM head's product
+        in their :func:`product_dtype` too, on a copy of its weight made again whenever the
+        weight was changed or replaced (its storage address or version counter moved)."""
+        weight = self._lm_head_weight
+        dtype = product_dtype(weight)
+        if not self._packed_inference or dtype == weight.dtype:
+            return self.logits(hidden)
+        key = (weight.data_ptr(), -1 if weight.is_inference() else weight._version, dtype)
+        if self._head_copy is None or self._head_copy[0] != key:
+            with torch.no_grad():
+                self._head_copy = (key, weight.detach().to(dtype))
+        head = self._head_copy[1]
+        return F.linear(hidden.to(weight.device, dtype), head).to(weight.dtype)
+
     def _layers(self) -> list[DrafterLayer]:
         return [layer for layer in self.layers if isinstance(layer, DrafterLayer)]
 
@@ -353,7 +371,7 @@ class DFlashDrafter(nn.Module):
         with torch.no_grad():
             self._extend(tokens, features)
             hidden = self._draft_hidden(last, block_size)  # [B, H]
-            logits = self.logits(hidden[1:])  # [B-1, V]: the mask slots
+            logits = self._host_logits(hidden[1:])  # [B-1, V]: the mask slots
             wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
             top, picked = wide.max(dim=-1)  # [B-1]: argmax's guesses (its first maximum)
             # the softmax probability at the guess: 1 / sum(exp(logit - top))

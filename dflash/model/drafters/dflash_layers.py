@@ -17,6 +17,7 @@ embedding (``x * cos + rotate_half(x) * sin``); SwiGLU MLP ``down(silu(gate x) *
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -339,7 +340,8 @@ class DrafterLayer(nn.Module):
         written there (rows ``0 … n-1`` hold the context) and the block attends over rows
         ``0 … n+Q-1``, with no concatenated or head-expanded copies of the keys. The
         products run on :meth:`packed` weights (q/k/v as one, gate/up as one, each an
-        ``x @ W`` with the residual added inside the product); the same maths as
+        ``x @ W`` with the residual added inside the product, in :func:`product_dtype`:
+        bfloat16 on a CPU with native bfloat16 products); the same maths as
         :meth:`forward` with ``visible=None``, rounded differently, without autograd.
 
         x: [1, Q, H]; k_cache, v_cache: [1, kv_heads, >= n+Q, D]; cos/sin: [1, Q, D].
@@ -361,10 +363,10 @@ class DrafterLayer(nn.Module):
                 enable_gqa=heads != kv_heads,
             )
         rows = _product(o[0].transpose(0, 1).reshape(q_len, heads * d), w.o, w.o_bias, rows)
-        gate_up = torch.mm(self.post_attention_layernorm(rows), w.gate_up)
+        gate_up = _product(self.post_attention_layernorm(rows), w.gate_up, None)
         inner = gate_up.shape[1] // 2
         act = F.silu(gate_up[:, :inner]) * gate_up[:, inner:]
-        return torch.addmm(rows, act, w.down)[None]
+        return _product(act, w.down, None, rows)[None]
 
     def context_keys_values(
         self, context: Tensor, cos: Tensor, sin: Tensor
@@ -400,13 +402,34 @@ class DrafterLayer(nn.Module):
         return self._packed
 
 
+@functools.cache
+def cpu_bf16_products() -> bool:
+    """True when this CPU multiplies bfloat16 matrices natively (oneDNN reports AVX512-BF16
+    or AMX): there a bfloat16 product of the drafter's skinny shapes takes about half the
+    time of a float32 one."""
+    # torch leaves mkldnn.is_available unannotated
+    available: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+    return available and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def product_dtype(weight: Tensor) -> torch.dtype:
+    """The dtype the packed inference products multiply in for a weight like ``weight``:
+    bfloat16 for float32 weights on a CPU with native bfloat16 products (the drafter's
+    own training precision: it trains under bfloat16 autocast and ships bfloat16
+    weights), else the weight's dtype. Only guesses come out of these products; the
+    target verifies every one of them."""
+    native = weight.device.type == "cpu" and cpu_bf16_products()
+    return torch.bfloat16 if weight.dtype == torch.float32 and native else weight.dtype
+
+
 @dataclass(frozen=True)
 class PackedLayer:
     """A :class:`DrafterLayer`'s weights as :meth:`DrafterLayer.infer` multiplies them:
     ``[in, out]`` row-major matrices (``x @ W``, which CPU BLAS runs faster than
     ``x @ weight.T`` on these skinny products), the q/k/v projections side by side, the
     gate and up projections side by side, and the per-head q/k norm weights as one
-    ``[heads + kv_heads, D]`` table. Copies: training never sees them."""
+    ``[heads + kv_heads, D]`` table; the matrices in :func:`product_dtype` (biases and
+    norm weights in the layer's dtype). Copies: training never sees them."""
 
     qkv: Tensor  # [H, (heads + 2 kv_heads) D]
     qkv_bias: Tensor | None
@@ -424,23 +447,35 @@ class PackedLayer:
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         biases: list[Tensor] = [m.bias for m in projections if m.bias is not None]
         heads, kv_heads = attn.num_heads, attn.num_kv_heads
+        dtype = product_dtype(attn.q_proj.weight)
+
+        def matrix(*weights: Tensor) -> Tensor:  # [in, out], contiguous, in ``dtype``
+            return torch.cat(weights).T.to(dtype).contiguous()
+
         return PackedLayer(
-            qkv=torch.cat([m.weight for m in projections]).T.contiguous(),
+            qkv=matrix(*(m.weight for m in projections)),
             qkv_bias=torch.cat(biases) if len(biases) == 3 else None,
             qk_norm=torch.cat(
                 [attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1)]
             ),
-            o=attn.o_proj.weight.T.contiguous(),
+            o=matrix(attn.o_proj.weight),
             o_bias=None if attn.o_proj.bias is None else attn.o_proj.bias.clone(),
-            gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).T.contiguous(),
-            down=mlp.down_proj.weight.T.contiguous(),
+            gate_up=matrix(mlp.gate_proj.weight, mlp.up_proj.weight),
+            down=matrix(mlp.down_proj.weight),
             eps=attn.q_norm.eps,
         )
 
 
 def _product(x: Tensor, w: Tensor, bias: Tensor | None, residual: Tensor | None = None) -> Tensor:
-    """``residual + x @ w + bias`` for 2-D ``x`` (each term optional), in one BLAS call
-    when at most one of ``residual`` / ``bias`` is given."""
+    """``residual + x @ w + bias`` for 2-D ``x`` (each term optional), in ``x``'s dtype: in
+    one BLAS call when ``w`` has that dtype and at most one of ``residual`` / ``bias`` is
+    given; with bfloat16 ``w`` (:func:`product_dtype`) the product runs in bfloat16 and
+    the sums in ``x``'s dtype."""
+    if w.dtype != x.dtype:
+        y = torch.mm(x.to(w.dtype), w).to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y if residual is None else residual + y
     if bias is None:
         return torch.mm(x, w) if residual is None else torch.addmm(residual, x, w)
     return torch.addmm(bias if residual is None else residual + bias, x, w)

@@ -220,6 +220,7 @@ def _dflash_run(mode: str, n: int, graphs: bool, **changes: object) -> SpecDecod
 
 
 @pytest.mark.usefixtures("record_launches")
+@pytest.mark.usefixtures("float32_products")
 def test_dflash_drafting_in_recorded_graphs_proposes_what_the_host_path_does(
     oracle: list[int],
 ) -> None:

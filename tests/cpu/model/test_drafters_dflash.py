@@ -529,3 +529,74 @@ def test_confidence_is_the_softmax_probability_of_each_guess() -> None:
     assert d.confidence() != got
     d.reset()
     assert d.confidence() is None
+
+
+def _float32_drafter(products: bool, monkeypatch: pytest.MonkeyPatch) -> DFlashDrafter:
+    """A float32 drafter of a shape with real products (hidden 64, two layers), with the
+    CPU's native bfloat16 products reported as ``products``."""
+    from dflash.model.drafters import dflash_layers
+
+    monkeypatch.setattr(dflash_layers, "cpu_bf16_products", lambda: products)
+    cfg = DFlashConfig.for_target(
+        hidden_size=64, vocab_size=96, num_target_layers=4, num_hidden_layers=2, block_size=8
+    )
+    gen = torch.Generator().manual_seed(21)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen)
+    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen)
+    return DFlashDrafter.random(cfg, embed, head, seed=3)
+
+
+def _proposal(d: DFlashDrafter, n: int = 24) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """A proposal after a fresh context of ``n`` rows: (guesses, the cached path's hidden
+    states, the float32 reference's)."""
+    gen = torch.Generator().manual_seed(n)
+    feats = torch.randn(n, d.config.feature_size, generator=gen)
+    tokens = torch.randint(0, d.config.vocab_size - 1, (n + 1,), generator=gen).tolist()
+    d.reset()
+    guesses = d.propose(tokens[:n], tokens[n], 8, feats)
+    return guesses, d._draft_hidden(tokens[n], 8), d.uncached_hidden(feats, tokens[n], 8)
+
+
+def test_packed_products_run_in_bfloat16_where_the_cpu_multiplies_it_natively(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a CPU with native bfloat16 products a float32 drafter's packed layers and its LM
+    head multiply in bfloat16 (the drafter's training precision): the hidden states agree
+    with the float32 reference to bfloat16 rounding, and are not its bits. Without them,
+    and for a float64 drafter always, the products stay in the weights' dtype."""
+    from dflash.model.drafters.dflash_layers import product_dtype
+
+    d = _float32_drafter(True, monkeypatch)
+    _, got, ref = _proposal(d)
+    packed = d.layers[0].packed()
+    assert {packed.qkv.dtype, packed.o.dtype, packed.gate_up.dtype, packed.down.dtype} == {
+        torch.bfloat16
+    }
+    assert d._head_copy is not None and d._head_copy[1].dtype == torch.bfloat16
+    err = float((got - ref).norm() / ref.norm())
+    assert 0.0 < err < 2e-2, err  # bfloat16 has 8 significant bits: ~4e-3 a product
+    assert product_dtype(torch.zeros(1, dtype=torch.float64)) == torch.float64
+
+    d = _float32_drafter(False, monkeypatch)
+    _, got, ref = _proposal(d)
+    assert d.layers[0].packed().qkv.dtype == torch.float32 and d._head_copy is None
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_bfloat16_head_copy_follows_the_lm_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The LM head's bfloat16 copy is made again when the (shared) head weight is changed in
+    place: the next proposal's probabilities are those of the new weight."""
+    d = _float32_drafter(True, monkeypatch)
+    _proposal(d)
+    assert d._head_copy is not None
+    first = d._head_copy[1]
+    with torch.no_grad():
+        d._lm_head_weight.mul_(-1.0)  # every guess's logit changes sign
+    guesses, _, ref = _proposal(d)
+    assert d._head_copy[1] is not first
+    assert torch.equal(d._head_copy[1], d._lm_head_weight.bfloat16())
+    confidence = d.confidence()
+    assert confidence is not None
+    probs = torch.softmax(d.logits(ref[1:]).double(), -1)
+    for i, tok in enumerate(guesses):
+        assert math.isclose(confidence[i], float(probs[i, tok]), rel_tol=5e-2), i

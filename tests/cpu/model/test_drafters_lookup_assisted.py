@@ -194,6 +194,7 @@ def test_bad_arguments_are_typed_errors(tiny: TargetModel) -> None:
     assert hybrid.drafts == 0  # nothing counted for a refused call
 
 
+@pytest.mark.usefixtures("float32_products")
 def test_probabilities_are_the_softmax_at_the_tokens(tiny: TargetModel) -> None:
     drafter = seeded(tiny)
     with pytest.raises(DraftArgumentError, match="needs a host proposal first"):

@@ -340,8 +340,9 @@ class DrafterLayer(nn.Module):
         written there (rows ``0 … n-1`` hold the context) and the block attends over rows
         ``0 … n+Q-1``, with no concatenated or head-expanded copies of the keys. The
         products run on :meth:`packed` weights (q/k/v as one, gate/up as one, each an
-        ``x @ W`` with the residual added inside the product, in :func:`product_dtype`:
-        bfloat16 on a CPU with native bfloat16 products); the same maths as
+        ``x @ W`` in :func:`product_dtype` — bfloat16 on a CPU with native bfloat16
+        products — with the residual added in the same BLAS call when the product runs in
+        the rows' dtype); the same maths as
         :meth:`forward` with ``visible=None``, rounded differently, without autograd.
 
         x: [1, Q, H]; k_cache, v_cache: [1, kv_heads, >= n+Q, D]; cos/sin: [1, Q, D].

@@ -573,6 +573,9 @@ def test_packed_products_run_in_bfloat16_where_the_cpu_multiplies_it_natively(
         torch.bfloat16
     }
     assert d._head_copy is not None and d._head_copy[1].dtype == torch.bfloat16
+    # the context's k/v product gets a contiguous matrix (a strided bf16 one is slow)
+    q_cols = d.config.num_attention_heads * d.config.head_dim
+    assert packed.kv.is_contiguous() and torch.equal(packed.kv, packed.qkv[:, q_cols:])
     err = float((got - ref).norm() / ref.norm())
     assert 0.0 < err < 2e-2, err  # bfloat16 has 8 significant bits: ~4e-3 a product
     assert product_dtype(torch.zeros(1, dtype=torch.float64)) == torch.float64

@@ -9,13 +9,19 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.execution.engine import SpecDecoder
+from dflash.execution.engine import SpecDecoder, StepRecord
 from dflash.execution.errors import ContextLengthError
 from dflash.execution.faults import FaultInjector
 from dflash.execution.oracle import greedy_target as greedy_target_for
 from dflash.execution.oracle import reference_greedy
 from dflash.execution.policy import RollbackPolicy, RollbackStatus
-from dflash.execution.results import GenerationResult, RollbackReport, Timings, token_sha256
+from dflash.execution.results import (
+    CaptureReport,
+    GenerationResult,
+    RollbackReport,
+    Timings,
+    token_sha256,
+)
 from dflash.execution.shards import ShardedTarget, ShardPlan
 from dflash.model import TargetModel
 from dflash.model.drafters import Drafter, LookupAssistedDrafter
@@ -64,6 +70,32 @@ def timed_greedy(
     _sync(plan)
     decode_s = time.perf_counter() - marks[0] if marks else 0.0
     return GreedyRun(tokens, decode_s, decode_rate(len(tokens), decode_s))
+
+
+@dataclass(frozen=True)
+class _FirstRun:
+    """What a generation's result reports of its first speculative run, taken before the
+    repeats go on with the same engine (its records and counters keep growing)."""
+
+    records: tuple[StepRecord, ...]
+    target_forwards: int
+    counts: dict[str, int]
+    status: RollbackStatus
+    status_at_start: RollbackStatus
+    fast_unavailable_reason: str | None
+    capture: CaptureReport
+
+    @staticmethod
+    def of(engine: SpecDecoder) -> _FirstRun:
+        return _FirstRun(
+            records=tuple(engine.records),
+            target_forwards=engine.target_forwards,
+            counts=dict(engine.counts),
+            status=engine.status,
+            status_at_start=engine.status_at_start,
+            fast_unavailable_reason=engine.fast_unavailable_reason,
+            capture=engine.gate.report,
+        )
 
 
 def spec_capacity(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -119,10 +151,16 @@ def _speculative_run(
     faults: FaultInjector | None,
     eos_id: int | None,
     on_progress: Callable[[int, SpecDecoder], None] | None,
+    engine: SpecDecoder | None = None,
 ) -> tuple[SpecDecoder, list[int], str, tuple[float, float, float]]:
     """One speculative decode on ``target``: (engine, tokens, stop reason, (start, after
-    the prefill, end) as device-synchronised ``perf_counter`` times)."""
-    engine = SpecDecoder(target, drafter, block_size=block_size, policy=policy, faults=faults)
+    the prefill, end) as device-synchronised ``perf_counter`` times). ``engine``: one
+    that already ran a generation on ``target`` (its prefill starts the next one), else a
+    new one."""
+    if engine is None:
+        engine = SpecDecoder(
+            target, drafter, block_size=block_size, policy=policy, faults=faults
+        )
     _sync(plan)
     t0 = time.perf_counter()
     out = [engine.prefill(prompt)]
@@ -181,9 +219,13 @@ def generate(
     ``repeats`` (with ``baseline``): time both decodes ``repeats`` times, alternately —
     speculative, plain, speculative, plain … on the same two targets — and report the
     median rate of each (``timings`` keeps every run's); a machine whose speed drifts
-    then slows both sides alike. Every speculative run must give the first one's tokens
-    (``parity`` is false otherwise); only the first streams (``on_progress``) and sets the
-    step statistics. With one repeat the order is the same, speculative first.
+    then slows both sides alike. The speculative runs share one engine, as a long-lived
+    one serves one request after another: its capture gate runs in the first run only (a
+    verdict is sticky for the engine's lifetime), so the others roll back fast from
+    their first step. Every speculative run must give the first one's tokens (``parity``
+    is false otherwise); only the first streams (``on_progress``) and sets the step
+    statistics and the rollback and capture reports. With one repeat the order is the
+    same, speculative first. With ``faults`` the repeats run on new engines without them.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"'repeats' must be an int >= 1 (got {repeats!r})")
@@ -223,12 +265,13 @@ def generate(
     if (check_parity or greedy is not None) and ref is not None:  # a baseline is free parity
         parity = ref[: len(tokens)] == tokens
         parity_sha = token_sha256(ref[: len(tokens)])
+    first = _FirstRun.of(engine)  # the repeats go on with the same engine
     spec_runs = [t2 - t1]
     greedy_runs = [] if greedy is None else [greedy.decode_s]
     for _ in range(repeats - 1):
         _, again, _, (_, s1, s2) = _speculative_run(
             target, drafter, prompt, plan, max_new_tokens, block_size, policy, None, eos_id,
-            None,
+            None, engine if faults is None else None,
         )
         plain = timed_greedy(model, plan, prompt, len(tokens), graphs=graphs,
                              target=greedy_target)
@@ -236,32 +279,33 @@ def generate(
         greedy_runs.append(plain.decode_s)
         if again != tokens or (greedy is not None and plain.tokens != greedy.tokens):
             parity = False
-    steps = len(engine.records)
-    drafted = sum(len(r.draft) - 1 for r in engine.records)  # the verified guesses
-    accepted = sum(r.accept_n - 1 for r in engine.records)
+    records = first.records
+    steps = len(records)
+    drafted = sum(len(r.draft) - 1 for r in records)  # the verified guesses
+    accepted = sum(r.accept_n - 1 for r in records)
     decode_s = statistics.median(spec_runs)
     rate = decode_rate(len(tokens), decode_s)
     greedy_s = statistics.median(greedy_runs) if baseline and greedy_runs else None
     greedy_rate = None if greedy_s is None else decode_rate(len(tokens), greedy_s)
-    effective = [r for r in engine.records if r.status_before is RollbackStatus.EFFECTIVE]
+    effective = [r for r in records if r.status_before is RollbackStatus.EFFECTIVE]
     return GenerationResult(
         tokens=tokens,
         sha256=token_sha256(tokens),
         steps=steps,
         acceptance_rate=accepted / drafted if drafted else 0.0,
-        avg_commit=(sum(r.accept_n for r in engine.records) / steps) if steps else 0.0,
-        target_forwards_per_step=engine.target_forwards / steps if steps else 0.0,
+        avg_commit=(sum(r.accept_n for r in records) / steps) if steps else 0.0,
+        target_forwards_per_step=first.target_forwards / steps if steps else 0.0,
         rollback=RollbackReport(
             requested=policy.mode,
-            status=engine.status,
-            status_at_start=engine.status_at_start,
-            fast_unavailable_reason=engine.fast_unavailable_reason,
-            fast=engine.counts["fast"],
-            replay=engine.counts["replay"],
-            replay_after_failure=engine.counts["replay_after_failure"],
-            poison_events=engine.counts["poison_events"],
+            status=first.status,
+            status_at_start=first.status_at_start,
+            fast_unavailable_reason=first.fast_unavailable_reason,
+            fast=first.counts["fast"],
+            replay=first.counts["replay"],
+            replay_after_failure=first.counts["replay_after_failure"],
+            poison_events=first.counts["poison_events"],
         ),
-        capture=engine.gate.report,
+        capture=first.capture,
         checkpoint_bytes=target.checkpoint_bytes,
         parity=parity,
         timings=Timings(
@@ -279,7 +323,7 @@ def generate(
         layer_split=list(plan.split),
         drafter=drafter.label,
         stop_reason=stop,  # type: ignore[arg-type]  # one of the two literals above
-        target_forwards=engine.target_forwards,
+        target_forwards=first.target_forwards,
         effective_forwards_per_step=(
             sum(r.forwards for r in effective) / len(effective) if effective else None
         ),

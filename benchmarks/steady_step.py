@@ -11,8 +11,9 @@ every step: the first step and the median of the others. Every run must be lossl
 ``--engine fresh`` (the default): every generation on a new engine, as separate
 ``generate`` calls make them, so each generation's first step is its capture gate's.
 ``--engine kept``: one ``generate`` call with ``--warmup + --runs`` repeats, which share
-one engine (a long-lived one serving request after request): the gate runs in the first
-warm-up generation only, and the timed generations' first steps are fast steps.
+one engine (a long-lived one serving request after request): the gate runs in its first
+generation only (a warm-up one when ``--warmup`` is at least 1), and every later
+generation's first step is a fast step.
 
     python3 benchmarks/steady_step.py [--max-new-tokens 256] [--warmup 2] [--runs 3]
         [--draft dflash+lookup] [--engine fresh|kept] [--json FILE]

@@ -26,16 +26,13 @@ import json
 import platform
 import statistics
 import sys
-import sysconfig
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash.data import require_default
 from dflash.execution import RollbackPolicy, ShardedTarget, SpecDecoder, plan_shards
 from dflash.execution.session import build_drafter, build_model, encode_prompt
-from dflash.model.tokenizer import load_tokenizer
 
 
 def target_confidence(target: ShardedTarget, ids: list[int]) -> tuple[list[float], list[int]]:
@@ -110,12 +107,9 @@ def main() -> None:
         rows = [summary("the main job's prompt", [misses(prompt, n, model, plan, drafter)])]
         if args.heldout:
             sys.path.insert(0, str(Path(__file__).parent))
-            from drafter_tau import heldout_files, heldout_prompts
+            from drafter_tau import default_heldout_prompts
 
-            tokenizer = load_tokenizer(require_default("target"))
-            assert tokenizer is not None  # the default target ships one
-            held = heldout_files(Path(sysconfig.get_paths()["stdlib"]))
-            prompts = heldout_prompts(tokenizer, held, args.heldout, 64, 7)
+            prompts = default_heldout_prompts(args.heldout)
             runs = [misses(p, n, model, plan, drafter) for p in prompts]
             rows.append(summary(f"{len(prompts)} held-out prompts", runs))
     if args.json:

@@ -66,6 +66,15 @@ def heldout_prompts(
     return prompts
 
 
+def default_heldout_prompts(count: int, length: int = 64, seed: int = 7) -> list[list[int]]:
+    """:func:`heldout_prompts` of this interpreter's held-out standard-library files,
+    tokenized with the default target's tokenizer (the CPU step benchmarks' prompt set)."""
+    tokenizer = load_tokenizer(require_default("target"))
+    assert tokenizer is not None  # the default target ships one
+    held = heldout_files(Path(sysconfig.get_paths()["stdlib"]))
+    return heldout_prompts(tokenizer, held, count, length, seed)
+
+
 def pooled(rows: list[dict[str, float]]) -> dict[str, float]:
     """τ over every step of several runs: (accepted + steps) / steps of their sums."""
     steps = sum(r["steps"] for r in rows)

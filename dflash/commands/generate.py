@@ -661,15 +661,18 @@ def _warmed_up(
     graphs: bool | None,
     baseline: bool,
 ) -> dict[str, Any]:
-    """``--warmup-tokens``: two untimed generations on targets the timed one then reuses.
+    """``--warmup-tokens``: two untimed generations on the targets and the engine the
+    timed one then reuses.
 
-    Two, because a graph key's first forward runs eagerly and its second captures: the
-    capture gate's self-test replay, for one, happens once a generation, so only a second
-    warm-up generation leaves its graph captured for the timed run. Returns the
-    ``target`` / ``greedy_target`` arguments for the timed :func:`generate` (empty without
-    a warm-up). A drafter needs no reset: after a prefill the engine hands it the
-    features of the whole prompt, which replace any cached context.
+    Two, because a graph key's first forward runs eagerly and its second captures. The
+    engine is kept as well, so the capture gate runs (and validates fast rollback) in the
+    first warm-up generation and the timed run compares steady states: every step of it a
+    fast one while the verdict holds. Returns the ``target`` / ``greedy_target`` /
+    ``engine`` arguments for the timed :func:`generate` (empty without a warm-up). A
+    drafter needs no reset: after a prefill the engine hands it the features of the whole
+    prompt, which replace any cached context.
     """
+    from dflash.execution import SpecDecoder
     from dflash.execution.oracle import greedy_target
     from dflash.execution.run import generate, spec_target
 
@@ -683,12 +686,13 @@ def _warmed_up(
     greedy = None
     if baseline:
         greedy = greedy_target(ready.model, ready.plan, len(prompt), n, graphs=graphs)
+    engine = SpecDecoder(spec, ready.drafter, block_size=block, policy=policy)
     for _ in range(2):
         generate(ready.model, ready.drafter, prompt, plan=ready.plan,
                  max_new_tokens=min(warm, n), block_size=block, policy=policy,
                  eos_id=ready.eos_id, graphs=graphs, baseline=baseline, target=spec,
-                 greedy_target=greedy)
-    return {"target": spec, "greedy_target": greedy}
+                 greedy_target=greedy, engine=engine)
+    return {"target": spec, "greedy_target": greedy, "engine": engine}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -73,9 +73,25 @@ def timed_greedy(
 
 
 @dataclass(frozen=True)
+class _Mark:
+    """An engine's counters before a generation (a kept engine carries earlier ones)."""
+
+    records: int
+    target_forwards: int
+    counts: dict[str, int]
+    status: RollbackStatus
+
+    @staticmethod
+    def of(engine: SpecDecoder) -> _Mark:
+        return _Mark(len(engine.records), engine.target_forwards, dict(engine.counts),
+                     engine.status)
+
+
+@dataclass(frozen=True)
 class _FirstRun:
-    """What a generation's result reports of its first speculative run, taken before the
-    repeats go on with the same engine (its records and counters keep growing)."""
+    """What a generation's result reports of its first speculative run: the engine's
+    steps and counters since ``mark``, taken before the repeats go on with the same
+    engine (its records and counters keep growing)."""
 
     records: tuple[StepRecord, ...]
     target_forwards: int
@@ -86,13 +102,13 @@ class _FirstRun:
     capture: CaptureReport
 
     @staticmethod
-    def of(engine: SpecDecoder) -> _FirstRun:
+    def of(engine: SpecDecoder, mark: _Mark) -> _FirstRun:
         return _FirstRun(
-            records=tuple(engine.records),
-            target_forwards=engine.target_forwards,
-            counts=dict(engine.counts),
+            records=tuple(engine.records[mark.records :]),
+            target_forwards=engine.target_forwards - mark.target_forwards,
+            counts={k: v - mark.counts[k] for k, v in engine.counts.items()},
             status=engine.status,
-            status_at_start=engine.status_at_start,
+            status_at_start=mark.status,
             fast_unavailable_reason=engine.fast_unavailable_reason,
             capture=engine.gate.report,
         )
@@ -141,26 +157,16 @@ def check_positions(
 
 
 def _speculative_run(
-    target: ShardedTarget,
-    drafter: Drafter,
+    engine: SpecDecoder,
     prompt: Sequence[int],
     plan: ShardPlan,
     max_new_tokens: int,
-    block_size: int,
-    policy: RollbackPolicy,
-    faults: FaultInjector | None,
     eos_id: int | None,
     on_progress: Callable[[int, SpecDecoder], None] | None,
-    engine: SpecDecoder | None = None,
-) -> tuple[SpecDecoder, list[int], str, tuple[float, float, float]]:
-    """One speculative decode on ``target``: (engine, tokens, stop reason, (start, after
-    the prefill, end) as device-synchronised ``perf_counter`` times). ``engine``: one
-    that already ran a generation on ``target`` (its prefill starts the next one), else a
-    new one."""
-    if engine is None:
-        engine = SpecDecoder(
-            target, drafter, block_size=block_size, policy=policy, faults=faults
-        )
+) -> tuple[list[int], str, tuple[float, float, float]]:
+    """One speculative decode on ``engine`` (its prefill starts a new generation):
+    (tokens, stop reason, (start, after the prefill, end) as device-synchronised
+    ``perf_counter`` times)."""
     _sync(plan)
     t0 = time.perf_counter()
     out = [engine.prefill(prompt)]
@@ -178,7 +184,33 @@ def _speculative_run(
     t2 = time.perf_counter()
     if eos_id is not None and eos_id in out[:max_new_tokens]:
         out, stop = out[: out.index(eos_id) + 1], "eos"
-    return engine, out[:max_new_tokens], stop, (t0, t1, t2)
+    return out[:max_new_tokens], stop, (t0, t1, t2)
+
+
+def _check_engine(
+    engine: SpecDecoder,
+    target: ShardedTarget | None,
+    drafter: Drafter,
+    block_size: int,
+    policy: RollbackPolicy,
+    faults: FaultInjector | None,
+) -> None:
+    """``ValueError`` naming why a kept ``engine`` cannot run this generation."""
+    if not isinstance(engine, SpecDecoder):
+        raise ValueError(f"'engine' must be a SpecDecoder (got {type(engine).__name__})")
+    problems = []
+    if target is None or engine.target is not target:
+        problems.append("it runs on another target (pass the engine's target as 'target')")
+    if engine.drafter is not drafter:
+        problems.append(f"it drafts with another drafter ({engine.drafter.label!r})")
+    if engine.block_size != block_size:
+        problems.append(f"its block size is {engine.block_size}, not {block_size}")
+    if engine.policy != policy:
+        problems.append(f"its rollback mode is {engine.policy.mode!r}, not {policy.mode!r}")
+    if faults is not None:
+        problems.append("a run with 'faults' gets a new engine and target")
+    if problems:
+        raise ValueError(f"the kept engine cannot run this generation: {'; '.join(problems)}")
 
 
 def generate(
@@ -200,6 +232,7 @@ def generate(
     target: ShardedTarget | None = None,
     greedy_target: ShardedTarget | None = None,
     repeats: int = 1,
+    engine: SpecDecoder | None = None,
 ) -> GenerationResult:
     """Speculative greedy decoding of ``max_new_tokens`` tokens after ``prompt``.
 
@@ -225,7 +258,16 @@ def generate(
     their first step. Every speculative run must give the first one's tokens (``parity``
     is false otherwise); only the first streams (``on_progress``) and sets the step
     statistics and the rollback and capture reports. With one repeat the order is the
-    same, speculative first. With ``faults`` the repeats run on new engines without them.
+    same, speculative first. With ``faults`` the repeats run on a new engine without them.
+
+    ``engine``: a :class:`SpecDecoder` kept across calls, as ``target`` is (it must run
+    on ``target`` with ``drafter``, ``block_size`` and ``policy``, and takes no
+    ``faults``; else ``ValueError`` names the difference): its capture gate's verdict
+    carries over (it is sticky for the engine's lifetime), so a generation after the one
+    that validated it rolls back fast from its first step. The result reports this
+    call's steps and rollbacks only; ``rollback.status_at_start`` is the engine's status
+    when this generation began, and ``capture`` the engine's report (``validated_at_step``
+    counts the engine's steps since it was built).
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"'repeats' must be an int >= 1 (got {repeats!r})")
@@ -239,6 +281,8 @@ def generate(
         raise ValueError(f"'max_new_tokens' must be an int >= 1 (got {max_new_tokens!r})")
     check_positions(model, len(prompt), max_new_tokens, block_size)
     policy = policy or RollbackPolicy()
+    if engine is not None:
+        _check_engine(engine, target, drafter, block_size, policy, faults)
     if target is None or faults is not None:
         target = spec_target(model, plan, len(prompt), max_new_tokens, block_size, graphs=graphs)
     else:
@@ -246,9 +290,11 @@ def generate(
             model, plan, max_len=spec_capacity(len(prompt), max_new_tokens, block_size),
             max_draft=block_size, graphs=graphs, what="generation",
         )
-    engine, tokens, stop, (t0, t1, t2) = _speculative_run(
-        target, drafter, prompt, plan, max_new_tokens, block_size, policy, faults, eos_id,
-        on_progress,
+    if engine is None:
+        engine = SpecDecoder(target, drafter, block_size=block_size, policy=policy, faults=faults)
+    mark = _Mark.of(engine)
+    tokens, stop, (t0, t1, t2) = _speculative_run(
+        engine, prompt, plan, max_new_tokens, eos_id, on_progress
     )
     copied = drafter.copied_drafts if isinstance(drafter, LookupAssistedDrafter) else None
     ref = None if oracle_tokens is None else list(oracle_tokens)
@@ -265,13 +311,15 @@ def generate(
     if (check_parity or greedy is not None) and ref is not None:  # a baseline is free parity
         parity = ref[: len(tokens)] == tokens
         parity_sha = token_sha256(ref[: len(tokens)])
-    first = _FirstRun.of(engine)  # the repeats go on with the same engine
+    first = _FirstRun.of(engine, mark)  # the repeats go on with the same engine
     spec_runs = [t2 - t1]
     greedy_runs = [] if greedy is None else [greedy.decode_s]
+    again_on = engine if faults is None else (
+        SpecDecoder(target, drafter, block_size=block_size, policy=policy)
+    )
     for _ in range(repeats - 1):
-        _, again, _, (_, s1, s2) = _speculative_run(
-            target, drafter, prompt, plan, max_new_tokens, block_size, policy, None, eos_id,
-            None, engine if faults is None else None,
+        again, _, (_, s1, s2) = _speculative_run(
+            again_on, prompt, plan, max_new_tokens, eos_id, None
         )
         plain = timed_greedy(model, plan, prompt, len(tokens), graphs=graphs,
                              target=greedy_target)

@@ -280,11 +280,11 @@ def test_a_repeat_with_other_tokens_fails_parity(
     runs: list[int] = []
 
     def drifting(*args: Any, **kwargs: Any) -> Any:
-        engine, tokens, stop, times = real(*args, **kwargs)
+        tokens, stop, times = real(*args, **kwargs)
         runs.append(1)
         if len(runs) == 3:  # the third run decodes something else
             tokens = [(tokens[0] + 1) % 64, *tokens[1:]]
-        return engine, tokens, stop, times
+        return tokens, stop, times
 
     monkeypatch.setattr(run_module, "_speculative_run", drifting)
     code = main(["generate", "--json", *FAST])
@@ -425,6 +425,11 @@ def test_warmup_runs_untimed_on_the_targets_the_timed_run_reuses(
     calls = _count_greedy(monkeypatch)
     warmed, _ = _json_run(capsys, "--draft", "dflash", "--warmup-tokens", "5")
     assert warmed["tokens"] == plain["tokens"] and warmed["parity"] is True
+    # the engine is kept too: the gate ran in the warm-up, every timed step is a fast one
+    assert plain["rollback"]["status_at_start"] == "requested" and plain["rollback"]["replay"] == 1
+    assert warmed["rollback"]["status_at_start"] == "effective"
+    assert warmed["rollback"]["replay"] == 0 and warmed["rollback"]["fast"] == warmed["steps"]
+    assert warmed["capture"]["verdict"] == "validated"
     # the two warm-up generations' greedy, then the timed ones' (three on CPU)
     assert [c["n"] for c in calls] == [5, 5, 8, 8, 8]
     kept = [c["target"] for c in calls]

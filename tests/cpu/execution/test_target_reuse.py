@@ -11,6 +11,8 @@ from dflash.execution.capture_gate import CaptureGate
 from dflash.execution.faults import FaultInjector, FaultPhase
 from dflash.execution.graphs import ShardGraphs, ShardOutput
 from dflash.execution.oracle import reference_greedy
+from dflash.execution.policy import RollbackStatus
+from dflash.execution.results import GenerationResult
 from dflash.execution.run import timed_greedy
 from dflash.model import TargetModel, greedy_generate
 from dflash.model.drafters import PromptLookupDrafter
@@ -166,3 +168,43 @@ def test_repeats_of_a_run_with_faults_get_new_engines_without_them(
     assert engines[0].faults is faults and engines[1].faults is not faults
     assert faults.fired == [(1, FaultPhase.MID_RESTORE)]  # in the first run only
     assert result.rollback.replay_after_failure == 1 and result.parity is True
+
+
+def test_a_kept_engine_serves_later_generations_and_is_refused_elsewhere(
+    tiny: TargetModel,
+) -> None:
+    plan = plan_shards(6, "cpu,cpu", "2,4")
+    target = ShardedTarget(tiny, plan, max_len=64, max_draft=4)
+    drafter, policy = PromptLookupDrafter(), RollbackPolicy(mode="checkpoint")
+    engine = SpecDecoder(target, drafter, block_size=4, policy=policy)
+
+    def run(prompt: list[int], **kw: object) -> GenerationResult:
+        args: dict[str, object] = {
+            "plan": plan, "max_new_tokens": 12, "block_size": 4, "policy": policy,
+            "target": target, "engine": engine, "check_parity": True, **kw,
+        }
+        return generate(tiny, args.pop("drafter", drafter), prompt, **args)  # type: ignore[arg-type]  # the test's keywords
+
+    first = run(PROMPTS[0])
+    second = run(PROMPTS[1])
+    for prompt, got in ((PROMPTS[0], first), (PROMPTS[1], second)):
+        assert got.parity is True and got.tokens == greedy_generate(tiny, prompt, 12)
+    assert first.rollback.status_at_start is RollbackStatus.REQUESTED
+    assert first.rollback.replay == 1 and first.capture.verdict == "validated"
+    # the verdict carried over: every step of the second generation rolled back fast
+    assert second.rollback.status_at_start is RollbackStatus.EFFECTIVE
+    assert second.rollback.replay == 0 and second.rollback.fast == second.steps
+    assert second.target_forwards == second.steps  # one forward a fast step, no gate replay
+    assert first.steps + second.steps == len(engine.records)  # each reports its own steps
+    refusals: list[tuple[dict[str, object], str]] = [
+        ({"target": None}, "another target"),
+        ({"drafter": PromptLookupDrafter()}, "another drafter"),
+        ({"block_size": 2}, "its block size is 4, not 2"),
+        ({"policy": RollbackPolicy(mode="remap")}, "rollback mode is 'checkpoint', not 'remap'"),
+        ({"faults": FaultInjector()}, "'faults' gets a new engine"),
+        ({"engine": object()}, "must be a SpecDecoder"),
+    ]
+    for kw, match in refusals:
+        with pytest.raises(ValueError, match=match):
+            run(PROMPTS[2], **kw)
+    assert run(PROMPTS[2]).rollback.replay == 0  # the refusals left the engine usable

@@ -10,10 +10,10 @@ every step: the first step and the median of the others. Every run must be lossl
 
 ``--engine fresh`` (the default): every generation on a new engine, as separate
 ``generate`` calls make them, so each generation's first step is its capture gate's.
-``--engine kept``: one ``generate`` call with ``--warmup + --runs`` repeats, which share
-one engine (a long-lived one serving request after request): the gate runs in its first
-generation only (a warm-up one when ``--warmup`` is at least 1), and every later
-generation's first step is a fast step.
+``--engine kept``: every generation on one engine (``generate(..., engine=)``, a
+long-lived one serving request after request, as the CLI's repeats and warm-up do): the
+gate runs in its first generation only (a warm-up one when ``--warmup`` is at least 1),
+and every later generation's first step is a fast step.
 
     python3 benchmarks/steady_step.py [--max-new-tokens 256] [--warmup 2] [--runs 3]
         [--draft dflash+lookup] [--engine fresh|kept] [--json FILE]
@@ -73,49 +73,38 @@ def main() -> None:
 
     SpecDecoder.step = timed_step  # type: ignore[method-assign]  # the benchmark's timer
     SpecDecoder.prefill = noted_prefill  # type: ignore[method-assign]  # a new generation
-    #: spec s, greedy s, speed-up, steps, average commit (a repeat reports no commit of its own)
-    runs: list[tuple[float, float, float, int, float | None]] = []
+    engine = None
+    if args.engine == "kept":
+        engine = SpecDecoder(spec, ready.drafter, block_size=block, policy=policy)
+    rows = []
     try:
-        if args.engine == "fresh":
-            for _ in range(args.warmup):
-                generate(ready.model, ready.drafter, ready.prompt, **kwargs)
-            del generations[:]
-            for _ in range(args.runs):
-                r = generate(ready.model, ready.drafter, ready.prompt, **kwargs)
-                if r.parity is not True:
-                    raise SystemExit(f"not lossless: parity {r.parity}")
-                assert r.timings.greedy_decode_s is not None and r.speedup_vs_greedy is not None
-                runs.append((r.timings.decode_s, r.timings.greedy_decode_s,
-                             r.speedup_vs_greedy, r.steps, r.avg_commit))
-        else:
-            r = generate(ready.model, ready.drafter, ready.prompt,
-                         repeats=args.warmup + args.runs, **kwargs)
+        for _ in range(args.warmup):
+            generate(ready.model, ready.drafter, ready.prompt, engine=engine, **kwargs)
+        del generations[:]
+        for _ in range(args.runs):
+            r = generate(ready.model, ready.drafter, ready.prompt, engine=engine, **kwargs)
             if r.parity is not True:
                 raise SystemExit(f"not lossless: parity {r.parity}")
-            del generations[: args.warmup]
-            pairs = list(zip(r.timings.decode_runs_s, r.timings.greedy_decode_runs_s,
-                             strict=True))[args.warmup:]
-            for (spec_s, greedy_s), steps_s in zip(pairs, generations, strict=True):
-                runs.append((spec_s, greedy_s, greedy_s / spec_s, len(steps_s), None))
+            assert r.timings.greedy_decode_s is not None and r.speedup_vs_greedy is not None
+            steps_s = generations[-1]
+            rows.append({
+                "speedup": r.speedup_vs_greedy,
+                "decode_ms": r.timings.decode_s * 1e3,
+                "greedy_decode_ms": r.timings.greedy_decode_s * 1e3,
+                "steps": r.steps,
+                "avg_commit": r.avg_commit,
+                "first_step_ms": steps_s[0] * 1e3,
+                "median_other_step_ms": statistics.median(steps_s[1:]) * 1e3,
+            })
+            print(
+                f"speed-up {r.speedup_vs_greedy:.3f}x  decode {rows[-1]['decode_ms']:.1f} ms  "
+                f"greedy {rows[-1]['greedy_decode_ms']:.1f} ms  steps {r.steps}  first step "
+                f"{rows[-1]['first_step_ms']:.2f} ms  other steps (median) "
+                f"{rows[-1]['median_other_step_ms']:.3f} ms",
+                flush=True,
+            )
     finally:
         SpecDecoder.step, SpecDecoder.prefill = step, prefill  # type: ignore[method-assign]
-    rows = []
-    for (spec_s, greedy_s, speedup, steps, commit), steps_s in zip(runs, generations, strict=True):
-        rows.append({
-            "speedup": speedup,
-            "decode_ms": spec_s * 1e3,
-            "greedy_decode_ms": greedy_s * 1e3,
-            "steps": steps,
-            "avg_commit": commit,
-            "first_step_ms": steps_s[0] * 1e3,
-            "median_other_step_ms": statistics.median(steps_s[1:]) * 1e3,
-        })
-        print(
-            f"speed-up {speedup:.3f}x  decode {spec_s * 1e3:.1f} ms  greedy "
-            f"{greedy_s * 1e3:.1f} ms  steps {steps}  first step {steps_s[0] * 1e3:.2f} ms  "
-            f"other steps (median) {rows[-1]['median_other_step_ms']:.3f} ms",
-            flush=True,
-        )
     if args.json:
         device = ready.plan.devices[0]
         meta = {

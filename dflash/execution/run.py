@@ -314,7 +314,7 @@ def generate(
     first = _FirstRun.of(engine, mark)  # the repeats go on with the same engine
     spec_runs = [t2 - t1]
     greedy_runs = [] if greedy is None else [greedy.decode_s]
-    again_on = engine if faults is None else (
+    again_on = engine if faults is None or repeats == 1 else (  # the repeats: no faults
         SpecDecoder(target, drafter, block_size=block_size, policy=policy)
     )
     for _ in range(repeats - 1):

@@ -40,16 +40,19 @@ def decode_attention_reference(
                 f"'start' must satisfy 0 <= start[b] and start[b] + T <= S_max = {S_max} "
                 f"(got start[{b}] = {s0}, T={T})"
             )
-    y = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
-    for b in range(B):
+    y = torch.empty(B, T, H, D, dtype=acc_dtype, device=q.device)
+    for b, s0 in enumerate(starts):
+        # converted once per batch row (a no-op view in the accumulation dtype); row t
+        # reads its visible prefix of them
+        keys = k_cache[b, :, : s0 + T].to(acc_dtype)       # [HKV, s0 + T, D]
+        values = v_cache[b, :, : s0 + T].to(acc_dtype)
+        queries = q[b].to(acc_dtype).reshape(T, HKV, G, D)  # head h -> KV h // G
         for t in range(T):
-            n = starts[b] + t + 1                       # visible keys 0 .. start + t
-            k = k_cache[b, :, :n].to(acc_dtype)         # [HKV, n, D]
-            v = v_cache[b, :, :n].to(acc_dtype)
-            qr = q[b, t].to(acc_dtype, copy=True).view(HKV, G, D)   # head h -> KV h // G
-            s = torch.matmul(qr, k.transpose(1, 2)) * sm_scale      # [HKV, G, n]
-            p = torch.softmax(s, dim=-1)
-            y[b, t] = torch.matmul(p, v).reshape(H, D).to(q.dtype)
+            n = s0 + t + 1                                 # visible keys 0 .. start + t
+            scores = torch.bmm(queries[t], keys[:, :n].transpose(1, 2)).mul_(sm_scale)
+            p = torch.softmax(scores, dim=-1)              # [HKV, G, n]
+            torch.bmm(p, values[:, :n], out=y[b, t].view(HKV, G, D))
+    y = y.to(q.dtype)
     if out is None:
         return y
     out.copy_(y)

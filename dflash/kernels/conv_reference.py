@@ -38,10 +38,11 @@ def causal_conv1d_capture_reference(
     acc = torch.zeros_like(xf[:, :T]) if bias is None else bias.to(dt).expand_as(xf[:, :T])
     for j in range(Kc):
         acc = acc + w[:, j] * xf[:, j : j + T]
-    y = torch.empty(x.shape, dtype=dt, device=x.device)
-    for t in range(T):  # the activation token by token: a [B, C] call whatever T is
-        a = acc[:, t]
-        y[:, t] = a * torch.sigmoid(a) if activation == "silu" else a
+    y = acc  # a new tensor: the tap loop ran at least once
+    if activation == "silu":
+        for t in range(T):  # the activation token by token: a [B, C] call whatever T is
+            a = y[:, t]
+            a.mul_(torch.sigmoid(a))
     if out is None:
         return y.to(x.dtype)
     out.copy_(y)

@@ -64,15 +64,40 @@ def gdn_verify_reference(
     kf = kf.repeat_interleave(group, dim=2)
 
     with torch.no_grad():  # like the kernel, the reference records nothing for autograd
-        o, states = _recurrence(qf, kf, vf, gf, bf, init, parents)
-    if final_state_only:
-        checkpoints[:, 0] = states[:, -1]
-    else:
-        checkpoints[:, :T] = states
+        slots, in_place = _state_slots(checkpoints, T, final_state_only, dt)
+        o = _recurrence(qf, kf, vf, gf, bf, init, parents, slots)
+        if not in_place:  # computed in scratch: copy the states out
+            if final_state_only:
+                checkpoints[:, 0] = slots[-1].view(init.shape)
+            else:
+                checkpoints[:, :T] = torch.stack(slots).view(T, *init.shape).transpose(0, 1)
     if out is None:
         return o.to(v.dtype)
     out.copy_(o)
     return out
+
+
+def _state_slots(
+    checkpoints: torch.Tensor, T: int, final_state_only: bool, dt: torch.dtype
+) -> tuple[list[torch.Tensor], bool]:
+    """Where the state after each token is computed: ``T`` contiguous ``[B*HV, K, V]``
+    tensors, and whether they are the checkpoint slots themselves.
+
+    They are when the slots can be viewed so (``B = 1``, slots contiguous and in ``dt``);
+    with ``final_state_only`` only the last token's state goes to slot 0 and the others
+    to scratch. Otherwise every state goes to scratch, for the caller to copy out."""
+    B, _, HV, K, V = checkpoints.shape
+    slot = checkpoints[0]  # [S, HV, K, V]
+    in_place = B == 1 and checkpoints.dtype == dt and all(
+        slot[t].is_contiguous() for t in range(1 if final_state_only else T)
+    )
+    if in_place and not final_state_only:
+        return [slot[t].view(HV, K, V) for t in range(T)], True
+    rows = T - 1 if in_place else T
+    scratch = list(torch.empty(rows, B * HV, K, V, dtype=dt, device=checkpoints.device).unbind(0))
+    if in_place:
+        scratch.append(slot[0].view(HV, K, V))
+    return scratch, in_place
 
 
 def _recurrence(
@@ -83,32 +108,31 @@ def _recurrence(
     bf: torch.Tensor,  # [B, T, HV]
     init: torch.Tensor,  # [B, HV, K, V]
     parents: tuple[int, ...],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-token state updates: ``o [B, T, HV, V]`` and the states after each token
-    ``[B, T, HV, K, V]``, in ``init``'s dtype."""
+    slots: list[torch.Tensor],  # T x [B*HV, K, V]: where the state after token t goes
+) -> torch.Tensor:
+    """The per-token state updates: writes the state after token ``t`` into ``slots[t]``
+    and returns ``o [B, T, HV, V]``, in ``init``'s dtype."""
     B, T, HV, K = kf.shape
     V = vf.shape[3]
-    o = torch.empty(B, T, HV, V, dtype=init.dtype, device=init.device)
-    # states[:, t]: the state after token t, computed in place (no per-token allocation)
-    states = torch.empty(B, T, HV, K, V, dtype=init.dtype, device=init.device)
-    # Every per-token operation below sees [B, HV, ...] tensors whatever T is, so a token's
+    n = B * HV
+    o = torch.empty(T, n, 1, V, dtype=init.dtype, device=init.device)
+
+    def tokens(x: torch.Tensor, *shape: int) -> tuple[torch.Tensor, ...]:  # T x [n, ...]
+        return x.transpose(0, 1).reshape(T, n, *shape).unbind(0)
+
+    # Every per-token operation below sees [B*HV, ...] tensors whatever T is, so a token's
     # state and output are the bits a T = 1 call gives for the same inputs.
     steps = zip(
-        qf[:, :, :, None, :].unbind(1),  # [B, HV, 1, K] rows
-        kf[:, :, :, None, :].unbind(1),
-        kf[:, :, :, :, None].unbind(1),  # [B, HV, K, 1] columns
-        vf[:, :, :, None, :].unbind(1),  # [B, HV, 1, V]
-        gf.unbind(1),                    # [B, HV]
-        bf[:, :, :, None, None].unbind(1),
-        o[:, :, :, None, :].unbind(1),   # [B, HV, 1, V] views of o
+        tokens(qf, 1, K), tokens(kf, 1, K), tokens(kf, K, 1), tokens(vf, 1, V),
+        tokens(gf, 1, 1), tokens(bf, 1, 1), slots, o.unbind(0),
         strict=True,
     )
-    for t, (q_row, k_row, k_col, v_row, g_t, b_t, o_t) in enumerate(steps):
-        S = states[:, t]
-        torch.mul(init if parents[t] < 0 else states[:, parents[t]],
-                  torch.exp(g_t)[:, :, None, None], out=S)
-        kv = torch.matmul(k_row, S)                          # S^T k: [B, HV, 1, V]
+    start = init.reshape(n, K, V)
+    for t, (q_row, k_row, k_col, v_row, g_t, b_t, S, o_t) in enumerate(steps):
+        torch.mul(start if parents[t] < 0 else slots[parents[t]], torch.exp(g_t), out=S)
+        kv = torch.bmm(k_row, S)                             # S^T k: [n, 1, V]
         u = torch.sub(v_row, kv, out=kv).mul_(b_t)           # beta (v - S^T k)
-        S.add_(k_col * u)                                    # S + k u^T
-        torch.matmul(q_row, S, out=o_t)                      # S^T q
-    return o, states
+        S.baddbmm_(k_col, u)                                 # S + k u^T
+        torch.bmm(q_row, S, out=o_t)                         # S^T q
+    out = o.view(T, B, HV, V).transpose(0, 1)
+    return out if B == 1 else out.contiguous()

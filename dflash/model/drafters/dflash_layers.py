@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -152,11 +153,40 @@ class Rotary:
         return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
 
 
+    def rolled(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions: [..., T] → ``cos`` and the signed sin ``[-sin_half | sin_half]``:
+        [..., T, head_dim] in ``dtype``, the tables of :func:`rotate_rolled`."""
+        inv = self._on.get(positions.device)
+        if inv is None:
+            inv = self._on.setdefault(positions.device, self.inv_freq.to(positions.device))
+        freqs = positions.float()[..., None] * inv  # [..., T, D/2]
+        cos, sin = (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [N, heads, T, D]; cos/sin: [N, T, D] → ``x * cos + rotate_half(x) * sin``."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos[:, None] + rotated * sin[:, None]
+
+
+def rotate_rolled(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """:func:`rotate` on the tables of :meth:`Rotary.rolled`: ``rotate_half(x) * sin`` is
+    ``roll(x, D/2) * [-sin_half | sin_half]``, so ``x * cos + roll(x) * signed_sin`` (three
+    operations instead of seven, for inference)."""
+    rolled = x.roll(x.shape[-1] // 2, dims=-1)
+    return torch.addcmul(x * cos[:, None], rolled, signed_sin[:, None])
+
+
+def normed(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """``weight * rms_normalized(x)`` (``weight`` None: 1) over the last dimension, the
+    normalisation in float32: for float32 ``x`` one ``F.rms_norm`` call (for inference;
+    :class:`RMSNorm` and :func:`rms_normalized` stay what training runs)."""
+    if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    out = F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    return out if weight is None else weight * out
 
 
 @dataclass(frozen=True)
@@ -323,6 +353,9 @@ class DrafterLayer(nn.Module):
         self.self_attn = DraftAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        #: the rows of the block products :meth:`infer` runs (what :func:`product_dtype`
+        #: times them at)
+        self.block_rows = cfg.block_size
         self._packed: PackedLayer | None = None  # see packed()
         self._packed_key: tuple[tuple[int, int], ...] = ()
 
@@ -332,7 +365,14 @@ class DrafterLayer(nn.Module):
         return out
 
     def infer(
-        self, x: Tensor, k_cache: Tensor, v_cache: Tensor, n: int, cos: Tensor, sin: Tensor
+        self,
+        x: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        n: int,
+        cos: Tensor,
+        signed_sin: Tensor,
+        weights: PackedLayer | None = None,
     ) -> Tensor:
         """:meth:`forward` of one block that sees every key, for inference.
 
@@ -340,21 +380,25 @@ class DrafterLayer(nn.Module):
         written there (rows ``0 … n-1`` hold the context) and the block attends over rows
         ``0 … n+Q-1``, with no concatenated or head-expanded copies of the keys. The
         products run on :meth:`packed` weights (q/k/v as one, gate/up as one, each an
-        ``x @ W`` in :func:`product_dtype` — bfloat16 on a CPU with native bfloat16
-        products — with the residual added in the same BLAS call when the product runs in
-        the rows' dtype); the same maths as
+        ``x @ W`` in :func:`product_dtype` — bfloat16 where the CPU multiplies it natively
+        and measurably faster — with the residual added in the same BLAS call when the
+        product runs in the rows' dtype); the same maths as
         :meth:`forward` with ``visible=None``, rounded differently, without autograd.
 
-        x: [1, Q, H]; k_cache, v_cache: [1, kv_heads, >= n+Q, D]; cos/sin: [1, Q, D].
+        x: [1, Q, H]; k_cache, v_cache: [1, kv_heads, >= n+Q, D]; cos/signed_sin:
+        [1, Q, D], the tables of :meth:`Rotary.rolled`; ``weights``: this layer's
+        :meth:`packed` weights when the caller just took them.
         """
-        attn, w = self.self_attn, self.packed()
+        attn, w = self.self_attn, self.packed() if weights is None else weights
         heads, kv_heads, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
         q_len, end = x.shape[1], n + x.shape[1]
         rows = x[0]  # [Q, H]
-        qkv = _product(self.input_layernorm(rows), w.qkv, w.qkv_bias)
+        norm = self.input_layernorm
+        qkv = packed_product(normed(rows, norm.weight, norm.eps), w.qkv, w.qkv_bias)
         # queries and keys normed and rotated together: [1, heads + kv_heads, Q, D]
         qk = qkv[:, : (heads + kv_heads) * d].view(q_len, heads + kv_heads, d)
-        qk = rotate((rms_normalized(qk, w.eps) * w.qk_norm).transpose(0, 1)[None], cos, sin)
+        qk = (normed(qk, None, w.eps) * w.qk_norm).transpose(0, 1)[None]
+        qk = rotate_rolled(qk, cos, signed_sin)
         k_cache[:, :, n:end] = qk[:, heads:]
         v = qkv[:, (heads + kv_heads) * d :].view(q_len, kv_heads, d)
         v_cache[:, :, n:end] = v.transpose(0, 1)[None]
@@ -363,24 +407,30 @@ class DrafterLayer(nn.Module):
                 qk[:, :heads], k_cache[:, :, :end], v_cache[:, :, :end], scale=d**-0.5,
                 enable_gqa=heads != kv_heads,
             )
-        rows = _product(o[0].transpose(0, 1).reshape(q_len, heads * d), w.o, w.o_bias, rows)
-        gate_up = _product(self.post_attention_layernorm(rows), w.gate_up, None)
+        rows = packed_product(o[0].transpose(0, 1).reshape(q_len, heads * d), w.o, w.o_bias, rows)
+        norm = self.post_attention_layernorm
+        gate_up = packed_product(normed(rows, norm.weight, norm.eps), w.gate_up, None)
         inner = gate_up.shape[1] // 2
         act = F.silu(gate_up[:, :inner]) * gate_up[:, inner:]
-        return _product(act, w.down, None, rows)[None]
+        return packed_product(act, w.down, None, rows)[None]
 
     def context_keys_values(
-        self, context: Tensor, cos: Tensor, sin: Tensor
+        self,
+        context: Tensor,
+        cos: Tensor,
+        signed_sin: Tensor,
+        weights: PackedLayer | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """:meth:`DraftAttention.keys_values` of context rows ``[T, H]`` (cos/sin [1, T, D])
-        on the :meth:`packed` weights: rotated k, v ``[1, kv_heads, T, D]``."""
-        attn, w = self.self_attn, self.packed()
+        """:meth:`DraftAttention.keys_values` of context rows ``[T, H]`` (cos/signed_sin
+        [1, T, D], the tables of :meth:`Rotary.rolled`) on the :meth:`packed` weights
+        (``weights`` when the caller just took them): rotated k, v ``[1, kv_heads, T, D]``."""
+        attn, w = self.self_attn, self.packed() if weights is None else weights
         q_cols, d = attn.num_heads * attn.head_dim, attn.head_dim
         bias = None if w.qkv_bias is None else w.qkv_bias[q_cols:]
-        kv = _product(context, w.kv, bias)  # [T, 2 kv_heads D]
+        kv = packed_product(context, w.kv, bias)  # [T, 2 kv_heads D]
         k, v = kv.view(kv.shape[0], 2 * attn.num_kv_heads, d).chunk(2, dim=1)
-        k = rms_normalized(k, w.eps) * w.qk_norm[attn.num_heads :]
-        return rotate(k.transpose(0, 1)[None], cos, sin), v.transpose(0, 1)[None]
+        k = normed(k, None, w.eps) * w.qk_norm[attn.num_heads :]
+        return rotate_rolled(k.transpose(0, 1)[None], cos, signed_sin), v.transpose(0, 1)[None]
 
     def packed(self) -> PackedLayer:
         """This layer's weights laid out for :meth:`infer`, made again whenever a parameter
@@ -413,14 +463,66 @@ def cpu_bf16_products() -> bool:
     return available and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def product_dtype(weight: Tensor) -> torch.dtype:
-    """The dtype the packed inference products multiply in for a weight like ``weight``:
-    bfloat16 for float32 weights on a CPU with native bfloat16 products (the drafter's
-    own training precision: it trains under bfloat16 autocast and ships bfloat16
-    weights), else the weight's dtype. Only guesses come out of these products; the
-    target verifies every one of them."""
+#: a bfloat16 product replaces a float32 one where its trial took at most this fraction of
+#: the float32 trial's time (a near tie keeps float32, the weights' own dtype)
+BF16_PAYS_BELOW = 0.85
+
+
+def product_dtype(weight: Tensor, rows: int) -> torch.dtype:
+    """The dtype the packed inference products ``x [rows, in] @ w [in, out]`` multiply in for
+    a ``weight`` of that ``[in, out]`` shape: bfloat16 for a float32 weight on a CPU with
+    native bfloat16 products where a short timed trial of that product shape
+    (:func:`bf16_product_pays`) found it clearly faster, else the weight's dtype.
+
+    Which is faster depends on the CPU and its BLAS, not on the shape alone: on one
+    AVX512-BF16 CPU a ``[15, 256] x [256, 4096]`` product took 615 µs in float32 and
+    228 µs in bfloat16, on an AMX CPU with the same oneDNN ``[16, 256] x [256, 256]``
+    took 13 µs in float32 and 37 µs in bfloat16 with its conversions. Only guesses come
+    out of these products; the target verifies every one of them."""
     native = weight.device.type == "cpu" and cpu_bf16_products()
-    return torch.bfloat16 if weight.dtype == torch.float32 and native else weight.dtype
+    if weight.dtype != torch.float32 or not native or weight.dim() != 2:
+        return weight.dtype
+    inner, outer = weight.shape
+    return torch.bfloat16 if bf16_product_pays(rows, inner, outer) else weight.dtype
+
+
+@functools.cache
+def bf16_product_pays(rows: int, inner: int, outer: int) -> bool:
+    """Whether ``x [rows, inner] @ w [inner, outer]`` runs clearly faster on this CPU with
+    bfloat16 operands than in float32 (:func:`bf16_wins` of :func:`product_trial`'s
+    times). Timed once per shape and process: a few milliseconds at the drafter's
+    shapes."""
+    return bf16_wins(product_trial(rows, inner, outer))
+
+
+def bf16_wins(times: dict[str, float]) -> bool:
+    """True when the ``"bf16"`` time is below :data:`BF16_PAYS_BELOW` of the ``"f32"``
+    one."""
+    return times["bf16"] < BF16_PAYS_BELOW * times["f32"]
+
+
+def product_trial(rows: int, inner: int, outer: int, reps: int = 5) -> dict[str, float]:
+    """The fastest of ``reps`` calls (after a warm-up, the two alternating) of ``x [rows,
+    inner] @ w [inner, outer]`` in float32 (``"f32"``) and with ``x`` converted to bfloat16
+    and the product back to float32, as :func:`packed_product` runs it (``"bf16"``), in
+    seconds."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, inner, generator=gen)
+    w = torch.randn(inner, outer, generator=gen)
+    w16 = w.to(torch.bfloat16)
+    trials = {
+        "f32": lambda: torch.mm(x, w),
+        "bf16": lambda: torch.mm(x.to(torch.bfloat16), w16).to(torch.float32),
+    }
+    best = dict.fromkeys(trials, math.inf)
+    with torch.inference_mode():
+        for rep in range(reps + 1):  # the first call of each a warm-up
+            for name, trial in trials.items():
+                t0 = time.perf_counter()
+                trial()
+                if rep:
+                    best[name] = min(best[name], time.perf_counter() - t0)
+    return best
 
 
 @dataclass(frozen=True)
@@ -452,14 +554,17 @@ class PackedLayer:
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         biases: list[Tensor] = [m.bias for m in projections if m.bias is not None]
         heads, kv_heads = attn.num_heads, attn.num_kv_heads
-        dtype = product_dtype(attn.q_proj.weight)
+        rows = layer.block_rows
 
-        def matrix(*weights: Tensor) -> Tensor:  # [in, out], contiguous, in ``dtype``
-            return torch.cat(weights).T.to(dtype).contiguous()
+        def matrix(*weights: Tensor, rows: int = rows) -> Tensor:
+            """``[in, out]``, contiguous, in :func:`product_dtype` for ``rows``-row products."""
+            w = torch.cat(weights).T
+            return w.to(product_dtype(w, rows)).contiguous()
 
         return PackedLayer(
             qkv=matrix(*(m.weight for m in projections)),
-            kv=matrix(attn.k_proj.weight, attn.v_proj.weight),
+            # the context's rows: the few tokens a step commits
+            kv=matrix(attn.k_proj.weight, attn.v_proj.weight, rows=max(1, rows // 4)),
             qkv_bias=torch.cat(biases) if len(biases) == 3 else None,
             qk_norm=torch.cat(
                 [attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1)]
@@ -472,7 +577,9 @@ class PackedLayer:
         )
 
 
-def _product(x: Tensor, w: Tensor, bias: Tensor | None, residual: Tensor | None = None) -> Tensor:
+def packed_product(
+    x: Tensor, w: Tensor, bias: Tensor | None, residual: Tensor | None = None
+) -> Tensor:
     """``residual + x @ w + bias`` for 2-D ``x`` (each term optional), in ``x``'s dtype: in
     one BLAS call when ``w`` has that dtype and at most one of ``residual`` / ``bias`` is
     given; with bfloat16 ``w`` (:func:`product_dtype`) the product runs in bfloat16 and

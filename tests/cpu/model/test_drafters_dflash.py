@@ -531,12 +531,16 @@ def test_confidence_is_the_softmax_probability_of_each_guess() -> None:
     assert d.confidence() is None
 
 
-def _float32_drafter(products: bool, monkeypatch: pytest.MonkeyPatch) -> DFlashDrafter:
+def _float32_drafter(
+    products: bool, monkeypatch: pytest.MonkeyPatch, pays: bool = True
+) -> DFlashDrafter:
     """A float32 drafter of a shape with real products (hidden 64, two layers), with the
-    CPU's native bfloat16 products reported as ``products``."""
+    CPU's native bfloat16 products reported as ``products`` and every product shape's
+    trial as ``pays``."""
     from dflash.model.drafters import dflash_layers
 
     monkeypatch.setattr(dflash_layers, "cpu_bf16_products", lambda: products)
+    monkeypatch.setattr(dflash_layers, "bf16_product_pays", lambda *shape: pays)
     cfg = DFlashConfig.for_target(
         hidden_size=64, vocab_size=96, num_target_layers=4, num_hidden_layers=2, block_size=8
     )
@@ -557,13 +561,15 @@ def _proposal(d: DFlashDrafter, n: int = 24) -> tuple[list[int], torch.Tensor, t
     return guesses, d._draft_hidden(tokens[n], 8), d.uncached_hidden(feats, tokens[n], 8)
 
 
-def test_packed_products_run_in_bfloat16_where_the_cpu_multiplies_it_natively(
+def test_packed_products_run_in_bfloat16_where_the_cpu_multiplies_it_natively_and_faster(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """On a CPU with native bfloat16 products a float32 drafter's packed layers and its LM
-    head multiply in bfloat16 (the drafter's training precision): the hidden states agree
-    with the float32 reference to bfloat16 rounding, and are not its bits. Without them,
-    and for a float64 drafter always, the products stay in the weights' dtype."""
+    """On a CPU with native bfloat16 products, where a product shape's trial found bfloat16
+    faster, a float32 drafter's packed layers and its LM head multiply in bfloat16 (the
+    drafter's training precision): the hidden states agree with the float32 reference to
+    bfloat16 rounding, and are not its bits. Where the trial found it slower, without
+    native products, and for a float64 drafter always, the products stay in the weights'
+    dtype."""
     from dflash.model.drafters.dflash_layers import product_dtype
 
     d = _float32_drafter(True, monkeypatch)
@@ -578,12 +584,28 @@ def test_packed_products_run_in_bfloat16_where_the_cpu_multiplies_it_natively(
     assert packed.kv.is_contiguous() and torch.equal(packed.kv, packed.qkv[:, q_cols:])
     err = float((got - ref).norm() / ref.norm())
     assert 0.0 < err < 2e-2, err  # bfloat16 has 8 significant bits: ~4e-3 a product
-    assert product_dtype(torch.zeros(1, dtype=torch.float64)) == torch.float64
+    assert product_dtype(torch.zeros(2, 2, dtype=torch.float64), 16) == torch.float64
 
-    d = _float32_drafter(False, monkeypatch)
-    _, got, ref = _proposal(d)
-    assert d.layers[0].packed().qkv.dtype == torch.float32 and d._head_copy is None
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for products, pays in ((True, False), (False, True)):
+        d = _float32_drafter(products, monkeypatch, pays)
+        _, got, ref = _proposal(d)
+        packed = d.layers[0].packed()
+        assert {packed.qkv.dtype, packed.kv.dtype, packed.gate_up.dtype} == {torch.float32}
+        assert d._head_copy is not None and d._head_copy[1].dtype == torch.float32
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_bfloat16_trial_decides_by_its_margin_and_times_both_products() -> None:
+    """bfloat16 is chosen only when its trial time is below ``BF16_PAYS_BELOW`` of
+    float32's (a near tie keeps float32); the trial times both forms of the product."""
+    from dflash.model.drafters.dflash_layers import BF16_PAYS_BELOW, bf16_wins, product_trial
+
+    assert bf16_wins({"f32": 1.0, "bf16": BF16_PAYS_BELOW - 0.01})
+    assert not bf16_wins({"f32": 1.0, "bf16": BF16_PAYS_BELOW + 0.01})
+    assert not bf16_wins({"f32": 1.0, "bf16": 1.0})
+    times = product_trial(4, 32, 48, reps=2)
+    assert set(times) == {"f32", "bf16"}
+    assert all(0.0 < t < 1.0 for t in times.values()), times
 
 
 def test_the_bfloat16_head_copy_follows_the_lm_head(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -597,7 +619,7 @@ def test_the_bfloat16_head_copy_follows_the_lm_head(monkeypatch: pytest.MonkeyPa
         d._lm_head_weight.mul_(-1.0)  # every guess's logit changes sign
     guesses, _, ref = _proposal(d)
     assert d._head_copy[1] is not first
-    assert torch.equal(d._head_copy[1], d._lm_head_weight.bfloat16())
+    assert torch.equal(d._head_copy[1], d._lm_head_weight.T.bfloat16())
     confidence = d.confidence()
     assert confidence is not None
     probs = torch.softmax(d.logits(ref[1:]).double(), -1)

@@ -468,9 +468,10 @@ class DFlashDrafter(nn.Module):
         if self._packed_inference:
             cos, sin = self.rotary.rolled(positions, ctx.dtype)
             layers = self._layers()
+            weights = packs or [layer.packed() for layer in layers]
             new = [
                 layer.context_keys_values(ctx[0], cos, sin, w)
-                for layer, w in zip(layers, packs or [None] * len(layers), strict=True)
+                for layer, w in zip(layers, weights, strict=True)
             ]
         else:
             new = self.context_kv(ctx, positions)

@@ -20,7 +20,7 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -510,7 +510,7 @@ def product_trial(rows: int, inner: int, outer: int, reps: int = 5) -> dict[str,
     x = torch.randn(rows, inner, generator=gen)
     w = torch.randn(inner, outer, generator=gen)
     w16 = w.to(torch.bfloat16)
-    trials = {
+    trials: dict[str, Callable[[], Tensor]] = {
         "f32": lambda: torch.mm(x, w),
         "bf16": lambda: torch.mm(x.to(torch.bfloat16), w16).to(torch.float32),
     }

@@ -328,7 +328,7 @@ class DFlashDrafter(nn.Module):
     def _host_logits(self, hidden: Tensor) -> Tensor:
         """:meth:`logits` of a host proposal of ``hidden [R, H]``: with the packed layers,
         the LM head's product too is an ``x @ W`` on an ``[H, V]`` copy of its weight in
-        :func:`product_dtype` (made again whenever the weight was changed or replaced: its
+        :func:`product_dtype` for a streamed weight (made again whenever the weight was changed or replaced: its
         storage address or version counter moved); CPU BLAS runs ``[16, 256] x [256,
         4096]`` faster so than as ``x @ weight.T``."""
         weight = self._lm_head_weight
@@ -339,7 +339,8 @@ class DFlashDrafter(nn.Module):
         if self._head_copy is None or self._head_copy[0] != key:
             with torch.no_grad():
                 head = weight.detach().T
-                self._head_copy = (key, head.to(product_dtype(head, rows)).contiguous())
+                dtype = product_dtype(head, rows, streamed=True)
+                self._head_copy = (key, head.to(dtype).contiguous())
         return packed_product(hidden.to(weight.device, weight.dtype), self._head_copy[1], None)
 
     def _layers(self) -> list[DrafterLayer]:

@@ -468,20 +468,27 @@ def cpu_bf16_products() -> bool:
 BF16_PAYS_BELOW = 0.85
 
 
-def product_dtype(weight: Tensor, rows: int) -> torch.dtype:
+def product_dtype(weight: Tensor, rows: int, *, streamed: bool = False) -> torch.dtype:
     """The dtype the packed inference products ``x [rows, in] @ w [in, out]`` multiply in for
     a ``weight`` of that ``[in, out]`` shape: bfloat16 for a float32 weight on a CPU with
     native bfloat16 products where a short timed trial of that product shape
-    (:func:`bf16_product_pays`) found it clearly faster, else the weight's dtype.
+    (:func:`bf16_product_pays`) found it clearly faster, or where the weight is
+    ``streamed`` (read from beyond the per-core caches in every proposal: the LM head);
+    else the weight's dtype.
 
     Which is faster depends on the CPU and its BLAS, not on the shape alone: on one
-    AVX512-BF16 CPU a ``[15, 256] x [256, 4096]`` product took 615 µs in float32 and
-    228 µs in bfloat16, on an AMX CPU with the same oneDNN ``[16, 256] x [256, 256]``
-    took 13 µs in float32 and 37 µs in bfloat16 with its conversions. Only guesses come
-    out of these products; the target verifies every one of them."""
+    AVX512-BF16 CPU the ``[15, 256] x [256, 4096]`` LM head product took 615 µs in float32
+    and 228 µs in bfloat16; on an AMX CPU ``[16, 256] x [256, 256]`` took 13 µs in float32
+    and 37 µs in bfloat16 with its conversions, and the LM head, about 150 µs either way in
+    a hot loop, about 490 µs in float32 and 280 µs in bfloat16 inside the speculative
+    steps (the target's forward between two proposals streams its own weights through the
+    caches; a trial cannot reproduce that, hence ``streamed``). Only guesses come out of
+    these products; the target verifies every one of them."""
     native = weight.device.type == "cpu" and cpu_bf16_products()
     if weight.dtype != torch.float32 or not native or weight.dim() != 2:
         return weight.dtype
+    if streamed:
+        return torch.bfloat16
     inner, outer = weight.shape
     return torch.bfloat16 if bf16_product_pays(rows, inner, outer) else weight.dtype
 

@@ -327,10 +327,10 @@ class DFlashDrafter(nn.Module):
 
     def _host_logits(self, hidden: Tensor) -> Tensor:
         """:meth:`logits` of a host proposal of ``hidden [R, H]``: with the packed layers,
-        the LM head's product too is an ``x @ W`` on an ``[H, V]`` copy of its weight in
-        :func:`product_dtype` for a streamed weight (made again whenever the weight was changed or replaced: its
-        storage address or version counter moved); CPU BLAS runs ``[16, 256] x [256,
-        4096]`` faster so than as ``x @ weight.T``."""
+        the LM head's product too is an ``x @ W`` on an ``[H, V]`` copy of its weight, in
+        :func:`product_dtype` for a streamed weight, made again whenever the weight was
+        changed or replaced (its storage address or version counter moved); CPU BLAS runs
+        ``[16, 256] x [256, 4096]`` faster so than as ``x @ weight.T``."""
         weight = self._lm_head_weight
         if not self._packed_inference:
             return self.logits(hidden)

@@ -35,8 +35,10 @@ WINDOW_MARGIN = 4
 #: and ``benchmarks/cpu_window.py``): the step's fixed part — a one-token verify (1.03
 #: decodes), the drafter's proposal and the bookkeeping —
 STEP_COST = 1.40
-#: each further verified token — its recurrent update and its attention row —
-TOKEN_COST = 0.055
+#: each further verified token — its recurrent update and its attention row (0.036 measured
+#: by ``benchmarks/cpu_window.py`` after the references' per-token loops were trimmed; 0.055
+#: before) —
+TOKEN_COST = 0.036
 #: and a second position tile, whose every product and per-row operation runs again.
 TILE_COST = 0.57
 #: tokens committed per decode of cost before a generation has measured its own (the

@@ -1,4 +1,4 @@
-"""Wall time of the CPU recurrent and attention kernels per verified token, on the default target's shapes.
+"""The CPU recurrent and attention kernels' wall time per verified token (default target).
 
 A CPU verify of ``T`` tokens runs each recurrent layer's gated delta rule, causal conv and
 each attention layer's rows token by token (the torch references: that is what keeps a
@@ -20,6 +20,7 @@ fit over the five windows). ``--json`` writes the rows.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import time
@@ -91,17 +92,23 @@ def main() -> None:
             chain = require_chain(list(range(-1, t - 1)))
             x = torch.randn(1, t, conv_dim, generator=gen)
             qa = torch.randn(1, t, heads, d, generator=gen)
-            rows.setdefault("gdn_verify (capture)", []).append(fastest(
-                lambda: gdn_verify(q, k, v, g, beta, state, checkpoints, chain,
-                                   snapshot=snapshot), args.reps))  # fmt: skip
-            rows.setdefault("causal_conv1d_capture", []).append(fastest(
-                lambda: causal_conv1d_capture(x, conv_rows, weight, None, captured), args.reps))
-            rows.setdefault("decode_attention", []).append(fastest(
-                lambda: decode_attention(qa, k_cache, v_cache, start), args.reps))
+            calls: dict[str, Callable[[], object]] = {
+                "gdn_verify (capture)": functools.partial(
+                    gdn_verify, q, k, v, g, beta, state, checkpoints, chain, snapshot=snapshot
+                ),
+                "causal_conv1d_capture": functools.partial(
+                    causal_conv1d_capture, x, conv_rows, weight, None, captured
+                ),
+                "decode_attention": functools.partial(
+                    decode_attention, qa, k_cache, v_cache, start
+                ),
+            }
+            for name, call in calls.items():
+                rows.setdefault(name, []).append(fastest(call, args.reps))
         live = state.clone()
-        decode = fastest(lambda: gdn_verify(
-            q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], live, live.unsqueeze(1), None,
-            final_state_only=True), args.reps)  # fmt: skip
+        decode = fastest(functools.partial(
+            gdn_verify, q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], live,
+            live.unsqueeze(1), None, final_state_only=True), args.reps)  # fmt: skip
     print(f"{'kernel (µs a call)':<24}" + "".join(f"{f'T={t}':>9}" for t in WINDOWS)
           + f"{'per token':>11}")  # fmt: skip
     for name, times in rows.items():

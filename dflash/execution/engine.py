@@ -129,6 +129,8 @@ class SpecDecoder:
         self._next_guesses: list[int] | None = None
         #: the host may replace the device's guesses (checked once: a runtime Protocol)
         self._revising = isinstance(drafter, RevisingDrafter)
+        # a Protocol check walks the drafter's attributes: once here, not every step
+        self._scored = isinstance(drafter, ScoredDrafter)
         #: (tokens committed, modelled cost in decodes) of this generation's steps
         self._rate_seen = [0.0, 0.0]
 
@@ -227,8 +229,9 @@ class SpecDecoder:
                 proposal = revising.revise(list(self.context), self.last, proposal)
         else:
             proposal = self.drafter.propose(list(self.context), self.last, B, self.features)
-            if isinstance(self.drafter, ScoredDrafter):
-                confidence = self._check_confidence(self.drafter.confidence())
+            if self._scored:
+                scored = cast(ScoredDrafter, self.drafter)  # checked in __init__
+                confidence = self._check_confidence(scored.confidence())
         guesses = self._check_proposal(proposal)
         if self.committed + B > self.target.max_len:
             raise ExecutionError(

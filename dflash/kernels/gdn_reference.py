@@ -93,8 +93,10 @@ def _state_slots(
     )
     if in_place and not final_state_only:
         return [slot[t].view(HV, K, V) for t in range(T)], True
-    rows = T - 1 if in_place else T
-    scratch = list(torch.empty(rows, B * HV, K, V, dtype=dt, device=checkpoints.device).unbind(0))
+    rows = T - 1 if in_place else T  # a decode's one state needs no scratch at all
+    scratch = [] if rows == 0 else list(
+        torch.empty(rows, B * HV, K, V, dtype=dt, device=checkpoints.device).unbind(0)
+    )
     if in_place:
         scratch.append(slot[0].view(HV, K, V))
     return scratch, in_place

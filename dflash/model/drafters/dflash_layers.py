@@ -145,23 +145,23 @@ class Rotary:
 
     def __call__(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """positions: [..., T] → cos, sin: [..., T, head_dim] in ``dtype`` (float32 maths)."""
-        inv = self._on.get(positions.device)
-        if inv is None:
-            inv = self._on.setdefault(positions.device, self.inv_freq.to(positions.device))
-        freqs = positions.float()[..., None] * inv  # [..., T, D/2]
+        freqs = self._freqs(positions)
         angles = torch.cat([freqs, freqs], dim=-1)  # [..., T, D]
         return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
-
 
     def rolled(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """positions: [..., T] → ``cos`` and the signed sin ``[-sin_half | sin_half]``:
         [..., T, head_dim] in ``dtype``, the tables of :func:`rotate_rolled`."""
+        freqs = self._freqs(positions)
+        cos, sin = (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+    def _freqs(self, positions: Tensor) -> Tensor:
+        """positions: [..., T] → the rotation angles of each frequency, [..., T, D/2]."""
         inv = self._on.get(positions.device)
         if inv is None:
             inv = self._on.setdefault(positions.device, self.inv_freq.to(positions.device))
-        freqs = positions.float()[..., None] * inv  # [..., T, D/2]
-        cos, sin = (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
-        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+        return positions.float()[..., None] * inv
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -51,7 +51,7 @@ def main() -> None:
                     model(ids, caches, "verify", geometry=chain)
                 times.append(time.perf_counter() - t0)
                 if t > 1:  # undo the verify: the next one starts at the same position
-                    caches.pool.restore_snapshot()
+                    caches.pool.restore_pre_verify()
                     caches.kv.truncate(caches.pool.length)
             name = "decode (T=1)" if t == 1 else f"verify (T={t})"
             rows[name] = statistics.median(times) * 1e3

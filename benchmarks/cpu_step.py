@@ -38,11 +38,13 @@ from typing import Any
 
 import torch
 
-import dflash.execution.shards as shards
+import dflash.execution.window as window
+from dflash.commands.harness import Harness
+from dflash.commands.settings import DEFAULT_PROMPT
 from dflash.execution import RollbackPolicy, SpecDecoder, plan_shards
-from dflash.execution.run import generate
 from dflash.execution.session import build_drafter, build_model, encode_prompt
 from dflash.execution.shards import ShardedTarget
+from dflash.execution.window import tile_window
 from dflash.model import tiles
 from dflash.model.drafters import DFlashDrafter
 
@@ -51,20 +53,20 @@ RULES = ("confidence", "floor-0.1", "commit-cap")
 
 def floor_rule(
     start: int, block: int, last: tuple[int, int] | None = None,
-    confidence: Sequence[float] | None = None, rate: float = tiles.DEFAULT_RATE,
+    confidence: Sequence[float] | None = None, rate: float = window.DEFAULT_RATE,
 ) -> int:
     """The previous confidence rule (``floor-0.1``); without confidence, the shipped one."""
     if confidence is None:
-        return tiles.tile_window(start, block, last)
+        return tile_window(start, block, last)
     room = tiles.TILE_ROWS - start % tiles.TILE_ROWS
-    window = room if tiles.MIN_WINDOW <= room < block else block
+    size = room if window.MIN_WINDOW <= room < block else block
     held, joint = 0, 1.0
     for c in confidence:
         joint *= c
         if joint < 0.1:
             break
         held += 1
-    return min(window, 1 + max(1, held))
+    return min(size, 1 + max(1, held))
 
 
 def timed(
@@ -98,7 +100,7 @@ def main() -> None:
     plan = plan_shards(model.config.num_hidden_layers, "cpu")
     vocab = model.config.vocab_size
     prompt = encode_prompt(
-        "default", vocab, text=None, ids=None, length=None, seed=0, allow_bytes=False
+        "default", vocab, text=DEFAULT_PROMPT, ids=None, length=None, seed=0, allow_bytes=False
     )
     n = args.max_new_tokens
     prompts = [prompt]
@@ -120,14 +122,16 @@ def main() -> None:
             DFlashDrafter.confidence = scored if rule != "commit-cap" else (  # type: ignore[method-assign]  # the A/B switch
                 lambda self: None
             )
-            shards.tile_window = floor_rule if rule == "floor-0.1" else tiles.tile_window  # type: ignore[attr-defined]  # the A/B switch: the name shards imported
+            # the A/B switch: the name CpuWindow calls
+            window.tile_window = floor_rule if rule == "floor-0.1" else tile_window
             seconds.clear()
             spec_s = greedy_s = 0.0
             steps = decodes = 0
             committed = 0.0
             for p in prompts:  # one prompt, or the held-out ones: their sums
-                r = generate(model, drafter, p, plan=plan, max_new_tokens=n, block_size=16,
-                             policy=RollbackPolicy(mode="checkpoint"), baseline=True)
+                r = Harness(model, drafter, p, plan, n, 16).against_greedy(
+                    RollbackPolicy(mode="checkpoint")
+                )
                 if not r.parity:
                     raise SystemExit(f"parity false under the {rule} rule")
                 spec_s += r.timings.decode_s
@@ -145,7 +149,7 @@ def main() -> None:
                 "decode_ms": seconds["decode"] / max(1, decodes) * 1e3,
             })
     DFlashDrafter.confidence = scored  # type: ignore[method-assign]  # restored
-    shards.tile_window = tiles.tile_window  # type: ignore[attr-defined]  # restored
+    window.tile_window = tile_window  # restored
     rows = []
     for rule, got in runs.items():
         med = {k: statistics.median(run[k] for run in got) for k in got[0]}

@@ -1,7 +1,7 @@
-"""The CPU verify-window cost model (``dflash.model.tiles``), measured on the default pair.
+"""The CPU verify-window cost model (``dflash.execution.window``), measured on the default pair.
 
-A CPU step verifies a window of the draft (:func:`dflash.model.tiles.tile_window`) priced
-by :func:`dflash.model.tiles.verify_cost` in plain decodes: ``STEP_COST`` for the step's
+A CPU step verifies a window of the draft (:func:`dflash.execution.window.tile_window`) priced
+by :func:`dflash.execution.window.verify_cost` in plain decodes: ``STEP_COST`` for the step's
 fixed part, ``TOKEN_COST`` per verified token after the first, ``TILE_COST`` for a second
 16-row position tile. This measures those prices on this machine, with the engine's own
 target (:class:`ShardedTarget`, every shard on CPU) and drafter:
@@ -36,11 +36,11 @@ from pathlib import Path
 
 import torch
 
-from dflash.execution import plan_shards
+from dflash.commands.settings import DEFAULT_PROMPT
+from dflash.execution import plan_shards, window
 from dflash.execution.engine import chain_of
 from dflash.execution.session import build_drafter, build_model, encode_prompt
 from dflash.execution.shards import ShardedTarget
-from dflash.model import tiles
 
 OFFSETS = (0, 8, 14)  # the verify's first row within its 16-row tile
 WINDOWS = tuple(range(1, 17))
@@ -70,7 +70,7 @@ def main() -> None:
     model = build_model("default", seed=0, dtype=torch.float32, device="cpu")
     plan = plan_shards(model.config.num_hidden_layers, "cpu")
     prompt = encode_prompt(
-        "default", model.config.vocab_size, text=None, ids=None, length=None, seed=0,
+        "default", model.config.vocab_size, text=DEFAULT_PROMPT, ids=None, length=None, seed=0,
         allow_bytes=False,
     )
     target = ShardedTarget(model, plan, max_len=160, max_draft=16)
@@ -90,7 +90,7 @@ def main() -> None:
     def verify(position: int, t: int) -> None:
         target.forward([5] * t, "verify", position, geometry=chain_of(t), taps=taps)
         for shard in target.shards:
-            shard.caches.pool.restore_snapshot()
+            shard.caches.pool.restore_pre_verify()
             shard.truncate_kv(position)
 
     base = 64
@@ -135,8 +135,8 @@ def main() -> None:
         "TOKEN_COST": token,
         "TILE_COST": statistics.mean(jumps),
     }
-    shipped = {"STEP_COST without bookkeeping": tiles.STEP_COST,
-               "TOKEN_COST": tiles.TOKEN_COST, "TILE_COST": tiles.TILE_COST}
+    shipped = {"STEP_COST without bookkeeping": window.STEP_COST,
+               "TOKEN_COST": window.TOKEN_COST, "TILE_COST": window.TILE_COST}
     print(f"decode {d:.2f} ms, one-token verify {rows['verify r0 T1']:.2f} ms, proposal "
           f"{rows['propose']:.2f} ms")
     for name, value in fitted.items():

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from dflash.commands.settings import DEFAULT_PROMPT
 from dflash.execution import RollbackPolicy, ShardedTarget, SpecDecoder, plan_shards
 from dflash.execution.session import build_drafter, build_model, encode_prompt
 
@@ -98,7 +99,7 @@ def main() -> None:
     model = build_model("default", seed=0, dtype=torch.float32, device="cpu")
     plan = plan_shards(model.config.num_hidden_layers, "cpu")
     prompt = encode_prompt(
-        "default", model.config.vocab_size, text=None, ids=None, length=None, seed=0,
+        "default", model.config.vocab_size, text=DEFAULT_PROMPT, ids=None, length=None, seed=0,
         allow_bytes=False,
     )
     drafter, _ = build_drafter("dflash+lookup", model, prompt, plan=plan, acceptance=0.0,

@@ -2,6 +2,8 @@
 # One device session: GPU tests and/or the end-to-end benchmark, logs under $OUT.
 #   bash benchmarks/gpu_session.sh tests   # tests/gpu (kernels, model, execution incl. 2-GPU split)
 #   bash benchmarks/gpu_session.sh bench   # dflash bench, 9B-shaped model, A/B/A
+#   BEFORE=DIR bash benchmarks/gpu_session.sh bench-ab  # the same bench: DIR's dflash (a
+#                                          # checkout's dflash/ under DIR), this tree's, DIR's again
 #   bash benchmarks/gpu_session.sh kernels # benchmarks/kernels.py (kernels-sweep: with its config sweep)
 #   bash benchmarks/gpu_session.sh cli     # dflash generate on two GPUs, every drafter
 #   bash benchmarks/gpu_session.sh minv    # M-invariant linear/attention: GPU tests + kernel table
@@ -38,6 +40,18 @@ for phase in "$@"; do
         --prompt-len 1024 --max-new-tokens 256 --a replay --b checkpoint,remap \
         --warmup 1 --runs 3 --out "$OUT/bench_9b.json" --plot "$OUT/bench_9b.png" \
         2>&1 | tee "$OUT/bench_9b.log"
+      ;;
+    bench-ab)
+      # before / after / before on one machine, same command: DIR/dflash shadows this tree's
+      for side in before after before2; do
+        path=$PYTHONPATH; [ "$side" = after ] || path=${BEFORE:?BEFORE=DIR}:$PYTHONPATH
+        PYTHONPATH=$path timeout "${BENCH_TIMEOUT:-300}" python3 -m dflash.cli bench \
+          --model nine-b-shape --draft synthetic --acceptance 0.874 --block-size 16 \
+          --prompt-len 1024 --max-new-tokens 256 --a replay --b checkpoint,remap \
+          --warmup 1 --runs 3 --out "$OUT/bench_9b_$side.json" --plot '' \
+          > "$OUT/bench_9b_$side.log" 2>&1
+        echo "$side rc=$?"; tail -12 "$OUT/bench_9b_$side.log"
+      done
       ;;
     kernels)
       python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"

@@ -15,9 +15,7 @@ import argparse
 import itertools
 import json
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ import torch
 import triton
 import triton.testing
 
-from dflash.kernels import causal_conv1d_capture, slot_views
+from dflash.kernels import causal_conv1d_capture
 from dflash.kernels.gdn_triton import default_config, launch_gdn_verify
 from dflash.kernels.rollback_triton import launch_rollback_restore
 
@@ -166,16 +164,6 @@ def main() -> None:
         lambda: states.copy_(ckpt[:, :, 6]), graph=False), 2 * states.numel() * 4, bw))
     torch.cuda.synchronize()
     assert torch.equal(states, ckpt[:, :, 6]) and torch.equal(conv, cap[:, :, 7:10])
-
-    # slot remap: host bookkeeping only
-    samples = []
-    for _ in range(2000):
-        t0 = time.perf_counter()
-        slot_views(ckpt, cap, 7)
-        samples.append(time.perf_counter() - t0)
-    remap_ms = statistics.median(samples) * 1e3
-    rows.append(row("slot remap (slot_views, host)", remap_ms, 0, bw, "<= 10 us, 0 bytes",
-                    remap_ms <= 0.010))
 
     # verify with capture: one 27B layer, T = 16
     sets = gdn_sets(ROTATE, T)

@@ -6,7 +6,7 @@ Two measurements, both lossless (every run's tokens are compared with plain gree
   measures it) over ``--prompts`` 64-token windows of this interpreter's held-out
   standard-library files per seed in ``--seeds``;
 - **CPU speed-up over plain greedy** with the engine's verify windows, as the main job runs
-  it (``generate(..., baseline=True)``): the main job's prompt at each ``--tokens`` length,
+  it (``dflash.commands.harness``): the main job's prompt at each ``--tokens`` length,
   and the first ``--heldout`` of those held-out prompts at 64 tokens (their decode times
   summed). The two drafters alternate, ``--reps`` runs each; the median and range of the
   speed-up, the average commit and the steps are reported per drafter, and the share of
@@ -32,9 +32,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from drafter_tau import heldout_files, heldout_prompts  # the benchmarks' own helper
 
+from dflash.commands.harness import Harness
+from dflash.commands.settings import DEFAULT_PROMPT
 from dflash.data import require_default
-from dflash.execution import RollbackPolicy, generate, plan_shards
-from dflash.execution.run import greedy_target_for, spec_target
+from dflash.execution import RollbackPolicy, plan_shards
 from dflash.execution.session import encode_prompt
 from dflash.model import TargetModel
 from dflash.model.drafters import LookupAssistedDrafter, make_drafter
@@ -53,13 +54,9 @@ def run(model: TargetModel, drafter: Any, prompts: list[list[int]], tokens: int)
     parity = True
     for prompt in prompts:
         drafter.reset()
-        target = spec_target(model, plan, len(prompt), tokens, BLOCK)
-        greedy = greedy_target_for(model, plan, len(prompt), tokens)
-        r = generate(
-            model, drafter, prompt, plan=plan, max_new_tokens=tokens, block_size=BLOCK,
-            policy=RollbackPolicy(mode="checkpoint"), baseline=True, target=target,
-            greedy_target=greedy,
-        )
+        harness = Harness.kept(model, drafter, prompt, plan, max_new_tokens=tokens,
+                               block_size=BLOCK, greedy_tokens=tokens)
+        r = harness.against_greedy(RollbackPolicy(mode="checkpoint"))
         assert r.timings.greedy_decode_s is not None
         spec_s += r.timings.decode_s
         plain_s += r.timings.greedy_decode_s
@@ -105,7 +102,7 @@ def main() -> None:
         out["tau"][spec] = speculative_scores(model, fresh, prompts, 64, BLOCK)
         print(f"tau  {spec:14s} {out['tau'][spec]['tau']:.3f} "
               f"({out['tau'][spec]['steps']:.0f} steps, {len(prompts)} prompts)", flush=True)
-    main_prompt = encode_prompt("default", model.config.vocab_size, text=None, ids=None,
+    main_prompt = encode_prompt("default", model.config.vocab_size, text=DEFAULT_PROMPT, ids=None,
                                 length=None, seed=0, allow_bytes=False)
     cases = [(f"main job, {n} tokens", [main_prompt], int(n)) for n in args.tokens.split(",")]
     if args.heldout:

@@ -129,7 +129,7 @@ def main() -> None:
                 target.forward([state["tok"]] * block, "verify", state["pos"],
                                geometry=chain_of(block))
                 for shard in target.shards:
-                    shard.caches.pool.restore_snapshot()
+                    shard.caches.pool.restore_pre_verify()
                     shard.truncate_kv(state["pos"])
 
             walls.append((f"verify forward (T={block})", graphs, _wall(verify, calls, warm),

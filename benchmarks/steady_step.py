@@ -10,7 +10,7 @@ every step: the first step and the median of the others. Every run must be lossl
 
 ``--engine fresh`` (the default): every generation on a new engine, as separate
 ``generate`` calls make them, so each generation's first step is its capture gate's.
-``--engine kept``: every generation on one engine (``generate(..., engine=)``, a
+``--engine kept``: every generation on one engine (``Harness.engine``, a
 long-lived one serving request after request, as the CLI's repeats and warm-up do): the
 gate runs in its first generation only (a warm-up one when ``--warmup`` is at least 1),
 and every later generation's first step is a fast step.
@@ -33,9 +33,8 @@ import torch
 
 from dflash.cli import build_parser
 from dflash.commands.generate import prepare
-from dflash.execution import RollbackPolicy, SpecDecoder, generate
-from dflash.execution.oracle import greedy_target
-from dflash.execution.run import spec_target
+from dflash.commands.harness import Harness
+from dflash.execution import RollbackPolicy, SpecDecoder
 
 
 def main() -> None:
@@ -52,12 +51,9 @@ def main() -> None:
     ready = prepare(build_parser("generate").parse_args(cli))
     policy = RollbackPolicy(mode="checkpoint")
     block = 16
-    spec = spec_target(ready.model, ready.plan, len(ready.prompt), n, block, graphs=None)
-    greedy = greedy_target(ready.model, ready.plan, len(ready.prompt), n, graphs=None)
-    kwargs: dict[str, Any] = dict(
-        plan=ready.plan, max_new_tokens=n, block_size=block, policy=policy,
-        eos_id=ready.eos_id, graphs=None, baseline=True, target=spec, greedy_target=greedy,
-    )
+    harness = Harness.kept(ready.model, ready.drafter, ready.prompt, ready.plan,
+                           max_new_tokens=n, block_size=block, eos_id=ready.eos_id,
+                           greedy_tokens=n)
     generations: list[list[float]] = []  # per generation, the wall time of each step
     step, prefill = SpecDecoder.step, SpecDecoder.prefill
 
@@ -73,16 +69,14 @@ def main() -> None:
 
     SpecDecoder.step = timed_step  # type: ignore[method-assign]  # the benchmark's timer
     SpecDecoder.prefill = noted_prefill  # type: ignore[method-assign]  # a new generation
-    engine = None
-    if args.engine == "kept":
-        engine = SpecDecoder(spec, ready.drafter, block_size=block, policy=policy)
+    engine = harness.engine(policy) if args.engine == "kept" else None
     rows = []
     try:
         for _ in range(args.warmup):
-            generate(ready.model, ready.drafter, ready.prompt, engine=engine, **kwargs)
+            harness.against_greedy(policy, engine=engine)
         del generations[:]
         for _ in range(args.runs):
-            r = generate(ready.model, ready.drafter, ready.prompt, engine=engine, **kwargs)
+            r = harness.against_greedy(policy, engine=engine)
             if r.parity is not True:
                 raise SystemExit(f"not lossless: parity {r.parity}")
             assert r.timings.greedy_decode_s is not None and r.speedup_vs_greedy is not None

@@ -144,7 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ConfigError, CheckpointError) as exc:
         if debug:
             traceback.print_exception(exc, file=sys.stderr)
-        print(f"{prog}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        from dflash.commands.settings import cli_message
+
+        print(f"{prog}: error: {' '.join(cli_message(exc).split())}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as exc:  # an internal error: one line, the traceback only with --debug
         if debug:

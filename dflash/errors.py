@@ -33,6 +33,8 @@ torch-free :mod:`dflash.geometry`, can import it.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -85,5 +87,31 @@ class ExecutionError(DFlashError):
     """Base class of every error the execution layer raises on purpose."""
 
 
+#: spells a parameter's name in a message: ``repr`` for the library (``'dtype'``), a flag
+#: for the command line (``--dtype``)
+Namer = Callable[[str], str]
+_PARAM = re.compile("\x00([A-Za-z_][A-Za-z0-9_]*)\x00")
+
+
+def param(name: str) -> str:
+    """``name`` marked as a parameter inside a :class:`UsageError` message (see there)."""
+    return f"\x00{name}\x00"
+
+
 class UsageError(DFlashError, ValueError):
-    """Bad user input at the API / CLI level; the message names the option and value."""
+    """Bad user input at the API / CLI level; the message names the option and value.
+
+    A message that names parameters marks them with :func:`param`
+    (``f"{param('dtype')} must be one of ..."``): ``str(exc)`` spells them the library's
+    way (``'dtype' must be one of ...``), and :meth:`worded` lets the command line spell
+    them as its flags (``exc.worded(lambda p: "--" + p.replace("_", "-"))`` gives
+    ``--dtype must be one of ...``).
+    """
+
+    def __init__(self, message: str) -> None:
+        self._template = message
+        super().__init__(_PARAM.sub(lambda m: repr(m.group(1)), message))
+
+    def worded(self, name: Namer) -> str:
+        """The message with every marked parameter spelled by ``name``."""
+        return _PARAM.sub(lambda m: name(m.group(1)), self._template)

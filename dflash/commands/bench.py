@@ -19,6 +19,7 @@ number of tokens; ``--max-new-tokens`` must be >= 2 so that each run has a decod
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -36,7 +37,9 @@ from dflash.commands.generate import (
     usage_errors,
 )
 from dflash.commands.output import check_output_file
+from dflash.commands.settings import cli_message
 from dflash.errors import ExecutionError, UsageError
+from dflash.execution.errors import ContextLengthError
 from dflash.execution.policy import RollbackMode, parse_mode
 
 
@@ -273,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
             )
         ready = prepare(args)
     except usage_errors() as exc:
-        report_error(args, f"dflash bench: error: {exc}", exc)
+        report_error(args, f"dflash bench: error: {cli_message(exc)}", exc)
         return 2
     except decoding_failures() as exc:
         report_error(args, f"dflash bench: failed: {type(exc).__name__}: {exc}", exc)
@@ -287,6 +290,9 @@ def run(args: argparse.Namespace) -> int:
         png = None
     try:
         return _bench(args, ready, mode_a, modes_b, png)
+    except ContextLengthError as exc:  # the budget past the model's positions, refused
+        report_error(args, f"dflash bench: error: {cli_message(exc)}", exc)  # before decoding
+        return 2
     except decoding_failures() as exc:  # a failure while measuring: exit 3, no traceback
         report_error(args, f"dflash bench: failed: {type(exc).__name__}: {exc}", exc)
         return 3
@@ -300,47 +306,38 @@ def _bench(
     png: Path | None,
 ) -> int:
     """The A/B/A phases, the report, its table, JSON and plot; returns the exit status."""
-    from dflash.execution.oracle import reference_greedy
+    from dflash.commands.harness import Harness
+    from dflash.execution.oracle import greedy_target, reference_greedy
     from dflash.execution.policy import RollbackPolicy
     from dflash.execution.results import token_sha256
-    from dflash.execution.run import generate, timed_greedy
 
     model, plan, prompt, drafter = ready.model, ready.plan, ready.prompt, ready.drafter
     dtype, devices, acceptance = ready.dtype, ready.devices, ready.acceptance
     oracle = ready.oracle
     graphs = False if getattr(args, "no_graphs", False) else None
+    # one target for every speculative run and one for the greedy baseline, kept across
+    # runs: CUDA graphs are captured once (in the warm-up), as a serving process would.
+    # The speculative one first: it refuses a budget past the model's positions.
+    harness = Harness.kept(
+        model, drafter, prompt, plan, max_new_tokens=args.max_new_tokens,
+        block_size=args.block_size, eos_id=args.eos_id, graphs=graphs,
+        verify_window=getattr(args, "verify_window", "auto"),  # --verify-window
+    )
     if oracle is None:
         oracle = reference_greedy(model, plan, prompt, args.max_new_tokens, graphs=graphs)
     oracle = oracle[: args.max_new_tokens]
     if args.eos_id is not None and args.eos_id in oracle:  # the runs stop there too
         oracle = oracle[: oracle.index(args.eos_id) + 1]
     oracle_sha = token_sha256(oracle)
-    # one target for every speculative run and one for the greedy baseline, kept across
-    # runs: CUDA graphs are captured once (in the warm-up), as a serving process would
-    from dflash.execution.oracle import greedy_target
-    from dflash.execution.run import spec_target
-
-    spec_kept = spec_target(
-        model, plan, len(prompt), args.max_new_tokens, args.block_size, graphs=graphs
+    harness = dataclasses.replace(
+        harness, greedy_target=greedy_target(model, plan, len(prompt), len(oracle), graphs=graphs)
     )
-    greedy_kept = greedy_target(model, plan, len(prompt), len(oracle), graphs=graphs)
 
     def measure(mode: RollbackMode, name: str) -> Phase:
         policy = RollbackPolicy(mode=mode)
         results = []
         for i in range(args.warmup + args.runs):
-            r = generate(
-                model,
-                drafter,
-                prompt,
-                plan=plan,
-                max_new_tokens=args.max_new_tokens,
-                block_size=args.block_size,
-                policy=policy,
-                eos_id=args.eos_id,
-                graphs=graphs,
-                target=spec_kept,
-            )
+            r = harness.speculative(policy)  # a new engine each run: its gate runs each time
             print(
                 f"dflash bench: {name} {mode} run {i + 1}/{args.warmup + args.runs}: "
                 f"{r.timings.tokens_per_s:.2f} tok/s, sha {r.sha256[:12]}",
@@ -364,9 +361,7 @@ def _bench(
         """Plain greedy decoding of the runs' tokens: measured rates, all runs correct."""
         rates, ok = [], True
         for i in range(args.warmup + args.runs):
-            g = timed_greedy(
-                model, plan, prompt, len(oracle), graphs=graphs, target=greedy_kept
-            )
+            g = harness.greedy(len(oracle))
             if g.tokens_per_s is None:  # unreachable: A1 already refused an EOS from the prefill
                 raise ExecutionError("the greedy baseline has no decode step to time")
             print(

@@ -27,7 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TextIO
 
+from dflash.commands.settings import DEFAULT_PROMPT, cli_message, set_cpu_threads
 from dflash.errors import CheckpointError, ConfigError, DFlashError, UsageError
+from dflash.execution.errors import ContextLengthError
 from dflash.execution.policy import ENV_VAR, ROLLBACK_MODES, RollbackPolicy
 from dflash.execution.results import GenerationResult
 
@@ -459,7 +461,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
     prompt = encode_prompt(
         args.model,
         config.vocab_size,
-        text=args.prompt,
+        text=DEFAULT_PROMPT if default_text else args.prompt,
         ids=args.prompt_ids,
         length=args.prompt_len,
         seed=args.prompt_seed,
@@ -474,6 +476,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
     check_memory(args.model, config, dtype, first)
     if first.startswith("cuda"):
         torch.cuda.set_device(torch.device(first))
+    set_cpu_threads(args.model, first)
     model = build_model_checked(args.model, config, seed=args.seed, dtype=dtype, device=first)
     codec: TextCodec | None = tokenizer
     if codec is None and args.bytes:
@@ -498,23 +501,20 @@ def build_model_checked(
     name: str, config: Any, *, seed: int, dtype: Any, device: str
 ) -> Any:
     """``build_model``; an allocation failure becomes :class:`InsufficientMemoryError`."""
-    from dflash.commands.resources import (
-        InsufficientMemoryError,
-        describe_need,
-        is_allocation_failure,
-        weight_bytes,
-    )
+    from dflash.commands.resources import InsufficientMemoryError, describe_need, weight_bytes
     from dflash.execution.session import build_model
+    from dflash.model.caches import is_out_of_memory
 
     try:
         return build_model(name, seed=seed, dtype=dtype, device=device)
     except (RuntimeError, MemoryError) as exc:
-        if not (isinstance(exc, MemoryError) or is_allocation_failure(exc)):
+        if not is_out_of_memory(exc):
             raise
         params, need = weight_bytes(config, dtype)
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]  # MemoryError() is empty
         raise InsufficientMemoryError(
             f"{describe_need(name, params, need, dtype)}, and {device} ran out of memory "
-            f"while building it ({str(exc).splitlines()[0][:200]})"
+            f"while building it ({first[:200]})"
         ) from None
 
 
@@ -532,7 +532,9 @@ def decoding_failures() -> tuple[type[Exception], ...]:
     """
     import torch
 
-    faults: tuple[type[Exception], ...] = (DFlashError, torch.cuda.OutOfMemoryError, MemoryError)
+    # the exception types of dflash.model.caches.is_out_of_memory; an allocation failure
+    # reported as a plain RuntimeError is classified by it where `execute` is called
+    faults: tuple[type[Exception], ...] = (DFlashError, torch.OutOfMemoryError, MemoryError)
     accelerator = getattr(torch, "AcceleratorError", None)
     if isinstance(accelerator, type) and issubclass(accelerator, Exception):
         faults = (*faults, accelerator)
@@ -599,8 +601,9 @@ def execute(
 
     With a text codec the text is streamed to stdout (unless ``--json``) and stored in
     the result's ``text``; the progress bar is then off (the text shows the progress).
+    The timing (warm-up, repeats, the greedy baseline) is :mod:`dflash.commands.harness`'s.
     """
-    from dflash.execution.run import generate
+    from dflash.commands.harness import Harness
 
     start = "off" if not policy.fast else "requested"
     print(
@@ -627,25 +630,34 @@ def execute(
     if repeats is None:
         cpu = all(d.startswith("cpu") for d in ready.plan.devices)
         repeats = 3 if cpu and baseline else 1
-    targets = _warmed_up(args, policy, ready, graphs=graphs, baseline=baseline)
+    warm = args.warmup_tokens
+    if warm is None:
+        warm = 32 if any(d.startswith("cuda") for d in ready.plan.devices) else 0
+    # --warmup-tokens and --repeats keep one speculative target, one engine and (with the
+    # baseline) one greedy target across the runs; one timed run gets new ones
+    n, keep = args.max_new_tokens, warm > 0 or repeats > 1
+    what = (ready.model, ready.drafter, ready.prompt, ready.plan)
+    window: Any = getattr(args, "verify_window", "auto")  # --verify-window: a WindowChoice
+    if keep:
+        harness = Harness.kept(*what, max_new_tokens=n, block_size=args.block_size,
+                               eos_id=ready.eos_id, graphs=graphs,
+                               greedy_tokens=n if baseline else None, verify_window=window)
+    else:
+        harness = Harness(*what, n, args.block_size, ready.eos_id, graphs,
+                          verify_window=window)
+    engine = harness.engine(policy) if keep else None
+    if warm > 0:
+        harness.warm_up(policy, engine, warm, baseline=baseline)
     try:
-        result = generate(
-            ready.model,
-            ready.drafter,
-            ready.prompt,
-            plan=ready.plan,
-            max_new_tokens=args.max_new_tokens,
-            block_size=args.block_size,
-            policy=policy,
-            check_parity=bool(getattr(args, "check_parity", False)),
-            oracle_tokens=ready.oracle,
-            eos_id=ready.eos_id,
-            on_progress=on_progress,
-            graphs=graphs,
-            baseline=baseline,
-            repeats=repeats,
-            **targets,
-        )
+        if baseline:
+            result = harness.against_greedy(policy, repeats=repeats, engine=engine,
+                                            on_progress=on_progress, oracle_tokens=ready.oracle)
+        else:
+            result = harness.speculative(
+                policy, engine=engine, on_progress=on_progress,
+                check_parity=bool(getattr(args, "check_parity", False)),
+                oracle_tokens=ready.oracle,
+            )
     finally:
         bar.close()
     if printer is None:
@@ -653,63 +665,21 @@ def execute(
     return result.model_copy(update={"text": printer.finish(result.tokens)})
 
 
-def _warmed_up(
-    args: argparse.Namespace,
-    policy: RollbackPolicy,
-    ready: Prepared,
-    *,
-    graphs: bool | None,
-    baseline: bool,
-) -> dict[str, Any]:
-    """``--warmup-tokens``: two untimed generations on the targets and the engine the
-    timed one then reuses.
-
-    Two, because a graph key's first forward runs eagerly and its second captures. The
-    engine is kept as well, so the capture gate runs (and validates fast rollback) in the
-    first warm-up generation and the timed run compares steady states: every step of it a
-    fast one while the verdict holds. Returns the ``target`` / ``greedy_target`` /
-    ``engine`` arguments for the timed :func:`generate` (empty without a warm-up). A
-    drafter needs no reset: after a prefill the engine hands it the features of the whole
-    prompt, which replace any cached context.
-    """
-    from dflash.execution import SpecDecoder
-    from dflash.execution.oracle import greedy_target
-    from dflash.execution.run import generate, spec_target
-
-    warm = args.warmup_tokens
-    if warm is None:
-        warm = 32 if any(d.startswith("cuda") for d in ready.plan.devices) else 0
-    if warm == 0:
-        return {}
-    n, block, prompt = args.max_new_tokens, args.block_size, ready.prompt
-    spec = spec_target(ready.model, ready.plan, len(prompt), n, block, graphs=graphs)
-    greedy = None
-    if baseline:
-        greedy = greedy_target(ready.model, ready.plan, len(prompt), n, graphs=graphs)
-    engine = SpecDecoder(spec, ready.drafter, block_size=block, policy=policy)
-    for _ in range(2):
-        generate(ready.model, ready.drafter, prompt, plan=ready.plan,
-                 max_new_tokens=min(warm, n), block_size=block, policy=policy,
-                 eos_id=ready.eos_id, graphs=graphs, baseline=baseline, target=spec,
-                 greedy_target=greedy, engine=engine)
-    return {"target": spec, "greedy_target": greedy, "engine": engine}
-
-
 def run(args: argparse.Namespace) -> int:
     try:  # everything that depends only on the arguments: exit 2 when unusable
         policy = RollbackPolicy.resolve(getattr(args, "rollback", None), environ=os.environ)
         ready = prepare(args)
-        from dflash.execution.run import check_positions
-
-        check_positions(ready.model, len(ready.prompt), args.max_new_tokens, args.block_size)
     except usage_errors() as exc:
-        report_error(args, f"dflash generate: error: {exc}", exc)
+        report_error(args, f"dflash generate: error: {cli_message(exc)}", exc)
         return 2
     except decoding_failures() as exc:  # e.g. the synthetic drafter's oracle run ran out of memory
         report_error(args, f"dflash generate: failed: {type(exc).__name__}: {exc}", exc)
         return 3
     try:
         result = execute(args, policy, ready, progress=not args.no_progress)
+    except ContextLengthError as exc:  # the budget past the model's positions, refused
+        report_error(args, f"dflash generate: error: {cli_message(exc)}", exc)  # before decoding
+        return 2
     except decoding_failures() as exc:  # a failure while decoding: exit 3, no traceback
         report_error(args, f"dflash generate: failed: {type(exc).__name__}: {exc}", exc)
         return 3

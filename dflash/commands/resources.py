@@ -91,12 +91,3 @@ def check_memory(name: str, config: HybridConfig, dtype: torch.dtype, device: st
             f"free on {device} ({free[1]}); try --dtype bfloat16, a smaller --model, or a "
             "machine with more memory"
         )
-
-
-def is_allocation_failure(exc: BaseException) -> bool:
-    """An out-of-memory error from torch (CUDA or the CPU allocator)."""
-    import torch
-
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)

@@ -102,8 +102,8 @@ def _layer_list(text: str) -> tuple[int, ...]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from dflash.execution.session import SessionError
     from dflash.model import ConfigError
+    from dflash.model.catalog import SessionError
     from dflash.model.drafters import DrafterError
     from dflash.training import DataError, TrainConfig, train_drafter
 
@@ -144,7 +144,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = train_drafter(cfg)
     except usage as exc:
-        print(f"dflash train-drafter: error: {exc}", file=sys.stderr)
+        from dflash.commands.settings import cli_message
+
+        print(f"dflash train-drafter: error: {cli_message(exc)}", file=sys.stderr)
         return 2
     except Exception as exc:  # a failure while training: exit 3 with its type, no traceback
         print(f"dflash train-drafter: failed: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -17,7 +17,6 @@ from dflash.execution.errors import (
     ShardPositionError,
 )
 from dflash.execution.faults import FaultInjector, FaultPhase
-from dflash.execution.lifecycle import Lifecycle, Phase
 from dflash.execution.oracle import reference_greedy
 from dflash.execution.policy import (
     ENV_VAR,
@@ -35,6 +34,7 @@ from dflash.execution.results import (
     Timings,
     token_sha256,
 )
+from dflash.execution.rollback import Lifecycle, Phase
 from dflash.execution.run import generate
 from dflash.execution.shards import ShardedTarget, ShardPlan, plan_shards
 from dflash.model.caches import CaptureStorageError

@@ -36,3 +36,8 @@ class RollbackConfigError(ExecutionError, UsageError):
 
 class ContextLengthError(ExecutionError, UsageError):
     """A prompt plus its token budget needs more positions than the model or caches hold."""
+
+
+class WeightsMovedError(ExecutionError):
+    """A sharded target's weights are no longer where it placed them (another device or
+    dtype); the message names the parameter, where it is and where the target put it."""

@@ -6,8 +6,8 @@ Modes:
 - ``checkpoint`` — restore checkpoint slot ``commit_n - 1`` (one kernel launch per shard);
 - ``remap`` — point the live state at slot ``commit_n - 1`` (moves no bytes).
 
-The fast modes are opt-in and only *requested* until the capture gate has validated the
-storage; until then every step rolls back through ``replay``.  The mode comes from, in
+The fast modes are only *requested* until the capture gate has validated the storage;
+until then every step rolls back through ``replay``.  The mode comes from, in
 order of precedence: the CLI (``--rollback``), the environment (``DFLASH_ROLLBACK``), the
 default ``checkpoint`` (fast rollback *requested*: it becomes effective only through the
 capture gate; ``replay`` opts out).
@@ -51,11 +51,12 @@ def parse_mode(value: str, *, source: str) -> RollbackMode:
 
 
 class RollbackPolicy(BaseModel):
-    """The requested rollback mode."""
+    """The requested rollback mode; by default ``checkpoint`` (fast rollback *requested*:
+    the capture gate decides), ``RollbackPolicy(mode="replay")`` opts out."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    mode: RollbackMode = "replay"
+    mode: RollbackMode = DEFAULT_MODE
 
     @property
     def fast(self) -> bool:

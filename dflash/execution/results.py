@@ -128,7 +128,8 @@ class GenerationResult(_Frozen):
     devices: list[str] = Field(default_factory=list)
     layer_split: list[int] = Field(default_factory=list)
     drafter: str = ""
-    stop_reason: Literal["max_new_tokens", "eos"] = "max_new_tokens"
+    # "stop": the library's stop strings (dflash.api) cut the tokens and text
+    stop_reason: Literal["max_new_tokens", "eos", "stop"] = "max_new_tokens"
     target_forwards: int = 0
     effective_forwards_per_step: float | None = None  # over steps begun with status effective
     drafted_tokens: int = 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -12,17 +11,16 @@ import torch
 from dflash.execution.engine import SpecDecoder, StepRecord
 from dflash.execution.errors import ContextLengthError
 from dflash.execution.faults import FaultInjector
-from dflash.execution.oracle import greedy_target as greedy_target_for
 from dflash.execution.oracle import reference_greedy
 from dflash.execution.policy import RollbackPolicy, RollbackStatus
 from dflash.execution.results import (
-    CaptureReport,
     GenerationResult,
     RollbackReport,
     Timings,
     token_sha256,
 )
 from dflash.execution.shards import ShardedTarget, ShardPlan
+from dflash.execution.window import WindowChoice
 from dflash.model import TargetModel
 from dflash.model.drafters import Drafter, LookupAssistedDrafter
 
@@ -73,8 +71,9 @@ def timed_greedy(
 
 
 @dataclass(frozen=True)
-class _Mark:
-    """An engine's counters before a generation (a kept engine carries earlier ones)."""
+class _Before:
+    """An engine's counters when a generation starts. A kept engine carries earlier
+    generations' steps and counts; a result reports the difference, this call's alone."""
 
     records: int
     target_forwards: int
@@ -82,36 +81,18 @@ class _Mark:
     status: RollbackStatus
 
     @staticmethod
-    def of(engine: SpecDecoder) -> _Mark:
-        return _Mark(len(engine.records), engine.target_forwards, dict(engine.counts),
-                     engine.status)
+    def of(engine: SpecDecoder) -> _Before:
+        return _Before(len(engine.records), engine.target_forwards, dict(engine.counts),
+                       engine.status)
 
+    def steps(self, engine: SpecDecoder) -> list[StepRecord]:
+        return engine.records[self.records :]
 
-@dataclass(frozen=True)
-class _FirstRun:
-    """What a generation's result reports of its first speculative run: the engine's
-    steps and counters since ``mark``, taken before the repeats go on with the same
-    engine (its records and counters keep growing)."""
+    def forwards(self, engine: SpecDecoder) -> int:
+        return engine.target_forwards - self.target_forwards
 
-    records: tuple[StepRecord, ...]
-    target_forwards: int
-    counts: dict[str, int]
-    status: RollbackStatus
-    status_at_start: RollbackStatus
-    fast_unavailable_reason: str | None
-    capture: CaptureReport
-
-    @staticmethod
-    def of(engine: SpecDecoder, mark: _Mark) -> _FirstRun:
-        return _FirstRun(
-            records=tuple(engine.records[mark.records :]),
-            target_forwards=engine.target_forwards - mark.target_forwards,
-            counts={k: v - mark.counts[k] for k, v in engine.counts.items()},
-            status=engine.status,
-            status_at_start=mark.status,
-            fast_unavailable_reason=engine.fast_unavailable_reason,
-            capture=engine.gate.report,
-        )
+    def counted(self, engine: SpecDecoder, what: str) -> int:
+        return engine.counts[what] - self.counts[what]
 
 
 def spec_capacity(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -127,13 +108,13 @@ def spec_target(
     block_size: int,
     *,
     graphs: bool | None = None,
-    windows: bool = True,
 ) -> ShardedTarget:
     """A target for :func:`generate` runs of these sizes (keep it and pass it as
-    ``target=`` to run again without new CUDA graphs); ``windows``: see
-    :class:`ShardedTarget`."""
+    ``target=`` to run again without new CUDA graphs). Sizes past the model's positions
+    are refused before anything is allocated (:func:`check_positions`)."""
+    check_positions(model, prompt_len, max_new_tokens, block_size)
     return ShardedTarget(model, plan, max_len=spec_capacity(prompt_len, max_new_tokens, block_size),
-                         max_draft=block_size, graphs=graphs, windows=windows)
+                         max_draft=block_size, graphs=graphs)
 
 
 def positions_needed(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -163,10 +144,12 @@ def _speculative_run(
     max_new_tokens: int,
     eos_id: int | None,
     on_progress: Callable[[int, SpecDecoder], None] | None,
+    stop_when: Callable[[], bool] | None = None,
 ) -> tuple[list[int], str, tuple[float, float, float]]:
     """One speculative decode on ``engine`` (its prefill starts a new generation):
     (tokens, stop reason, (start, after the prefill, end) as device-synchronised
-    ``perf_counter`` times)."""
+    ``perf_counter`` times). ``stop_when()``, asked after every step's ``on_progress``,
+    ends the decode early (stop reason ``"stop"``)."""
     _sync(plan)
     t0 = time.perf_counter()
     out = [engine.prefill(prompt)]
@@ -180,6 +163,9 @@ def _speculative_run(
         saw_eos = eos_id is not None and eos_id in emitted
         if on_progress is not None:
             on_progress(min(len(out), max_new_tokens), engine)
+        if stop_when is not None and stop_when():
+            stop = "stop"
+            break
     _sync(plan)
     t2 = time.perf_counter()
     if eos_id is not None and eos_id in out[:max_new_tokens]:
@@ -194,6 +180,7 @@ def _check_engine(
     block_size: int,
     policy: RollbackPolicy,
     faults: FaultInjector | None,
+    verify_window: WindowChoice,
 ) -> None:
     """``ValueError`` naming why a kept ``engine`` cannot run this generation."""
     if not isinstance(engine, SpecDecoder):
@@ -207,6 +194,8 @@ def _check_engine(
         problems.append(f"its block size is {engine.block_size}, not {block_size}")
     if engine.policy != policy:
         problems.append(f"its rollback mode is {engine.policy.mode!r}, not {policy.mode!r}")
+    if engine.verify_window != verify_window:
+        problems.append(f"its verify window is {engine.verify_window!r}, not {verify_window!r}")
     if faults is not None:
         problems.append("a run with 'faults' gets a new engine and target")
     if problems:
@@ -222,119 +211,90 @@ def generate(
     max_new_tokens: int = 64,
     block_size: int = 16,
     policy: RollbackPolicy | None = None,
-    check_parity: bool = False,
-    oracle_tokens: Sequence[int] | None = None,
     eos_id: int | None = None,
     faults: FaultInjector | None = None,
     on_progress: Callable[[int, SpecDecoder], None] | None = None,
     graphs: bool | None = None,
-    baseline: bool = False,
     target: ShardedTarget | None = None,
-    greedy_target: ShardedTarget | None = None,
-    repeats: int = 1,
     engine: SpecDecoder | None = None,
+    check_parity: bool = False,
+    oracle_tokens: Sequence[int] | None = None,
+    verify_window: WindowChoice = "auto",
+    stop_when: Callable[[], bool] | None = None,
 ) -> GenerationResult:
-    """Speculative greedy decoding of ``max_new_tokens`` tokens after ``prompt``.
+    """Speculative greedy decoding of ``max_new_tokens`` tokens after ``prompt``: one
+    run, its prefill and its decode timed (device-synchronised), its step statistics and
+    its rollback and capture reports.
 
-    ``oracle_tokens``: target-only greedy tokens already computed with the same settings
-    (reused by ``check_parity`` instead of decoding them again). ``graphs``: CUDA graphs
-    for the decode-time forwards (None: wherever supported; False: eager). ``baseline``:
-    afterwards decode the same number of tokens with plain target-only greedy
-    (:func:`timed_greedy`, same shards and ``graphs``) and report its rate and the
-    speed-up over it, and its tokens are compared with the speculative ones (``parity``);
-    ``check_parity`` compares against that same run (or decodes one) unless
-    ``oracle_tokens`` are given. ``target`` / ``greedy_target``: a :class:`ShardedTarget`
-    kept across calls for the speculative run / the greedy baseline (its CUDA graphs are
-    then captured once, not per call); it must serve this model, plan, length and block
-    size (:meth:`ShardedTarget.cannot_serve`), else ``ValueError`` names why. Runs with
-    ``faults`` always get a fresh target.
+    ``check_parity``: compare the tokens with plain target-only greedy decoding,
+    ``oracle_tokens`` when given (greedy tokens already computed with the same settings),
+    else a :func:`reference_greedy` decode of the same number of tokens (untimed).
+    ``graphs``: CUDA graphs for the decode-time forwards (None: wherever supported;
+    False: eager). ``on_progress(tokens so far, engine)``: called after every step;
+    ``stop_when()``: asked after it, ends the decode early when true (``stop_reason``
+    ``"stop"``; the caller decides what is cut, e.g. at a stop string).
+    ``verify_window``: how much of each draft a step verifies (:class:`SpecDecoder`).
+    A budget past the model's ``max_position_embeddings`` is refused before anything is
+    built (:class:`ContextLengthError`).
 
-    ``repeats`` (with ``baseline``): time both decodes ``repeats`` times, alternately —
-    speculative, plain, speculative, plain … on the same two targets — and report the
-    median rate of each (``timings`` keeps every run's); a machine whose speed drifts
-    then slows both sides alike. The speculative runs share one engine, as a long-lived
-    one serves one request after another: its capture gate runs in the first run only (a
-    verdict is sticky for the engine's lifetime), so the others roll back fast from
-    their first step. Every speculative run must give the first one's tokens (``parity``
-    is false otherwise); only the first streams (``on_progress``) and sets the step
-    statistics and the rollback and capture reports. With one repeat the order is the
-    same, speculative first. With ``faults`` the repeats run on a new engine without them.
+    ``target``: a :class:`ShardedTarget` kept across calls (:func:`spec_target`; its CUDA
+    graphs are then captured once, not per call); it must serve this model, plan, length
+    and block size (:meth:`ShardedTarget.cannot_serve`), else ``ValueError`` names why.
+    Runs with ``faults`` always get a fresh target.
 
     ``engine``: a :class:`SpecDecoder` kept across calls, as ``target`` is (it must run
-    on ``target`` with ``drafter``, ``block_size`` and ``policy``, and takes no
-    ``faults``; else ``ValueError`` names the difference): its capture gate's verdict
+    on ``target`` with ``drafter``, ``block_size``, ``policy`` and ``verify_window``, and
+    takes no ``faults``; else ``ValueError`` names the difference): its capture gate's verdict
     carries over (it is sticky for the engine's lifetime), so a generation after the one
     that validated it rolls back fast from its first step. The result reports this
     call's steps and rollbacks only; ``rollback.status_at_start`` is the engine's status
     when this generation began, and ``capture`` the engine's report (``validated_at_step``
     counts the engine's steps since it was built).
+
+    The plain greedy baseline, repeated timings and the speed-up over greedy are the
+    CLI's (``dflash.commands.harness``); they fill this result's ``timings.greedy_*``,
+    ``decode_runs_s`` and ``speedup_vs_greedy``, which a single run leaves empty.
     """
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"'repeats' must be an int >= 1 (got {repeats!r})")
-    if repeats > 1 and not baseline:
-        raise ValueError(f"'repeats'={repeats} times the baseline too: it needs baseline=True")
     if (
         isinstance(max_new_tokens, bool)
         or not isinstance(max_new_tokens, int)
         or max_new_tokens < 1
     ):
         raise ValueError(f"'max_new_tokens' must be an int >= 1 (got {max_new_tokens!r})")
-    check_positions(model, len(prompt), max_new_tokens, block_size)
     policy = policy or RollbackPolicy()
     if engine is not None:
-        _check_engine(engine, target, drafter, block_size, policy, faults)
-    if target is None or faults is not None:
+        _check_engine(engine, target, drafter, block_size, policy, faults, verify_window)
+    if target is None or faults is not None:  # spec_target checks the positions
         target = spec_target(model, plan, len(prompt), max_new_tokens, block_size, graphs=graphs)
     else:
+        check_positions(model, len(prompt), max_new_tokens, block_size)
         target.require_serves(
             model, plan, max_len=spec_capacity(len(prompt), max_new_tokens, block_size),
             max_draft=block_size, graphs=graphs, what="generation",
         )
     if engine is None:
-        engine = SpecDecoder(target, drafter, block_size=block_size, policy=policy, faults=faults)
-    mark = _Mark.of(engine)
+        engine = SpecDecoder(target, drafter, block_size=block_size, policy=policy, faults=faults,
+                             verify_window=verify_window)
+    before = _Before.of(engine)
     tokens, stop, (t0, t1, t2) = _speculative_run(
-        engine, prompt, plan, max_new_tokens, eos_id, on_progress
+        engine, prompt, plan, max_new_tokens, eos_id, on_progress, stop_when
     )
     copied = drafter.copied_drafts if isinstance(drafter, LookupAssistedDrafter) else None
-    ref = None if oracle_tokens is None else list(oracle_tokens)
-    greedy: GreedyRun | None = None
-    if baseline or (check_parity and ref is None):  # one greedy decode serves both
-        if greedy_target is None and repeats > 1:  # the repeats reuse one greedy target
-            greedy_target = greedy_target_for(model, plan, len(prompt), len(tokens), graphs=graphs)
-        greedy = timed_greedy(
-            model, plan, prompt, len(tokens), graphs=graphs, target=greedy_target
-        )
-        ref = greedy.tokens if ref is None else ref
     parity: bool | None = None
     parity_sha: str | None = None
-    if (check_parity or greedy is not None) and ref is not None:  # a baseline is free parity
-        parity = ref[: len(tokens)] == tokens
-        parity_sha = token_sha256(ref[: len(tokens)])
-    first = _FirstRun.of(engine, mark)  # the repeats go on with the same engine
-    spec_runs = [t2 - t1]
-    greedy_runs = [] if greedy is None else [greedy.decode_s]
-    again_on = engine if faults is None or repeats == 1 else (  # the repeats: no faults
-        SpecDecoder(target, drafter, block_size=block_size, policy=policy)
-    )
-    for _ in range(repeats - 1):
-        again, _, (_, s1, s2) = _speculative_run(
-            again_on, prompt, plan, max_new_tokens, eos_id, None
+    if check_parity:
+        ref = (
+            reference_greedy(model, plan, prompt, len(tokens), graphs=graphs)
+            if oracle_tokens is None
+            else list(oracle_tokens)[: len(tokens)]
         )
-        plain = timed_greedy(model, plan, prompt, len(tokens), graphs=graphs,
-                             target=greedy_target)
-        spec_runs.append(s2 - s1)
-        greedy_runs.append(plain.decode_s)
-        if again != tokens or (greedy is not None and plain.tokens != greedy.tokens):
-            parity = False
-    records = first.records
+        parity, parity_sha = ref == tokens, token_sha256(ref)
+    records = before.steps(engine)
     steps = len(records)
+    forwards = before.forwards(engine)
     drafted = sum(len(r.draft) - 1 for r in records)  # the verified guesses
     accepted = sum(r.accept_n - 1 for r in records)
-    decode_s = statistics.median(spec_runs)
-    rate = decode_rate(len(tokens), decode_s)
-    greedy_s = statistics.median(greedy_runs) if baseline and greedy_runs else None
-    greedy_rate = None if greedy_s is None else decode_rate(len(tokens), greedy_s)
+    decode_s = t2 - t1
     effective = [r for r in records if r.status_before is RollbackStatus.EFFECTIVE]
     return GenerationResult(
         tokens=tokens,
@@ -342,36 +302,33 @@ def generate(
         steps=steps,
         acceptance_rate=accepted / drafted if drafted else 0.0,
         avg_commit=(sum(r.accept_n for r in records) / steps) if steps else 0.0,
-        target_forwards_per_step=first.target_forwards / steps if steps else 0.0,
+        target_forwards_per_step=forwards / steps if steps else 0.0,
         rollback=RollbackReport(
             requested=policy.mode,
-            status=first.status,
-            status_at_start=first.status_at_start,
-            fast_unavailable_reason=first.fast_unavailable_reason,
-            fast=first.counts["fast"],
-            replay=first.counts["replay"],
-            replay_after_failure=first.counts["replay_after_failure"],
-            poison_events=first.counts["poison_events"],
+            status=engine.status,
+            status_at_start=before.status,
+            fast_unavailable_reason=engine.fast_unavailable_reason,
+            fast=before.counted(engine, "fast"),
+            replay=before.counted(engine, "replay"),
+            replay_after_failure=before.counted(engine, "replay_after_failure"),
+            poison_events=before.counted(engine, "poison_events"),
         ),
-        capture=first.capture,
+        capture=engine.gate.report,
         checkpoint_bytes=target.checkpoint_bytes,
         parity=parity,
         timings=Timings(
             prefill_s=t1 - t0,
             decode_s=decode_s,
-            tokens_per_s=rate,
-            greedy_decode_s=greedy_s,
-            greedy_tokens_per_s=greedy_rate,
-            decode_runs_s=spec_runs,
-            greedy_decode_runs_s=greedy_runs if baseline else [],
+            tokens_per_s=decode_rate(len(tokens), decode_s),
+            decode_runs_s=[decode_s],
         ),
         prompt_len=len(prompt),
         block_size=block_size,
         devices=list(plan.devices),
         layer_split=list(plan.split),
         drafter=drafter.label,
-        stop_reason=stop,  # type: ignore[arg-type]  # one of the two literals above
-        target_forwards=first.target_forwards,
+        stop_reason=stop,  # type: ignore[arg-type]  # one of the literals _speculative_run sets
+        target_forwards=forwards,
         effective_forwards_per_step=(
             sum(r.forwards for r in effective) / len(effective) if effective else None
         ),
@@ -379,7 +336,4 @@ def generate(
         accepted_tokens=accepted,
         copied_drafts=copied,
         parity_sha256=parity_sha,
-        speedup_vs_greedy=(
-            rate / greedy_rate if rate is not None and greedy_rate is not None else None
-        ),
     )

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dflash.errors import param
 from dflash.execution.capture_gate import ShardStorage
-from dflash.execution.errors import LayerSplitError, ShardPositionError
+from dflash.execution.errors import LayerSplitError, ShardPositionError, WeightsMovedError
 from dflash.execution.graphs import ShardCompute, ShardGraphs, ShardOutput, graphs_supported
 from dflash.geometry import ChainGeometry
 from dflash.model import KVCache, ShardCaches, TargetModel
 from dflash.model.layers import fuse_linear_groups_
 from dflash.model.target import Mode
-from dflash.model.tiles import DEFAULT_RATE, tile_window
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,8 @@ def _parse_list(value: str | Sequence[str] | Sequence[int], name: str) -> list[s
     items = [i.strip() for i in items]
     if not items or any(not i for i in items):
         raise LayerSplitError(
-            f"{name} must be a comma-separated list without empty entries (got {value!r})"
+            f"{param(name)} must be a comma-separated list without empty entries "
+            f"(got {value!r})"
         )
     return items
 
@@ -57,19 +58,29 @@ def plan_shards(
     devices: str | Sequence[str] = "cpu",
     split: str | Sequence[int] | None = None,
 ) -> ShardPlan:
-    """Validate a layer split; every refusal names the rule and the value."""
-    devs = _parse_list(devices, "--devices")
+    """Validate a layer split; every refusal names the rule and the value.
+
+    Messages name the parameters ``'devices'`` and ``'layer_split'`` (``split``); the
+    command line spells them ``--devices`` / ``--layer-split``
+    (:meth:`dflash.errors.UsageError.worded`).
+    """
+    devs = _parse_list(devices, "devices")
     for d in devs:
         try:
             dev = torch.device(d)
         except RuntimeError as exc:
-            raise LayerSplitError(f"--devices entry {d!r} is not a torch device ({exc})") from None
+            raise LayerSplitError(
+                f"{param('devices')} entry {d!r} is not a torch device ({exc})"
+            ) from None
         if dev.type == "cuda":
             if not torch.cuda.is_available():
-                raise LayerSplitError(f"--devices entry {d!r}: CUDA is not available here")
+                raise LayerSplitError(
+                    f"{param('devices')} entry {d!r}: CUDA is not available here"
+                )
             if (dev.index or 0) >= torch.cuda.device_count():
                 raise LayerSplitError(
-                    f"--devices entry {d!r}: only {torch.cuda.device_count()} CUDA device(s)"
+                    f"{param('devices')} entry {d!r}: only {torch.cuda.device_count()} "
+                    "CUDA device(s)"
                 )
     if split is None:
         if num_layers < len(devs):
@@ -79,27 +90,27 @@ def plan_shards(
         base, extra = divmod(num_layers, len(devs))
         counts = [base + (1 if k < extra else 0) for k in range(len(devs))]
     else:
-        raw = _parse_list(split, "--layer-split")
+        raw = _parse_list(split, "layer_split")
         try:
             counts = [int(c) for c in raw]
         except ValueError:
             raise LayerSplitError(
-                f"--layer-split entries must be integers (got {split!r})"
+                f"{param('layer_split')} entries must be integers (got {split!r})"
             ) from None
     if len(counts) != len(devs):
         raise LayerSplitError(
-            f"--layer-split has {len(counts)} counts but --devices names {len(devs)} devices "
-            f"(split {counts}, devices {devs})"
+            f"{param('layer_split')} has {len(counts)} counts but {param('devices')} names "
+            f"{len(devs)} devices (split {counts}, devices {devs})"
         )
     for k, c in enumerate(counts):
         if c <= 0:
             raise LayerSplitError(
-                f"--layer-split entry {k} must be >= 1: every shard needs at least one layer "
-                f"(got {c} in {counts})"
+                f"{param('layer_split')} entry {k} must be >= 1: every shard needs at "
+                f"least one layer (got {c} in {counts})"
             )
     if sum(counts) != num_layers:
         raise LayerSplitError(
-            f"--layer-split counts must sum to the model's {num_layers} layers "
+            f"{param('layer_split')} counts must sum to the model's {num_layers} layers "
             f"(got {counts}, sum {sum(counts)})"
         )
     return ShardPlan(devices=tuple(devs), split=tuple(counts))
@@ -152,8 +163,11 @@ class Shard:
         )
 
 
-def _weight_addresses(model: TargetModel) -> tuple[tuple[int, torch.dtype, str], ...]:
-    return tuple((p.data_ptr(), p.dtype, str(p.device)) for p in model.parameters())
+def _weight_addresses(model: TargetModel) -> tuple[tuple[str, int, torch.dtype, str], ...]:
+    """``(name, address, dtype, device)`` of every parameter (a tied one once)."""
+    return tuple(
+        (name, p.data_ptr(), p.dtype, str(p.device)) for name, p in model.named_parameters()
+    )
 
 
 class ShardedTarget:
@@ -163,10 +177,6 @@ class ShardedTarget:
     shard, :mod:`dflash.execution.graphs`); ``None`` = wherever supported (every shard on
     CUDA, Triton kernels, no mixture-of-experts layers), ``False`` = always eager. CPU
     shards always run eagerly (the same code).
-
-    ``windows``: on CPU shards, verify the tile-aligned, capped window of each draft
-    (:meth:`verify_window`; faster there, same tokens); ``False`` verifies every draft
-    whole, which is what a drafter's τ at a block size means (its evaluations use it).
     """
 
     def __init__(
@@ -177,7 +187,6 @@ class ShardedTarget:
         max_len: int,
         max_draft: int,
         graphs: bool | None = None,
-        windows: bool = True,
     ):
         if len(plan.split) and sum(plan.split) != model.config.num_hidden_layers:
             raise LayerSplitError(
@@ -192,7 +201,6 @@ class ShardedTarget:
         for k, ((lo, hi), dev) in enumerate(zip(plan.ranges, devices, strict=True)):
             self.shards.append(Shard(k, dev, range(lo, hi), self._new_caches(range(lo, hi), dev)))
         self._weights = _weight_addresses(model)
-        self._windowed = windows and all(d.type == "cpu" for d in devices)
         why_not = graphs_supported(model, devices)
         if graphs and why_not is not None:
             raise ValueError(f"'graphs'=True but {why_not}")
@@ -224,25 +232,10 @@ class ShardedTarget:
             return f"graphs=True was asked for a target without graphs ({self.graphs_off_reason})"
         return None
 
-    def verify_window(
-        self,
-        start: int,
-        block: int,
-        last: tuple[int, int] | None = None,
-        confidence: Sequence[float] | None = None,
-        rate: float = DEFAULT_RATE,
-    ) -> int:
-        """How many tokens of a ``block``-token draft at position ``start`` to verify: on CPU
-        shards built with ``windows`` :func:`dflash.model.tiles.tile_window` (``last``: the
-        previous step's ``(commit_n, window)``; ``confidence``: the drafter's probability
-        of each guess, when it reports them; ``rate``: the generation's tokens per decode
-        of modelled cost so far), else the whole block."""
-        if not self._windowed:
-            return block
-        return tile_window(start, block, last, confidence, rate)
-
     def _place(self) -> None:
-        """Every layer on its shard's device (a no-op for layers already there)."""
+        """Every layer on its shard's device (a no-op for layers already there); run once,
+        when the target is built. A moved layer's projection groups are fused again by
+        the move itself (:class:`dflash.model.layers.GroupedModule`)."""
         model, devices = self.model, [torch.device(d) for d in self.plan.devices]
         model.embed_tokens.to(devices[0])
         model.norm.to(devices[-1])
@@ -251,7 +244,6 @@ class ShardedTarget:
         for (lo, hi), dev in zip(self.plan.ranges, devices, strict=True):
             for i in range(lo, hi):
                 model.layers[i].to(dev)
-        fuse_linear_groups_(model)  # a layer moved to its device has new parameter storage
 
     def require_serves(
         self, model: TargetModel, plan: ShardPlan, *, max_len: int, max_draft: int,
@@ -265,11 +257,26 @@ class ShardedTarget:
         return self
 
     def _check_weights(self) -> None:
-        """Forget the CUDA graphs when the model's parameters are no longer the tensors
-        they were captured with (a graph holds addresses: it would read freed memory),
-        e.g. after another target placed the layers elsewhere (they are placed back)."""
-        self._place()
+        """At each prefill (one address per parameter, no copy): the weights must still
+        have the devices and dtypes :meth:`_place` gave them, else
+        :class:`WeightsMovedError` naming the first that moved (the caches and CUDA graphs
+        were built for them; a new target places the model where it is now). Projection
+        groups whose parameter was replaced since are fused again (``param.data = t``;
+        :class:`dflash.model.layers.LinearGroup`), and the CUDA graphs are forgotten when
+        a parameter is no longer the tensor they were captured with (a graph holds
+        addresses: it would read freed memory)."""
+        fuse_linear_groups_(self.model)
         now = _weight_addresses(self.model)
+        placed = {name: (dtype, device) for name, _, dtype, device in self._weights}
+        for name, _, dtype, device in now:
+            was = placed.get(name)
+            if was != (dtype, device):
+                where = "a new parameter" if was is None else f"{was[0]} on {was[1]}"
+                raise WeightsMovedError(
+                    f"parameter {name!r} is {dtype} on {device}, but this target placed it "
+                    f"as {where} (the model was moved or cast since: build a new "
+                    "ShardedTarget for it)"
+                )
         if now != self._weights:
             for graphs in self.graphs or ():
                 graphs.reset()

@@ -4,7 +4,8 @@
   after every token into checkpoint slots (chain or validated tree geometry).
 - :func:`causal_conv1d_capture`: depthwise causal conv1d + SiLU that captures its inputs.
 - :func:`rollback_restore`: live state and conv window <- slot ``commit_n - 1`` for all
-  recurrent layers of a shard in one launch; :func:`slot_views` is the zero-copy remap.
+  recurrent layers of a shard in one launch (``rows_only``: the conv rows alone, for a
+  remap whose state stays in its slot).
 - :func:`gdn_gates`: Gated DeltaNet's ``beta`` and ``g`` gates in one launch.
 - :func:`rms_norm`: zero-centred or gated RMSNorm in one launch (batch-invariant rows).
 - :func:`linear`: ``x @ weight.T + bias`` whose rows do not depend on the row count M.
@@ -30,7 +31,7 @@ from dflash.kernels.linear import linear
 from dflash.kernels.linear_reference import linear_reference
 from dflash.kernels.rmsnorm import rms_norm
 from dflash.kernels.rmsnorm_reference import rms_norm_reference
-from dflash.kernels.rollback import RollbackBoundsError, rollback_restore, slot_views
+from dflash.kernels.rollback import RollbackBoundsError, rollback_restore
 from dflash.kernels.rollback_reference import rollback_restore_reference
 
 __all__ = [
@@ -49,5 +50,4 @@ __all__ = [
     "rms_norm_reference",
     "rollback_restore",
     "rollback_restore_reference",
-    "slot_views",
 ]

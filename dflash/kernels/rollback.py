@@ -73,30 +73,6 @@ def _check_storage(
     return ck, cap, _commit(commit_n, S), Kc1
 
 
-def slot_views(
-    checkpoints: torch.Tensor, captured: torch.Tensor, commit_n: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The live state and conv window after accepting ``commit_n`` tokens, as views.
-
-    Slot remap moves no bytes: the next verify reads its initial state from
-    ``checkpoints[:, :, commit_n-1]`` and its previous conv inputs from
-    ``captured[:, :, commit_n : commit_n+Kc-1]`` (both kernels are alias-safe for this).
-    Works for a single layer (``[B, S, ...]`` / ``[B, Kc-1+S, C]``) when given with a
-    leading layer axis of 1, and for a pool's stacked ``[L, B, ...]`` banks.
-
-    Returns:
-        ``(state [L, B, HV, K, V], conv_rows [L, B, Kc-1, C])``, views of the inputs.
-
-    Raises:
-        RollbackBoundsError: storage missing, not float32, shapes disagree, or
-            ``commit_n`` outside ``1 .. S``.
-    """
-    ck, cap, n, Kc1 = _check_storage(checkpoints, captured, commit_n)
-    if not isinstance(n, int):
-        raise RollbackBoundsError("slot_views needs a host int 'commit_n' (got a tensor)")
-    return ck.select(2, n - 1), cap.narrow(2, n, Kc1)  # select/narrow: cheaper than [] on the host
-
-
 def rollback_restore(
     states: torch.Tensor,
     conv_rows: torch.Tensor,

@@ -24,14 +24,22 @@ on the device, so one CUDA graph of it (and of the rollback) serves every slot; 
 or replay after a remap first moves the live states home (``move_live_home``: outside
 any graph, before its device work) and never reads the slot.
 
-A rollback has a host form (``restore_checkpoint`` / ``remap`` with a host ``commit_n``)
-and a device form for a step whose accepted count is still on the device:
-``mark_device_rollback`` (host checks, before), ``rollback_on_device`` (device work only,
-capture-safe, reading the count) and ``finish_rollback`` (host mirrors, after the count
-was read back).
+The record of the last verify is one :class:`VerifyRecord` (``RecurrentPool.verify``),
+whose ``stage`` is the pool's whole rollback state: ``"open"`` (the verify ran, the live
+state is still the pre-verify one), ``"enqueued"`` (a rollback on the device's accepted
+count was enqueued: ``mark_device_rollback``, then ``rollback_on_device``, device work
+only, capture-safe), ``"rolled"`` (``finish_rollback`` mirrored it on the host once the
+count was read back) or ``"restored"`` (``restore_pre_verify`` put the pre-verify state
+back). A forward refuses while a verify is ``open`` or ``enqueued``; the next forward
+drops the record. Which rollback runs, and when, is the execution layer's decision
+(``dflash.execution.rollback``); the pool offers the storage, its views and the one way
+back, ``restore_pre_verify``, valid at every stage.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -41,16 +49,21 @@ from dflash.kernels import rollback_restore
 from dflash.model.config import HybridConfig
 from dflash.model.layers import rotary_table
 
+#: lower-case phrases of allocation failures that torch reports as a plain RuntimeError:
+#: its CPU allocator ("DefaultCPUAllocator: can't allocate memory" on POSIX, "…: not
+#: enough memory" on Windows) and device errors that predate ``torch.OutOfMemoryError``
+_OUT_OF_MEMORY_PHRASES = ("can't allocate memory", "not enough memory", "out of memory")
+
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """An allocation failure: ``MemoryError``, ``torch.OutOfMemoryError`` or a
-    ``RuntimeError`` whose message says the allocator ran out of memory."""
+    """The one rule for "an allocation failed" (caches, model building, the commands):
+    ``MemoryError`` (Python's allocator), ``torch.OutOfMemoryError`` (the same class as
+    ``torch.cuda.OutOfMemoryError``) or a ``RuntimeError`` whose message carries one of
+    :data:`_OUT_OF_MEMORY_PHRASES` (any case)."""
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
         return True
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and (
-        "out of memory" in text or "can't allocate memory" in text
-    )
+    return isinstance(exc, RuntimeError) and any(p in text for p in _OUT_OF_MEMORY_PHRASES)
 
 
 def allocate_capture(
@@ -193,14 +206,8 @@ class RecurrentPool:
         self._length = 0
         self.position = torch.zeros(batch, dtype=torch.int64, device=device)
         self._index = {layer: i for i, layer in enumerate(self.layer_ids)}
-        # Bookkeeping of the last verify: where it started, how many slots it wrote, where
-        # the live state was before it, and which layers have their snapshot written.
-        self.verify_start: int | None = None
-        self.verified_n = 0
-        self._slot_before_verify: int | None = None
-        self._snapshot_written = [False] * n
-        self.awaiting_rollback = False
-        self.rolled_on_device = False  # a device rollback was enqueued, not yet finished
+        #: the last verify, until the next forward (None: no verify since)
+        self.verify: VerifyRecord | None = None
 
     def _allocate_capture(
         self,
@@ -272,9 +279,11 @@ class RecurrentPool:
 
     @property
     def verified_layers(self) -> tuple[int, ...]:
-        """Layers whose checkpoints the current (last) verify has written (run evidence)."""
-        written = zip(self.layer_ids, self._snapshot_written, strict=True)
-        return tuple(layer for layer, ok in written if ok) if self.verify_start is not None else ()
+        """Layers whose checkpoints the last verify has written (run evidence)."""
+        v = self.verify
+        if v is None:
+            return ()
+        return tuple(layer for layer, ok in zip(self.layer_ids, v.written, strict=True) if ok)
 
     def live_views(self, layer: int) -> tuple[Tensor, Tensor]:
         """The live ``(state [B,HV,K,V], conv window [B,Kc-1,C])`` of one layer (views; the
@@ -307,16 +316,16 @@ class RecurrentPool:
         self.check_can_advance("verify")
         if n > self.max_draft:
             raise CacheError(f"verify of {n} slots exceeds 'max_draft'={self.max_draft}")
-        self.verify_start, self.verified_n = start, n
-        self._slot_before_verify = self.live_slot
-        self._snapshot_written = [False] * len(self.layer_ids)
+        self.verify = VerifyRecord(start, n, self.live_slot, [False] * len(self.layer_ids))
 
     def end_verify_layer(self, layer: int) -> None:
-        self._snapshot_written[self._index[layer]] = True
+        assert self.verify is not None  # begin_verify ran
+        self.verify.written[self._index[layer]] = True
 
     def end_verify(self) -> None:
         """The verify is complete; until a rollback the pool only accepts a rollback."""
-        self.awaiting_rollback = True
+        assert self.verify is not None  # begin_verify ran
+        self.verify.complete = True
 
     def advance_device(self, n: int) -> None:
         """Device part of a prefill / decode / replay: ``position += n`` (capture-safe)."""
@@ -342,6 +351,7 @@ class RecurrentPool:
                 f"recurrent tokens from {start} do not continue length {self._length}"
             )
         self._length = start + n
+        self.verify = None  # the live state moved on: the pre-verify state is gone
 
     def adopt_live(self, other: RecurrentPool) -> None:
         """Take ``other``'s live state, conv window and length (storage rebuild)."""
@@ -359,71 +369,40 @@ class RecurrentPool:
 
     def check_can_advance(self, mode: str) -> None:
         """Raise unless the live state may be read (no verify awaiting its rollback)."""
-        if self.verify_start is not None:
+        v = self.verify
+        if v is not None and v.stage in ("open", "enqueued"):
             raise CacheError(
                 f"mode {mode!r} needs a rollback of the last verify first "
-                "(restore_checkpoint, remap or restore_snapshot)"
+                f"(it is {v.stage}: roll back on the device, or restore_pre_verify)"
             )
 
-    # -- rollback ---------------------------------------------------------------------------
+    # -- rollback: the device form, then the host mirrors ------------------------------------
 
-    def _check_verified(self) -> None:
-        """Raise unless a complete verify of every layer awaits its fast rollback."""
+    def mark_device_rollback(self) -> None:
+        """The host checks of a fast rollback, run before :meth:`rollback_on_device`
+        (nothing changes when one fails), then the record that one is enqueued."""
         if self.fast_unavailable_reason is not None:
             raise CacheError(
                 f"fast rollback is unavailable ({self.fast_unavailable_reason}); "
-                "use restore_snapshot and replay"
+                "use restore_pre_verify and replay"
             )
-        if self.verify_start is None or not self.awaiting_rollback or self.rolled_on_device:
+        v = self.verify
+        if v is None or v.stage != "open" or not v.complete:
             raise CacheError("no completed verify to roll back to (run a verify first)")
-        written = zip(self.layer_ids, self._snapshot_written, strict=True)
-        unwritten = [layer for layer, ok in written if not ok]
+        unwritten = [layer for layer, ok in zip(self.layer_ids, v.written, strict=True) if not ok]
         if unwritten:
             raise CacheError(
                 f"the last verify did not run recurrent layers {unwritten} of this pool; "
-                "their checkpoint slots hold no draft states (use restore_snapshot)"
+                "their checkpoint slots hold no draft states (use restore_pre_verify)"
             )
-
-    def _check_commit(self, commit_n: int) -> int:
-        """The position after accepting ``commit_n`` slots of the last verify."""
-        if isinstance(commit_n, bool) or not isinstance(commit_n, int):
-            raise CacheError(f"'commit_n' must be an int (got {commit_n!r})")
-        if not 1 <= commit_n <= self.verified_n:
-            raise CacheError(
-                f"'commit_n' must be in [1, verified slots={self.verified_n}] (got {commit_n})"
-            )
-        assert self.verify_start is not None  # checked by _check_verified
-        return self.verify_start + commit_n
-
-    def restore_checkpoint(self, commit_n: int) -> None:
-        """Live state ← checkpoint slot ``commit_n-1`` (one ``rollback_restore`` launch)."""
-        self._check_verified()
-        new_length = self._check_commit(commit_n)
-        rollback_restore(self.state, self.conv, self.checkpoints, self.captured, commit_n)
-        self._set_live(None)
-        self._move_to(new_length)
-        self._clear_verify()
-
-    def remap(self, commit_n: int) -> None:
-        """Make checkpoint slot ``commit_n-1`` the live state (no state moves; the
-        ``Kc-1`` conv rows of the window are copied home)."""
-        self._check_verified()
-        new_length = self._check_commit(commit_n)
-        rollback_restore(
-            self.state, self.conv, self.checkpoints, self.captured, commit_n, rows_only=True
-        )
-        self._set_live(commit_n - 1)
-        self._move_to(new_length)
-        self._clear_verify()
-
-    # -- rollback with the accepted count on the device --------------------------------------
+        v.stage = "enqueued"
 
     def rollback_on_device(self, mode: str, commit_n: Tensor) -> None:
         """The device work of a ``mode`` rollback (``"checkpoint"`` or ``"remap"``) whose
         accepted count ``commit_n`` (int64 ``[1]``) is still on the device: restore (or
         remap) from slot ``commit_n-1`` and ``position += commit_n``. Capture-safe: no host
-        value, no synchronisation. Follow with :meth:`finish_rollback` once the count has
-        been read back; :meth:`mark_device_rollback` first."""
+        value, no synchronisation. :meth:`mark_device_rollback` first, :meth:`finish_rollback`
+        once the count has been read back."""
         rows_only = mode == "remap"
         rollback_restore(
             self.state, self.conv, self.checkpoints, self.captured, commit_n,
@@ -435,86 +414,49 @@ class RecurrentPool:
             self.live.fill_(-1)
         self.position.add_(commit_n)
 
-    def mark_device_rollback(self) -> None:
-        """Host side of :meth:`rollback_on_device`, run before it: the checks (nothing
-        changes when one fails), then the record that a device rollback is enqueued."""
-        self._check_verified()
-        self.rolled_on_device = True
-
-    def cancel_device_rollback(self) -> None:
-        """Undo an enqueued device rollback (a no-op without one): live state ← the
-        pre-verify state (every layer's snapshot; the window from captured rows
-        ``0 … Kc-2``), home; the verify stays on record, awaiting its rollback."""
-        if not self.rolled_on_device:
-            return
-        assert self.verify_start is not None  # mark_device_rollback checked it
-        self.state.copy_(self.snapshot)
-        if self.layer_ids:
-            self.conv.copy_(self.captured[:, :, : self.conv_kernel - 1])
-        self._set_live(None)
-        self._slot_before_verify = None
-        self.position.fill_(self.verify_start)
-        self.rolled_on_device = False
-
     def finish_rollback(self, mode: str, commit_n: int) -> None:
         """Host mirrors of an enqueued device rollback, with the count read back; a count
         outside ``1 … verified slots`` raises (the device clamped it: the state is then
         not the committed one and the caller must fail closed)."""
-        if not self.rolled_on_device:
+        v = self.verify
+        if v is None or v.stage != "enqueued":
             raise CacheError("finish_rollback without an enqueued device rollback")
-        new_length = self._check_commit(commit_n)
+        if isinstance(commit_n, bool) or not isinstance(commit_n, int):
+            raise CacheError(f"'commit_n' must be an int (got {commit_n!r})")
+        if not 1 <= commit_n <= v.n:
+            raise CacheError(f"'commit_n' must be in [1, verified slots={v.n}] (got {commit_n})")
         self.live_slot = commit_n - 1 if mode == "remap" else None
-        self._length = new_length
-        self._clear_verify()
+        self._length = v.start + commit_n
+        v.stage = "rolled"
 
-    def undo_rollback(self, start: int) -> None:
-        """Live state <- the state before the last verify, after that verify was rolled back.
+    def restore_pre_verify(self) -> None:
+        """Live state ← the state before the last verify, whatever its rollback did
+        (the fail-closed path): home, ``length`` = the verify's start; idempotent.
 
-        Valid between a :meth:`restore_checkpoint` / :meth:`remap` of a verify and the next
-        forward (the caller's lifecycle guarantees that window): the pre-verify recurrent
-        state is still in ``snapshot`` and the pre-verify conv window in captured rows
-        ``0..Kc-2``, because only a verify writes them. ``start`` is the position before
-        that verify (the rollback already cleared the pool's record of it).
+        Every layer the verify reached has its pre-verify state in ``snapshot``; a layer
+        it never reached (a verify that failed part-way) still holds it where it was (home,
+        or the slot a remap left it in). A verify leaves ``conv`` alone; once a rollback
+        was enqueued (every layer verified, whole capture storage) the pre-verify window
+        is taken back from the captured rows ``0 … Kc-2``.
         """
-        if self.verify_start is not None:
-            raise CacheError("undo_rollback needs a rolled-back verify (use restore_snapshot)")
-        if self.live_slot is not None and self.length - start > self.live_slot + 1:
-            raise CacheError(
-                f"undo_rollback: position {self.length} is not a rollback of a verify at {start}"
-            )
-        self.state.copy_(self.snapshot)
-        self.conv.copy_(self.captured[:, :, : self.conv_kernel - 1])
-        self._set_live(None)
-        self._move_to(start)
-
-    def restore_snapshot(self) -> None:
-        """Live state ← the pre-verify state, ``live_slot`` ← None (the fail-closed path).
-
-        Layers whose verify wrote a snapshot take it; layers the verify never reached
-        still hold their pre-verify state where it was. A verify leaves ``conv`` alone; a
-        device rollback enqueued but not finished (:attr:`rolled_on_device`) may have
-        copied accepted rows there, so the pre-verify window is then taken back from the
-        captured rows ``0 … Kc-2`` (every layer was verified: the device rollback checks it).
-        """
-        if self.verify_start is None:
-            raise CacheError("no verify to undo (restore_snapshot needs a preceding verify)")
-        j = self._slot_before_verify
-        for i, written in enumerate(self._snapshot_written):
-            if written:
-                self.state[i].copy_(self.snapshot[i])
-            elif j is not None:
-                self.state[i].copy_(self.checkpoints[i, :, j])
-        if self.rolled_on_device and self.layer_ids:
+        v = self.verify
+        if v is None:
+            raise CacheError("no verify to undo (restore_pre_verify needs a preceding verify)")
+        if v.stage == "restored":
+            return
+        if all(v.written):
+            self.state.copy_(self.snapshot)
+        else:
+            for i, written in enumerate(v.written):
+                if written:
+                    self.state[i].copy_(self.snapshot[i])
+                elif v.slot_before is not None:
+                    self.state[i].copy_(self.checkpoints[i, :, v.slot_before])
+        if v.stage != "open" and self.layer_ids:
             self.conv.copy_(self.captured[:, :, : self.conv_kernel - 1])
         self._set_live(None)
-        self._move_to(self.verify_start)
-        self._clear_verify()
-
-    def _clear_verify(self) -> None:
-        self.verify_start = None
-        self.verified_n = 0
-        self.awaiting_rollback = False
-        self.rolled_on_device = False
+        self._move_to(v.start)
+        v.stage = "restored"
 
     def reset(self) -> None:
         """Empty state (before a prefill)."""
@@ -522,7 +464,21 @@ class RecurrentPool:
         self.conv.zero_()
         self._set_live(None)
         self._move_to(0)
-        self._clear_verify()
+        self.verify = None
+
+
+@dataclass
+class VerifyRecord:
+    """The last verify of a pool: where it started, how many slots it wrote, where the live
+    state was before it, which layers it wrote (``complete`` once it ran to its end), and
+    its rollback's ``stage`` (the module docstring)."""
+
+    start: int
+    n: int
+    slot_before: int | None
+    written: list[bool]
+    complete: bool = False
+    stage: Literal["open", "enqueued", "rolled", "restored"] = "open"
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -129,10 +129,25 @@ class LinearGroup:
     their weights (and biases) become row blocks of one contiguous tensor, so one launch —
     one BLAS call per tile on CPU — computes them all: fewer launches, and small
     projections (Gated DeltaNet's ``a``/``b``, attention's ``k``/``v``) ride along with a
-    large one instead of paying a launch each. :meth:`fuse_` builds the shared tensor
-    (model construction and every device/dtype move call it); if a parameter was replaced
-    since (``load_state_dict(assign=True)``), :meth:`weight_and_bias` notices from the
-    storage addresses and fuses again, so the product never reads stale weights.
+    large one instead of paying a launch each. In-place writes to a parameter (an
+    optimizer step, ``load_state_dict`` without ``assign``) reach the product through the
+    views.
+
+    When the fused tensor is built (:meth:`fuse_`): only at the places where parameters
+    get new storage, never from a product. The group is fused when it is constructed (a
+    no-op on the meta device); the :class:`GroupedModule` that owns it fuses it again
+    after every move or cast that reaches it (``.to()``, ``.cuda()``, ``.float()`` … of
+    it or of any module above it: all go through ``nn.Module._apply``, which it
+    overrides) and after every ``load_state_dict`` that reaches it (a post-hook:
+    ``assign=True`` gives the linears new parameters). :meth:`weight_and_bias` then
+    returns the fused tensors without any check.
+
+    A parameter replaced behind the owner's back — ``param.data = t``, or one linear of
+    the group moved or loaded on its own — leaves the group *stale* (:attr:`stale`: a
+    parameter is no longer a view of the fused tensor) and its products would read the
+    weights as they were when fused. That is detected where a generation starts: every
+    prefill (:meth:`dflash.model.TargetModel.begin_layers`, and a ``ShardedTarget``
+    before it) runs :func:`fuse_linear_groups_`, one address comparison per parameter.
     """
 
     __slots__ = ("_bias", "_ptrs", "_weight", "linears", "sizes")
@@ -151,17 +166,29 @@ class LinearGroup:
         self._weight: Tensor | None = None
         self._bias: Tensor | None = None
         self._ptrs: tuple[int, ...] = ()
+        self.fuse_()
+
+    def _params(self) -> list[Tensor]:
+        return [m.weight for m in self.linears] + [
+            m.bias for m in self.linears if m.bias is not None
+        ]
 
     def _current_ptrs(self) -> tuple[int, ...]:
-        ptrs = [m.weight.data_ptr() for m in self.linears]
-        ptrs += [m.bias.data_ptr() for m in self.linears if m.bias is not None]
-        return tuple(ptrs)
+        return tuple(p.data_ptr() for p in self._params())
 
     def fuse_(self) -> None:
-        """Copy the weights into one tensor and make each parameter a view of its rows."""
-        if self.linears[0].weight.is_meta:
+        """Copy the weights into one tensor and make each parameter a view of its rows.
+
+        Left unfused (:attr:`stale`) while a parameter is on the meta device (a model
+        being built); parameters of different dtypes or devices are refused (a
+        concatenation would silently cast them)."""
+        params = self._params()
+        if any(p.is_meta for p in params):
             self._weight, self._bias, self._ptrs = None, None, ()
             return
+        kinds = sorted({f"{p.dtype} on {p.device}" for p in params})
+        if len(kinds) != 1:
+            raise ValueError(f"grouped linears must share dtype and device (got {kinds})")
         with torch.no_grad(), torch.inference_mode(False):
             weight = torch.cat([m.weight.detach() for m in self.linears])
             biases = [m.bias.detach() for m in self.linears if m.bias is not None]
@@ -177,15 +204,19 @@ class LinearGroup:
 
     @property
     def stale(self) -> bool:
-        """True when a parameter is no longer a view of the fused tensor (or none exists)."""
+        """True when a parameter is no longer a view of the fused tensor (or none exists).
+
+        Reads every parameter's address: for the fuse points, not for products."""
         return self._weight is None or self._current_ptrs() != self._ptrs
 
     def weight_and_bias(self) -> tuple[Tensor, Tensor | None]:
-        """The fused ``[sum N_i, K]`` weight and ``[sum N_i]`` bias (or None)."""
-        if self.stale:
-            self.fuse_()
+        """The fused ``[sum N_i, K]`` weight and ``[sum N_i]`` bias (or None), as built by
+        the last :meth:`fuse_` (no check of the parameters: see the class docstring)."""
         if self._weight is None:
-            raise RuntimeError("a linear group on the meta device has no weights to multiply")
+            raise RuntimeError(
+                "this linear group was never fused: its weights were on the meta device "
+                "when it was last built, moved or loaded"
+            )
         return self._weight, self._bias
 
 
@@ -195,6 +226,38 @@ def fuse_linear_groups_(module: nn.Module) -> None:
         for group in getattr(sub, "linear_groups", ()):
             if group.stale:
                 group.fuse_()
+
+
+def _fuse_after_load(module: nn.Module, incompatible: object) -> None:
+    """``load_state_dict`` post-hook of a :class:`GroupedModule`: with ``assign=True`` the
+    linears got new parameters, so the groups they left are fused again."""
+    fuse_linear_groups_(module)
+
+
+class GroupedModule(nn.Module):
+    """A module whose projections include :class:`LinearGroup` s (``linear_groups``).
+
+    It keeps them fused: its ``load_state_dict`` post-hook and :meth:`_apply` fuse them
+    again whenever parameters got new storage (see :class:`LinearGroup` for what is not
+    covered and where that is detected).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear_groups: tuple[LinearGroup, ...] = ()
+        self.register_load_state_dict_post_hook(_fuse_after_load)  # type: ignore[no-untyped-call]  # untyped in torch
+
+    def group_linears(self, *groups: LinearGroup) -> None:
+        """Declare this module's groups (built, and so fused, from its linears)."""
+        self.linear_groups = groups
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> GroupedModule:
+        """``Module._apply`` (``.to()``, ``.cuda()``, ``.half()`` …; also reached from any
+        module above this one), then every group a move left stale is fused again: a
+        moved or cast view is a tensor of its own."""
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # untyped in torch
+        fuse_linear_groups_(self)
+        return self
 
 
 def _norm_backend(x: Tensor) -> KernelBackend:
@@ -229,7 +292,7 @@ class GatedRMSNorm(nn.Module):
         )
 
 
-class MLP(nn.Module):
+class MLP(GroupedModule):
     """SwiGLU MLP: ``down(silu(gate(x)) · up(x))``."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
@@ -238,7 +301,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.gate_up = LinearGroup(self.gate_proj, self.up_proj)
-        self.linear_groups = (self.gate_up,)
+        self.group_linears(self.gate_up)
 
     def forward(self, x: Tensor, ops: Ops | None = None) -> Tensor:
         if ops is None:
@@ -295,7 +358,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((rot * cos + rotated * sin, keep), dim=-1)
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(GroupedModule):
     """Full attention with q/k RMSNorm, partial rotary, grouped KV heads and an output gate.
 
     ``q_proj`` yields, per query head, ``[query (D) | gate (D)]``; the attention output is
@@ -315,7 +378,7 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(d, config.rms_norm_eps)
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.qkv = LinearGroup(self.q_proj, self.k_proj, self.v_proj)
-        self.linear_groups = (self.qkv,)
+        self.group_linears(self.qkv)
 
     def forward(
         self,
@@ -373,7 +436,7 @@ def _sigmoid_gate(x: Tensor, gate: Tensor) -> Tensor:
     return x * torch.sigmoid(gate)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(GroupedModule):
     """Gated DeltaNet mixer: projections, causal conv, gated delta rule, gated RMSNorm.
 
     ``in_proj_qkv`` feeds the causal conv over ``conv_dim = 2·HK·K + HV·V`` channels
@@ -405,7 +468,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(config.linear_value_head_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(config.linear_value_dim, h, bias=False)
         self.in_proj = LinearGroup(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
-        self.linear_groups = (self.in_proj,)
+        self.group_linears(self.in_proj)
 
     def forward(
         self,

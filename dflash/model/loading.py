@@ -38,7 +38,6 @@ from torch import Tensor
 
 from dflash.errors import CheckpointError as CheckpointError  # re-exported: one family
 from dflash.model.config import ConfigError, HybridConfig
-from dflash.model.layers import fuse_linear_groups_
 
 if TYPE_CHECKING:
     from dflash.model.target import TargetModel
@@ -307,9 +306,8 @@ def load_target(
             )
     if "lm_head.weight" not in fresh:
         fresh["lm_head.weight"] = fresh["embed_tokens.weight"]
-    model.load_state_dict(fresh, strict=True, assign=True)
+    model.load_state_dict(fresh, strict=True, assign=True)  # fuses the linear groups
     model.tie_weights_()
-    fuse_linear_groups_(model)
     report = LoadReport(
         files=tuple(p.name for p in files), tensors_loaded=len(fresh), ignored=ignored
     )

@@ -52,6 +52,11 @@ class TargetModel(nn.Module):
     ``TRITON_INTERPRET=1``: the interpreter is for kernel tests, not model runs);
     ``"reference"`` forces the reference (the float32 oracle on GPU); ``"triton"`` forces
     Triton (CUDA, or CPU under the interpreter).
+
+    Projections that read the same input are multiplied as one fused weight
+    (:class:`dflash.model.layers.LinearGroup`), built when the model is constructed,
+    loaded (``load_state_dict``, :meth:`from_pretrained`) or moved (``.to()`` …), and
+    checked at every prefill for parameters replaced since.
     """
 
     def __init__(self, config: HybridConfig, *, kernel_backend: KernelBackend = "auto") -> None:
@@ -68,7 +73,6 @@ class TargetModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        fuse_linear_groups_(self)
 
     # -- construction ---------------------------------------------------------------------
 
@@ -97,9 +101,8 @@ class TargetModel(nn.Module):
         with torch.device("meta"):
             model = cls(config)
         params = seeded_parameters(model, seed=seed, dtype=dtype, device=torch.device(device))
-        model.load_state_dict(params, strict=True, assign=True)
+        model.load_state_dict(params, strict=True, assign=True)  # fuses the linear groups
         model.tie_weights_()
-        fuse_linear_groups_(model)
         return model.eval()
 
     @classmethod
@@ -120,13 +123,6 @@ class TargetModel(nn.Module):
         from dflash.model.loading import save_target
 
         save_target(self, Path(directory))
-
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> TargetModel:
-        """``Module._apply`` (``.to()``, ``.cuda()``, ``.half()`` …), then the projection
-        groups are fused again: a move gives every parameter its own new storage."""
-        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # untyped in torch
-        fuse_linear_groups_(self)
-        return self
 
     def tie_weights_(self) -> None:
         if self.config.tie_word_embeddings:
@@ -191,6 +187,8 @@ class TargetModel(nn.Module):
         t = self._check_run(shape, ids, caches, start_pos, mode, geometry)
         kv, pool = caches.kv, caches.pool
         if mode == "prefill":
+            for layer in ids:  # a parameter replaced behind the model's back (LinearGroup)
+                fuse_linear_groups_(self.layers[layer])
             pool.reset()
             kv.reset()
         elif mode == "verify":

@@ -14,6 +14,7 @@ API::
     rest = stream.flush()                  #   UTF-8 character is still split)
     eos = eos_token_id(directory)          # int | None, from generation_config.json,
                                            #   else config.json
+    require_utf8(text, "prompt")           # TextEncodingError unless text is valid UTF-8
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash.errors import CheckpointError
+from dflash.errors import CheckpointError, UsageError, param
 
 TOKENIZER_FILE = "tokenizer.json"
 _REPLACEMENT = "\ufffd"
@@ -31,6 +32,39 @@ _REPLACEMENT = "\ufffd"
 
 class TokenizerError(CheckpointError):
     """A tokenizer or EOS setting that cannot be used; the message names the file."""
+
+
+class TextEncodingError(UsageError):
+    """Text that is not valid UTF-8; the message names the parameter, byte and offset."""
+
+
+def require_utf8(text: str, what: str) -> None:
+    """Refuse ``text`` unless it encodes as UTF-8 (:class:`TextEncodingError` naming ``what``).
+
+    A Python ``str`` can hold lone surrogates: the command line's arguments carry each
+    byte that is not valid UTF-8 as one (``surrogateescape``: byte ``0xff`` becomes
+    ``U+DCFF``), and no tokenizer takes them. The message names the first such byte as
+    the command line received it (``U+DC80`` … ``U+DCFF`` are bytes ``0x80`` … ``0xff``),
+    or the surrogate's code point for any other, at its offset in the UTF-8 bytes.
+    """
+    try:
+        text.encode("utf-8")
+        return
+    except UnicodeEncodeError:
+        pass
+    offset = 0
+    for ch in text:
+        code = ord(ch)
+        if 0xDC80 <= code <= 0xDCFF:
+            what_bad = f"byte 0x{code - 0xDC00:02x}"
+        elif 0xD800 <= code <= 0xDFFF:
+            what_bad = f"lone surrogate U+{code:04X}"
+        else:
+            offset += len(ch.encode("utf-8"))
+            continue
+        raise TextEncodingError(
+            f"{param(what)} is not valid UTF-8: {what_bad} at offset {offset}"
+        )
 
 
 class TextTokenizer:
@@ -76,6 +110,7 @@ class TextTokenizer:
         """Token ids of ``text``; no special tokens are added."""
         if not isinstance(text, str):
             raise TokenizerError(f"encode expects a str (got {type(text).__name__})")
+        require_utf8(text, "text")  # the backend takes no lone surrogates
         return list(self._backend.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -159,7 +159,7 @@ def _check(cfg: TrainConfig) -> None:
 
 def load_target(cfg: TrainConfig) -> TargetModel:
     """The frozen target (no gradients, eval mode) on the training device."""
-    from dflash.execution.session import build_model
+    from dflash.model.catalog import build_model
 
     dtype = torch.float32 if cfg.device == "cpu" or cfg.dtype == "float32" else torch.bfloat16
     model = build_model(cfg.model, seed=0, dtype=dtype, device=cfg.device)
@@ -206,7 +206,7 @@ def _eval_target(
 
     plan = plan_shards(model.config.num_hidden_layers, str(model.embed_tokens.weight.device))
     longest = max((len(p) for p in prompts), default=1)
-    return plan, spec_target(model, plan, longest, tokens, block_size, windows=False)
+    return plan, spec_target(model, plan, longest, tokens, block_size)
 
 
 def evaluate(
@@ -244,7 +244,7 @@ def speculative_scores(
     for prompt in prompts:
         r = generate(
             model, new_drafter(), prompt, plan=plan, max_new_tokens=tokens,
-            block_size=block_size, target=target,
+            block_size=block_size, target=target, verify_window="full",
         )
         steps += r.steps
         accepted += r.accepted_tokens

@@ -293,20 +293,10 @@ def test_a_repeat_with_other_tokens_fails_parity(
 
 
 def test_bad_repeats_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    from dflash.execution import RollbackPolicy, generate, plan_shards
-    from dflash.model import TargetModel
-    from dflash.model.drafters import PromptLookupDrafter
-
     assert main(["generate", *FAST, "--repeats", "0"]) == 2
     assert "--repeats must be >= 1 (got 0)" in capsys.readouterr().err
     assert main(["generate", *FAST, "--repeats", "2", "--no-baseline"]) == 2
     assert "--repeats 2 times the plain greedy baseline too" in capsys.readouterr().err
-    tiny = TargetModel.tiny_default(seed=0)
-    for bad, baseline in ((0, True), (True, True), (2.0, True), (2, False)):
-        with pytest.raises(ValueError, match="'repeats'"):
-            generate(tiny, PromptLookupDrafter(), [1, 2, 3], plan=plan_shards(6),
-                     max_new_tokens=4, block_size=4, policy=RollbackPolicy(mode="replay"),
-                     baseline=baseline, repeats=bad)  # type: ignore[arg-type]  # on purpose
 
 
 def test_no_baseline_nulls_the_fields_and_parity_still_decodes_once(
@@ -379,16 +369,22 @@ def test_out_of_memory_mid_decode_exits_3_with_no_partial_json(
     assert "Traceback" not in err and "reported later" not in err
 
 
+@pytest.mark.parametrize("timing", [["--no-baseline"], ["--repeats", "3"]])
 def test_a_budget_past_max_position_exits_2_before_decoding(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, timing: list[str]
 ) -> None:
+    """One run (the library's generate refuses it) or kept targets for repeats (the
+    speculative target refuses it before the greedy one is built): nothing decodes."""
     import dflash.execution.run as run_module
+    from dflash.execution.shards import ShardedTarget
 
     def never(*args: object, **kwargs: object) -> None:
-        raise AssertionError("decoding started")
+        raise AssertionError("a target was built or decoding started")
 
-    monkeypatch.setattr(run_module, "generate", never)
-    args = ["generate", "--json", *FAST, "--no-baseline"]
+    monkeypatch.setattr(run_module, "_speculative_run", never)
+    monkeypatch.setattr(run_module, "reference_greedy", never)
+    monkeypatch.setattr(ShardedTarget, "__init__", never)
+    args = ["generate", "--json", *FAST, *timing]
     args[args.index("--max-new-tokens") + 1] = "5000"
     assert main(args) == 2
     out, err = capsys.readouterr()

@@ -15,7 +15,7 @@ import torch
 import dflash
 import dflash.commands.generate as generate_command
 import dflash.execution.run as run_module
-from dflash import errors
+from dflash import api, errors
 from dflash.cli import main
 from dflash.commands.validate import UnusableInput
 from dflash.errors import (
@@ -40,6 +40,7 @@ from dflash.execution.session import SessionError
 from dflash.kernels import RollbackBoundsError
 from dflash.model.caches import CacheError
 from dflash.model.drafters import errors as drafter_errors
+from dflash.model.tokenizer import TextEncodingError
 
 LAYERS = (GeometryError, KernelBoundsError, CheckpointError, ConfigError, ExecutionError,
           UsageError)
@@ -68,6 +69,10 @@ EXPECTED: list[tuple[type[Exception], tuple[type[Exception], ...]]] = [
     (RollbackConfigError, (ExecutionError, UsageError)),  # a bad --rollback / env value
     (SessionError, (UsageError,)),
     (UnusableInput, (UsageError,)),
+    (api.ArgumentError, (UsageError,)),  # a bad argument of dflash.load / LLM methods
+    (api.NotSupportedYetError, (UsageError,)),  # sampling or trees, not built yet
+    (api.ChatTemplateError, (CheckpointError,)),
+    (TextEncodingError, (UsageError,)),  # text that is not valid UTF-8
 ]
 
 

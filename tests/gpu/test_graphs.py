@@ -502,6 +502,7 @@ def test_the_default_pair_copies_on_the_device_and_stays_plain_greedy() -> None:
     """The shipped pair in bf16 with graphs, the main job's prompt, 256 tokens: the host
     revises the device's drafts into copies (the continuation repeats), and the tokens are
     plain greedy's in every mode."""
+    from dflash.commands.settings import DEFAULT_PROMPT
     from dflash.data import default_dir
     from dflash.execution import session
     from dflash.model.drafters import LookupAssistedDrafter
@@ -510,7 +511,7 @@ def test_the_default_pair_copies_on_the_device_and_stays_plain_greedy() -> None:
         pytest.skip("the default pair is not installed")
     m = session.build_model("default", seed=0, dtype=torch.bfloat16, device="cuda:0")
     prompt = session.encode_prompt(
-        "default", m.config.vocab_size, text=None, ids=None, length=None, seed=0
+        "default", m.config.vocab_size, text=DEFAULT_PROMPT, ids=None, length=None, seed=0
     )
     plan = plan_shards(m.config.num_hidden_layers, "cuda:0")
     n = 256

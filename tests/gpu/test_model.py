@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
 from torch import Tensor  # noqa: E402 - after the CUDA skip
 
 from dflash.geometry import require_chain  # noqa: E402
-from dflash.model import HybridConfig, ShardCaches, TargetModel  # noqa: E402
+from dflash.model import HybridConfig, RecurrentPool, ShardCaches, TargetModel  # noqa: E402
 
 SEED = 1234
 PROMPT_LEN = 32
@@ -40,6 +40,14 @@ BF16_REL_TOL = 1e-1  # relative RMS of logits, bf16 weights/activations vs f32 o
 # (~1e-6 per layer on CPU); a wrong slot or a broken alias gives O(1) errors.
 F32_REL_TOL = 1e-3
 BF16_CAPTURE_TOL = 5e-2  # captured states, bf16 batched vs sequential (GEMM order differs)
+
+def roll_back(pool: RecurrentPool, mode: str, commit_n: int) -> None:
+    """A fast rollback as the engine runs it: the host checks, the device work on the
+    count, the host mirrors once the count is known."""
+    pool.mark_device_rollback()
+    pool.rollback_on_device(mode, torch.tensor([commit_n], device=pool.position.device))
+    pool.finish_rollback(mode, commit_n)
+
 
 
 def rel(a: Tensor, b: Tensor) -> float:
@@ -167,7 +175,7 @@ def test_verify_capture_equals_sequential_decode(
     assert max(state_errs) <= tol
     assert max(logit_errs) <= (tol if dtype_name == "float32" else BF16_REL_TOL)
     # fast rollback to slot 5 lands on the sequential state after 5 tokens
-    ver.pool.restore_checkpoint(5)
+    roll_back(ver.pool, "checkpoint", 5)
     for i, state in enumerate(_live_states(ver)):
         assert torch.equal(state, ver.pool.checkpoints[i, :, 4])
         assert rel(state, seq_states[4][i]) <= tol
@@ -188,10 +196,10 @@ def test_remap_then_verify_reads_the_remapped_slot(
     caches = model.new_caches(max_len=PROMPT_LEN + 3 * DRAFT, max_draft=DRAFT)
     model(prompt, caches, "prefill")
     model(draft[None], caches, "verify", geometry=chain)
-    caches.pool.remap(3)
+    roll_back(caches.pool, "remap", 3)
     caches.kv.truncate(PROMPT_LEN + 3)
     logits2, _ = model(second[None], caches, "verify", geometry=chain)
-    caches.pool.remap(DRAFT)
+    roll_back(caches.pool, "remap", DRAFT)
     caches.kv.truncate(PROMPT_LEN + 3 + DRAFT)
     final, _ = model(second[None, :1], caches, "decode")
 

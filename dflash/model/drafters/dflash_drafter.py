@@ -26,12 +26,23 @@ land at positions the next step overwrites before they become visible.
 
 The token embedding and LM head are the target's tensors, held by reference: they are not
 parameters of the drafter and are not saved with it.
+
+Product dtype (``draft_dtype``): the drafter multiplies in its weights' dtype (the LM head
+in the head's) unless it is built with a ``draft_dtype``; then every drafting product —
+``fc``, the projections, the MLP and the LM head, on the host and on the device alike —
+multiplies in that dtype (on copies of the weights in it), while norms, attention and the
+residual sums stay in the drafter's dtype. Only guesses come out of the drafter and the
+target verifies every one, so any ``draft_dtype`` leaves the output lossless: it changes
+which guesses are made, and so the speed, never the tokens. Training (``run_blocks``,
+:meth:`logits` outside the drafting methods) multiplies the weights as they are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -49,11 +60,12 @@ from dflash.model.drafters.dflash_layers import (
     BlockedVisibility,
     DrafterLayer,
     PackedLayer,
+    ProductLinear,
     RMSNorm,
     Rotary,
     normed,
-    packed_product,
     product_dtype,
+    products_in,
     visibility,
 )
 from dflash.model.drafters.errors import (
@@ -65,6 +77,41 @@ from dflash.model.drafters.errors import (
 
 _O_PROJ_GAIN = 4.0  # see DFlashDrafter.random
 ContextKV = list[tuple[Tensor, Tensor]]  # per layer: k, v [N, kv_heads, C, D]
+#: the dtypes a drafter's products may run in (``draft_dtype``)
+DRAFT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def check_draft_dtype(draft_dtype: object) -> torch.dtype | None:
+    """``draft_dtype`` itself when it is None or one of :data:`DRAFT_DTYPES`.
+
+    Raises:
+        DraftArgumentError: anything else (named in the message).
+    """
+    if draft_dtype is None:
+        return None
+    if isinstance(draft_dtype, torch.dtype) and draft_dtype in DRAFT_DTYPES:
+        return draft_dtype
+    allowed = ", ".join(str(d) for d in DRAFT_DTYPES)
+    raise DraftArgumentError(
+        f"'draft_dtype' must be None (the drafter's own dtype) or one of {allowed} "
+        f"(got {draft_dtype!r})"
+    )
+
+
+def _drafting(
+    method: Callable[Concatenate[DFlashDrafter, _P], _R],
+) -> Callable[Concatenate[DFlashDrafter, _P], _R]:
+    """Run a drafting method with its products in the drafter's ``draft_dtype``."""
+
+    def run(self: DFlashDrafter, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with products_in(self.draft_dtype):
+            return method(self, *args, **kwargs)
+
+    functools.update_wrapper(run, method)  # the method's name and docstring
+    return run
 
 
 class _DeviceCache:
@@ -102,13 +149,23 @@ class DFlashDrafter(nn.Module):
     _embed_weight: Tensor  # [V, H], the target's, by reference
     _lm_head_weight: Tensor  # [V, H], the target's, by reference
 
-    def __init__(self, config: DFlashConfig, embed_weight: Tensor, lm_head_weight: Tensor) -> None:
+    def __init__(
+        self,
+        config: DFlashConfig,
+        embed_weight: Tensor,
+        lm_head_weight: Tensor,
+        *,
+        draft_dtype: torch.dtype | None = None,
+    ) -> None:
         """Build with parameters left to ``torch.nn`` defaults; prefer :meth:`random` or
-        :meth:`from_pretrained`, which set every parameter deterministically."""
+        :meth:`from_pretrained`, which set every parameter deterministically.
+        ``draft_dtype``: the dtype the drafting products run in (module docstring; None:
+        the weights' own)."""
         super().__init__()
+        self._draft_dtype = check_draft_dtype(draft_dtype)
         check_target(config, embed_weight, lm_head_weight, None, "the target")
         self.config = config
-        self.fc = nn.Linear(config.feature_size, config.hidden_size, bias=False)
+        self.fc = ProductLinear(config.feature_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -129,8 +186,8 @@ class DFlashDrafter(nn.Module):
         # 1 / sum(exp(logit - max)): what probabilities() reads
         self._scores: tuple[Tensor, Tensor, Tensor] | None = None
         self.rows_projected = 0  # context rows the host path ran through fc (cost accounting)
-        #: (weight key, copy) of the LM head in the packed products' dtype (_host_logits)
-        self._head_copy: tuple[tuple[int, int, int], Tensor] | None = None
+        #: (weight key, copy) of the LM head as ``[H, V]`` in the products' dtype (_head_in)
+        self._head_copy: tuple[tuple[int, int, torch.dtype], Tensor] | None = None
         self._device: _DeviceCache | None = None
         #: bumped whenever the device buffers are allocated anew (graphs of the old ones
         #: must be dropped: they hold their addresses)
@@ -143,6 +200,11 @@ class DFlashDrafter(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
+
+    @property
+    def draft_dtype(self) -> torch.dtype | None:
+        """The dtype the drafting products run in (None: each weight's own dtype)."""
+        return self._draft_dtype
 
     @property
     def device(self) -> torch.device:
@@ -162,10 +224,11 @@ class DFlashDrafter(nn.Module):
         embed_weight: Tensor,
         lm_head_weight: Tensor,
         dtype: torch.dtype | None,
+        draft_dtype: torch.dtype | None,
     ) -> DFlashDrafter:
         # shapes only (meta device: no init work, global RNG untouched), then real storage
         with torch.device("meta"):
-            drafter = cls(config, embed_weight, lm_head_weight)
+            drafter = cls(config, embed_weight, lm_head_weight, draft_dtype=draft_dtype)
         drafter.to_empty(device=embed_weight.device)
         return drafter.to(dtype=dtype or embed_weight.dtype)
 
@@ -178,9 +241,11 @@ class DFlashDrafter(nn.Module):
         seed: int,
         *,
         dtype: torch.dtype | None = None,
+        draft_dtype: torch.dtype | None = None,
     ) -> DFlashDrafter:
         """Seeded random weights, drawn on the CPU in float32 in parameter-name order, so the
-        same seed gives the same drafter on any device; ``dtype`` defaults to the embedding's.
+        same seed gives the same drafter on any device; ``dtype`` defaults to the embedding's;
+        ``draft_dtype``: the products' dtype (module docstring; None: the weights').
 
         Norms are 1, biases 0 and linear weights N(0, 1/fan_in), except the attention output
         projections, N(0, 16/fan_in): with unit-scale target embeddings the untrained drafter
@@ -189,7 +254,8 @@ class DFlashDrafter(nn.Module):
         """
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise DraftArgumentError(f"'seed' must be an int >= 0 (got {seed!r})")
-        drafter = cls._empty(config, embed_weight, lm_head_weight, dtype)
+        check_draft_dtype(draft_dtype)
+        drafter = cls._empty(config, embed_weight, lm_head_weight, dtype, draft_dtype)
         gen = torch.Generator(device="cpu").manual_seed(seed)
         with torch.no_grad():
             for name, param in sorted(drafter.named_parameters()):
@@ -212,15 +278,18 @@ class DFlashDrafter(nn.Module):
         *,
         num_target_layers: int | None = None,
         dtype: torch.dtype | None = None,
+        draft_dtype: torch.dtype | None = None,
     ) -> DFlashDrafter:
         """Load a z-lab-format drafter; typed errors on any problem, nothing half-loaded.
 
         ``num_target_layers``: the target's layer count (checks the tap layers against it).
+        ``draft_dtype``: the products' dtype (module docstring; None: the weights').
         """
+        check_draft_dtype(draft_dtype)
         config = read_config(directory)
         check_target(config, embed_weight, lm_head_weight, num_target_layers, str(directory))
         tensors = read_weights(directory, expected_shapes(config))
-        drafter = cls._empty(config, embed_weight, lm_head_weight, dtype)
+        drafter = cls._empty(config, embed_weight, lm_head_weight, dtype, draft_dtype)
         with torch.no_grad():
             for name, param in drafter.state_dict().items():
                 param.copy_(tensors[name])
@@ -321,27 +390,35 @@ class DFlashDrafter(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """``[..., V]`` logits through the target's LM head (on the LM head's device, which
-        may differ from the embedding's when the target is split across devices)."""
+        may differ from the embedding's when the target is split across devices), in
+        :func:`product_dtype` (the head's own dtype outside a drafting method)."""
         weight = self._lm_head_weight
-        return F.linear(hidden.to(weight.device, weight.dtype), weight)
+        dtype = product_dtype(weight)
+        if dtype == weight.dtype:
+            return F.linear(hidden.to(weight.device, dtype), weight)
+        return torch.matmul(hidden.to(weight.device, dtype), self._head_in(dtype))
 
     def _host_logits(self, hidden: Tensor) -> Tensor:
         """:meth:`logits` of a host proposal of ``hidden [R, H]``: with the packed layers,
-        the LM head's product too is an ``x @ W`` on an ``[H, V]`` copy of its weight, in
-        :func:`product_dtype` for a streamed weight, made again whenever the weight was
-        changed or replaced (its storage address or version counter moved); CPU BLAS runs
-        ``[16, 256] x [256, 4096]`` faster so than as ``x @ weight.T``."""
+        the LM head's product too is an ``x @ W`` on the ``[H, V]`` copy of
+        :meth:`_head_in`, which CPU BLAS runs faster than ``x @ weight.T`` at these
+        shapes."""
         weight = self._lm_head_weight
         if not self._packed_inference:
             return self.logits(hidden)
-        rows = hidden.shape[0]
-        key = (weight.data_ptr(), -1 if weight.is_inference() else weight._version, rows)
+        dtype = product_dtype(weight)
+        return torch.mm(hidden.to(weight.device, dtype), self._head_in(dtype))
+
+    def _head_in(self, dtype: torch.dtype) -> Tensor:
+        """The LM head as a contiguous ``[H, V]`` matrix in ``dtype``, made again whenever
+        the dtype differs or the weight was changed or replaced (its storage address or
+        version counter moved)."""
+        weight = self._lm_head_weight
+        key = (weight.data_ptr(), -1 if weight.is_inference() else weight._version, dtype)
         if self._head_copy is None or self._head_copy[0] != key:
             with torch.no_grad():
-                head = weight.detach().T
-                dtype = product_dtype(head, rows, streamed=True)
-                self._head_copy = (key, head.to(dtype).contiguous())
-        return packed_product(hidden.to(weight.device, weight.dtype), self._head_copy[1], None)
+                self._head_copy = (key, weight.detach().T.to(dtype).contiguous())
+        return self._head_copy[1]
 
     def _layers(self) -> list[DrafterLayer]:
         return [layer for layer in self.layers if isinstance(layer, DrafterLayer)]
@@ -361,6 +438,7 @@ class DFlashDrafter(nn.Module):
         self._confidence = None
         self._scores = None
 
+    @_drafting
     def propose(
         self, context: list[int], last: int, block_size: int, features: Tensor | None
     ) -> list[int]:
@@ -422,6 +500,7 @@ class DFlashDrafter(nn.Module):
         one, after :meth:`reset`, and for proposals made on the device)."""
         return None if self._confidence is None else list(self._confidence)
 
+    @_drafting
     @torch.no_grad()
     def propose_uncached(self, features: Tensor, last: int, block_size: int) -> list[int]:
         """The same proposal computed from the features of *every* committed token at once,
@@ -429,6 +508,7 @@ class DFlashDrafter(nn.Module):
         hidden = self.uncached_hidden(features, last, block_size)
         return [int(t) for t in self.logits(hidden[1:]).argmax(-1).tolist()]
 
+    @_drafting
     @torch.no_grad()
     def uncached_hidden(self, features: Tensor, last: int, block_size: int) -> Tensor:
         """Final hidden states [B, H] of the block after ``features`` [n, F] (no cache)."""
@@ -440,6 +520,7 @@ class DFlashDrafter(nn.Module):
         q_pos = torch.arange(n, n + block_size, device=self.device)[None]
         return self.run_block(x, q_pos, kv, ctx_pos)[0]
 
+    @_drafting
     @torch.inference_mode()  # the cache is written in place: inference tensors allow it only here
     def _extend(
         self, tokens: list[int], features: Tensor, packs: list[PackedLayer] | None = None
@@ -504,6 +585,7 @@ class DFlashDrafter(nn.Module):
             for k_buf, v_buf in self._cache
         ]
 
+    @_drafting
     @torch.inference_mode()  # as _extend
     def _draft_hidden(
         self, last: int, block_size: int, packs: list[PackedLayer] | None = None
@@ -543,6 +625,7 @@ class DFlashDrafter(nn.Module):
 
     # -- drafting on the device --------------------------------------------------------
 
+    @_drafting
     @torch.no_grad()
     def start_device(
         self, features: Tensor, last: int, capacity: int, block_size: int
@@ -591,6 +674,7 @@ class DFlashDrafter(nn.Module):
         dev.tokens[:t].copy_(tokens)
         dev.count.copy_(commit_n)
 
+    @_drafting
     @torch.no_grad()
     def device_step(self) -> Tensor:
         """One drafting step on the device (capture-safe: no host value, static shapes):

@@ -12,15 +12,20 @@ Maths (Qwen3): ``RMSNorm(x) = weight * (x / sqrt(mean(x²) + eps))`` (plain weig
 ``1 + weight``), normalised in float32 and cast back before the weight multiplies;
 per-head RMSNorm on queries and keys before the rotary embedding; half-split rotary
 embedding (``x * cos + rotate_half(x) * sin``); SwiGLU MLP ``down(silu(gate x) * up x)``.
+
+Product dtype: while drafting, the linear products (the projections, the MLP, ``fc``, the
+LM head) multiply in the dtype set by :func:`products_in` — the drafter's ``draft_dtype``,
+or, when that is None, each weight's own dtype — and their results return to the rows'
+dtype; norms, the rotary embedding, attention and the residual sums stay in the rows'
+dtype. Nothing is timed or chosen per machine. Training runs outside :func:`products_in`,
+on the weights as they are.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -39,6 +44,8 @@ from dflash.model.drafters.dflash_config import DFlashConfig
 #: launch directly.
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _MATH_ONLY: ContextVar[bool] = ContextVar("dflash_drafter_math_attention", default=False)
+#: the dtype the drafting products multiply in (None: each weight's own), see products_in
+_PRODUCTS: ContextVar[torch.dtype | None] = ContextVar("dflash_drafter_products", default=None)
 
 
 @contextmanager
@@ -61,6 +68,49 @@ def math_attention() -> Iterator[None]:
 def attention_backends() -> list[SDPBackend]:
     """The SDPA backends the drafter's attention may use here (see :func:`math_attention`)."""
     return [SDPBackend.MATH] if _MATH_ONLY.get() else list(_BACKENDS)
+
+
+@contextmanager
+def products_in(dtype: torch.dtype | None) -> Iterator[None]:
+    """Run the drafter's linear products in ``dtype`` inside this block (None: each weight's
+    own dtype); see the module docstring. The drafter's drafting methods enter it with its
+    ``draft_dtype``; a CUDA graph captured inside it keeps the products it captured."""
+    token = _PRODUCTS.set(dtype)
+    try:
+        yield
+    finally:
+        _PRODUCTS.reset(token)
+
+
+def product_dtype(weight: Tensor) -> torch.dtype:
+    """The dtype a product with ``weight`` multiplies in here: that of :func:`products_in`,
+    else the weight's own."""
+    return _PRODUCTS.get() or weight.dtype
+
+
+class ProductLinear(nn.Linear):
+    """:class:`torch.nn.Linear` whose product multiplies in :func:`product_dtype`: where that
+    differs from the weight's dtype, ``x`` and a copy of the weight in that dtype (made
+    again when the weight's storage or version counter moves) are multiplied, and the
+    result returns to ``x``'s dtype before the bias is added. Otherwise (and outside
+    :func:`products_in`, as in training) it is ``nn.Linear`` itself; its parameters and
+    their names are ``nn.Linear``'s."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self._copy: tuple[tuple[int, int, torch.dtype], Tensor] | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.weight
+        dtype = product_dtype(weight)
+        if dtype == weight.dtype:
+            return F.linear(x, weight, self.bias)
+        key = (weight.data_ptr(), -1 if weight.is_inference() else weight._version, dtype)
+        if self._copy is None or self._copy[0] != key:
+            with torch.no_grad():
+                self._copy = (key, weight.detach().to(dtype))
+        y = F.linear(x.to(dtype), self._copy[1]).to(x.dtype)
+        return y if self.bias is None else y + self.bias
 
 
 class RMSNorm(nn.Module):
@@ -271,10 +321,10 @@ class DraftAttention(nn.Module):
         bias = cfg.attention_bias
         h = cfg.hidden_size
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(h, q_out, bias=bias)
-        self.k_proj = nn.Linear(h, kv_out, bias=bias)
-        self.v_proj = nn.Linear(h, kv_out, bias=bias)
-        self.o_proj = nn.Linear(q_out, h, bias=bias)
+        self.q_proj = ProductLinear(h, q_out, bias=bias)
+        self.k_proj = ProductLinear(h, kv_out, bias=bias)
+        self.v_proj = ProductLinear(h, kv_out, bias=bias)
+        self.o_proj = ProductLinear(q_out, h, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
@@ -335,9 +385,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = ProductLinear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = ProductLinear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = ProductLinear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -353,11 +403,8 @@ class DrafterLayer(nn.Module):
         self.self_attn = DraftAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-        #: the rows of the block products :meth:`infer` runs (what :func:`product_dtype`
-        #: times them at)
-        self.block_rows = cfg.block_size
         self._packed: PackedLayer | None = None  # see packed()
-        self._packed_key: tuple[tuple[int, int], ...] = ()
+        self._packed_key: tuple[object, ...] = ()
 
     def forward(self, x: Tensor, *attn_args: Any) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), *attn_args)
@@ -380,9 +427,8 @@ class DrafterLayer(nn.Module):
         written there (rows ``0 … n-1`` hold the context) and the block attends over rows
         ``0 … n+Q-1``, with no concatenated or head-expanded copies of the keys. The
         products run on :meth:`packed` weights (q/k/v as one, gate/up as one, each an
-        ``x @ W`` in :func:`product_dtype` — bfloat16 where the CPU multiplies it natively
-        and measurably faster — with the residual added in the same BLAS call when the
-        product runs in the rows' dtype); the same maths as
+        ``x @ W`` in :func:`product_dtype`, with the residual added in the same BLAS call
+        when the product runs in the rows' dtype); the same maths as
         :meth:`forward` with ``visible=None``, rounded differently, without autograd.
 
         x: [1, Q, H]; k_cache, v_cache: [1, kv_heads, >= n+Q, D]; cos/signed_sin:
@@ -433,8 +479,9 @@ class DrafterLayer(nn.Module):
         return rotate_rolled(k.transpose(0, 1)[None], cos, signed_sin), v.transpose(0, 1)[None]
 
     def packed(self) -> PackedLayer:
-        """This layer's weights laid out for :meth:`infer`, made again whenever a parameter
-        was changed or replaced since (its storage address or version counter moved).
+        """This layer's weights laid out for :meth:`infer` in the :func:`product_dtype` set
+        here, made again whenever that dtype differs or a parameter was changed or replaced
+        since (its storage address or version counter moved).
 
         Parameters made under ``torch.inference_mode`` have no version counter: for them
         only a replaced parameter is noticed, not one written in place (a stale copy only
@@ -442,94 +489,15 @@ class DrafterLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         packed_from = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, attn.q_norm,
                        attn.k_norm, mlp.gate_proj, mlp.up_proj, mlp.down_proj)  # fmt: skip
-        key = tuple(
+        key = (_PRODUCTS.get(), *(
             (p.data_ptr(), -1 if p.is_inference() else p._version)
             for m in packed_from  # looked up each time: a replaced module is seen too
             for p in m._parameters.values()
             if p is not None
-        )
+        ))
         if self._packed is None or self._packed_key != key:
             self._packed, self._packed_key = PackedLayer.of(self), key
         return self._packed
-
-
-@functools.cache
-def cpu_bf16_products() -> bool:
-    """True when this CPU multiplies bfloat16 matrices natively (oneDNN reports AVX512-BF16
-    or AMX): there a bfloat16 product of the drafter's skinny shapes takes about half the
-    time of a float32 one."""
-    # torch leaves mkldnn.is_available unannotated
-    available: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-    return available and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-#: a bfloat16 product replaces a float32 one where its trial took at most this fraction of
-#: the float32 trial's time (a near tie keeps float32, the weights' own dtype)
-BF16_PAYS_BELOW = 0.85
-
-
-def product_dtype(weight: Tensor, rows: int, *, streamed: bool = False) -> torch.dtype:
-    """The dtype the packed inference products ``x [rows, in] @ w [in, out]`` multiply in for
-    a ``weight`` of that ``[in, out]`` shape: bfloat16 for a float32 weight on a CPU with
-    native bfloat16 products where a short timed trial of that product shape
-    (:func:`bf16_product_pays`) found it clearly faster, or where the weight is
-    ``streamed`` (read from beyond the per-core caches in every proposal: the LM head);
-    else the weight's dtype.
-
-    Which is faster depends on the CPU and its BLAS, not on the shape alone: on one
-    AVX512-BF16 CPU the ``[15, 256] x [256, 4096]`` LM head product took 615 µs in float32
-    and 228 µs in bfloat16; on an AMX CPU ``[16, 256] x [256, 256]`` took 13 µs in float32
-    and 37 µs in bfloat16 with its conversions, and the LM head, about 150 µs either way in
-    a hot loop, about 490 µs in float32 and 280 µs in bfloat16 inside the speculative
-    steps (the target's forward between two proposals streams its own weights through the
-    caches; a trial cannot reproduce that, hence ``streamed``). Only guesses come out of
-    these products; the target verifies every one of them."""
-    native = weight.device.type == "cpu" and cpu_bf16_products()
-    if weight.dtype != torch.float32 or not native or weight.dim() != 2:
-        return weight.dtype
-    if streamed:
-        return torch.bfloat16
-    inner, outer = weight.shape
-    return torch.bfloat16 if bf16_product_pays(rows, inner, outer) else weight.dtype
-
-
-@functools.cache
-def bf16_product_pays(rows: int, inner: int, outer: int) -> bool:
-    """Whether ``x [rows, inner] @ w [inner, outer]`` runs clearly faster on this CPU with
-    bfloat16 operands than in float32 (:func:`bf16_wins` of :func:`product_trial`'s
-    times). Timed once per shape and process: a few milliseconds at the drafter's
-    shapes."""
-    return bf16_wins(product_trial(rows, inner, outer))
-
-
-def bf16_wins(times: dict[str, float]) -> bool:
-    """True when the ``"bf16"`` time is below :data:`BF16_PAYS_BELOW` of the ``"f32"``
-    one."""
-    return times["bf16"] < BF16_PAYS_BELOW * times["f32"]
-
-
-def product_trial(rows: int, inner: int, outer: int, reps: int = 5) -> dict[str, float]:
-    """The fastest of ``reps`` calls (after a warm-up, the two alternating) of ``x [rows,
-    inner] @ w [inner, outer]`` in float32 (``"f32"``) and with ``x`` converted to bfloat16
-    and the product back to float32, as :func:`packed_product` runs it (``"bf16"``), in
-    seconds."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, inner, generator=gen)
-    w = torch.randn(inner, outer, generator=gen)
-    w16 = w.to(torch.bfloat16)
-    trials: dict[str, Callable[[], Tensor]] = {
-        "f32": lambda: torch.mm(x, w),
-        "bf16": lambda: torch.mm(x.to(torch.bfloat16), w16).to(torch.float32),
-    }
-    best = dict.fromkeys(trials, math.inf)
-    with torch.inference_mode():
-        for rep in range(reps + 1):  # the first call of each a warm-up
-            for name, trial in trials.items():
-                t0 = time.perf_counter()
-                trial()
-                if rep:
-                    best[name] = min(best[name], time.perf_counter() - t0)
-    return best
 
 
 @dataclass(frozen=True)
@@ -542,9 +510,9 @@ class PackedLayer:
     norm weights in the layer's dtype). Copies: training never sees them."""
 
     qkv: Tensor  # [H, (heads + 2 kv_heads) D]
-    #: its k/v columns as a matrix of their own: a column slice of ``qkv`` is strided, and
-    #: CPU bfloat16 products of strided matrices take a slow path (348 against 24 µs for
-    #: ``[3, 256] x [256, 256]`` on an AVX512-BF16 CPU)
+    #: its k/v columns as a contiguous matrix of their own (the context's products): a
+    #: column slice of ``qkv`` is strided, which CPU BLAS multiplies more slowly in some
+    #: dtypes
     kv: Tensor  # [H, 2 kv_heads D]
     qkv_bias: Tensor | None
     qk_norm: Tensor  # [heads + kv_heads, D]
@@ -561,17 +529,15 @@ class PackedLayer:
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         biases: list[Tensor] = [m.bias for m in projections if m.bias is not None]
         heads, kv_heads = attn.num_heads, attn.num_kv_heads
-        rows = layer.block_rows
 
-        def matrix(*weights: Tensor, rows: int = rows) -> Tensor:
-            """``[in, out]``, contiguous, in :func:`product_dtype` for ``rows``-row products."""
+        def matrix(*weights: Tensor) -> Tensor:
+            """``[in, out]``, contiguous, in :func:`product_dtype`."""
             w = torch.cat(weights).T
-            return w.to(product_dtype(w, rows)).contiguous()
+            return w.to(product_dtype(w)).contiguous()
 
         return PackedLayer(
             qkv=matrix(*(m.weight for m in projections)),
-            # the context's rows: the few tokens a step commits
-            kv=matrix(attn.k_proj.weight, attn.v_proj.weight, rows=max(1, rows // 4)),
+            kv=matrix(attn.k_proj.weight, attn.v_proj.weight),
             qkv_bias=torch.cat(biases) if len(biases) == 3 else None,
             qk_norm=torch.cat(
                 [attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1)]
@@ -589,8 +555,8 @@ def packed_product(
 ) -> Tensor:
     """``residual + x @ w + bias`` for 2-D ``x`` (each term optional), in ``x``'s dtype: in
     one BLAS call when ``w`` has that dtype and at most one of ``residual`` / ``bias`` is
-    given; with bfloat16 ``w`` (:func:`product_dtype`) the product runs in bfloat16 and
-    the sums in ``x``'s dtype."""
+    given; with ``w`` in another dtype (:func:`product_dtype`) the product runs in ``w``'s
+    dtype and the sums in ``x``'s."""
     if w.dtype != x.dtype:
         y = torch.mm(x.to(w.dtype), w).to(x.dtype)
         if bias is not None:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from dflash.model.drafters.base import Drafter
 from dflash.model.drafters.dflash_config import DFlashConfig
-from dflash.model.drafters.dflash_drafter import DFlashDrafter
+from dflash.model.drafters.dflash_drafter import DFlashDrafter, check_draft_dtype
 from dflash.model.drafters.errors import DraftArgumentError, UnknownDrafterSpecError
 from dflash.model.drafters.lookup_assisted import LookupAssistedDrafter
 from dflash.model.drafters.prompt_lookup import PromptLookupDrafter
@@ -57,6 +57,7 @@ def make_drafter(
     oracle: Oracle | None = None,
     acceptance: float | Sequence[float] = 0.8,
     dtype: torch.dtype | None = None,
+    draft_dtype: torch.dtype | None = None,
 ) -> Drafter:
     """Build the drafter named by ``spec`` for ``target``.
 
@@ -68,9 +69,17 @@ def make_drafter(
         oracle: ``"synthetic"`` only: the target's greedy sequence or next-token callable.
         acceptance: ``"synthetic"`` only: one per-slot probability, or a per-slot profile.
         dtype: DFlash drafters only: parameter dtype (default: the embedding's).
+        draft_dtype: DFlash drafters only: the dtype their products multiply in (default
+            None: the weights' own). Only guesses come out of a drafter, so any of
+            ``DRAFT_DTYPES`` leaves the output lossless; the target verifies every guess.
+
+    Raises:
+        DraftArgumentError: ``draft_dtype`` is not None or a floating dtype of
+            ``DRAFT_DTYPES`` (checked for every spec).
     """
     if not isinstance(spec, str) or not spec:
         raise UnknownDrafterSpecError(f"'spec' must be a non-empty string (got {spec!r})")
+    check_draft_dtype(draft_dtype)
     if spec.endswith(LOOKUP_SUFFIX):
         inner = spec[: -len(LOOKUP_SUFFIX)]
         if inner in ("prompt-lookup", "synthetic") or not inner:
@@ -79,7 +88,7 @@ def make_drafter(
                 f"('dflash' or a DFlash drafter checkpoint directory)"
             )
         try:
-            dflash = make_drafter(inner, target, seed=seed, dtype=dtype)
+            dflash = make_drafter(inner, target, seed=seed, dtype=dtype, draft_dtype=draft_dtype)
         except UnknownDrafterSpecError as exc:
             raise UnknownDrafterSpecError(f"drafter spec {spec!r}: {exc}") from None
         assert isinstance(dflash, DFlashDrafter)  # the inner spec names a DFlash drafter
@@ -104,10 +113,13 @@ def make_drafter(
             num_target_layers=len(target.layers),
             num_hidden_layers=2,
         )
-        return DFlashDrafter.random(config, embed, lm_head, seed, dtype=dtype)
+        return DFlashDrafter.random(
+            config, embed, lm_head, seed, dtype=dtype, draft_dtype=draft_dtype
+        )
     if Path(spec).is_dir():
         return DFlashDrafter.from_pretrained(
-            spec, embed, lm_head, num_target_layers=len(target.layers), dtype=dtype
+            spec, embed, lm_head, num_target_layers=len(target.layers), dtype=dtype,
+            draft_dtype=draft_dtype,
         )
     raise UnknownDrafterSpecError(
         f"unknown drafter spec {spec!r}: expected one of {list(DRAFTER_NAMES)} "

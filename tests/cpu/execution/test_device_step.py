@@ -191,10 +191,12 @@ def test_a_count_disagreement_puts_the_enqueued_rollback_back(
         assert engine.committed == committed
         for shard in target.shards:
             pool = shard.caches.pool
-            assert pool.position.tolist() == [committed] and not pool.rolled_on_device
+            assert pool.position.tolist() == [committed] and pool.length == committed
             assert pool.live_slot is None and pool.live.tolist() == [-1]
             assert torch.equal(pool.state, pool.snapshot)
-            assert pool.verify_start == committed  # the verify still awaits its rollback
+            # the enqueued rollback was put back: the pre-verify state, on record
+            assert pool.verify is not None and pool.verify.stage == "restored"
+            assert pool.verify.start == committed
 
 
 def test_the_host_revises_the_device_drafters_guesses_on_cpu_stand_in(

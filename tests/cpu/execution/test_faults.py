@@ -21,7 +21,7 @@ from dflash.execution import (
     SpecDecoder,
     plan_shards,
 )
-from dflash.execution.lifecycle import Phase
+from dflash.execution.rollback import Phase
 from dflash.model import TargetModel
 from dflash.model.drafters import SyntheticDrafter
 

@@ -37,8 +37,9 @@ def test_parse_mode_refuses_non_strings_without_crashing() -> None:
 
 
 def test_policy_defaults_and_fast_flag() -> None:
-    policy = RollbackPolicy()
-    assert policy.mode == "replay" and not policy.fast
+    policy = RollbackPolicy()  # fast rollback requested by default; the gate decides
+    assert policy.mode == "checkpoint" and policy.fast
+    assert not RollbackPolicy(mode="replay").fast
     assert RollbackPolicy(mode="checkpoint").fast and RollbackPolicy(mode="remap").fast
 
 

@@ -208,11 +208,11 @@ def _dflash_run(mode: str, n: int, graphs: bool, **changes: object) -> SpecDecod
     # for both paths (the host path's would follow the drafter's confidence, the device
     # path's cannot)
     target = ShardedTarget(model, plan_shards(6, "cpu,cpu", "2,4"),
-                           max_len=len(PROMPT) + n + BLOCK + 1, max_draft=BLOCK, windows=False)
+                           max_len=len(PROMPT) + n + BLOCK + 1, max_draft=BLOCK)
     if graphs:
         target.graphs = [ShardGraphs(s.device, capture=recorded_capture) for s in target.shards]
     engine = SpecDecoder(target, _dflash(model, **changes), block_size=BLOCK,
-                         policy=RollbackPolicy(mode=mode))
+                         policy=RollbackPolicy(mode=mode), verify_window="full")
     out = [engine.prefill(PROMPT)]
     while len(out) < n:
         out.extend(engine.step())
@@ -220,7 +220,6 @@ def _dflash_run(mode: str, n: int, graphs: bool, **changes: object) -> SpecDecod
 
 
 @pytest.mark.usefixtures("record_launches")
-@pytest.mark.usefixtures("float32_products")
 def test_dflash_drafting_in_recorded_graphs_proposes_what_the_host_path_does(
     oracle: list[int],
 ) -> None:

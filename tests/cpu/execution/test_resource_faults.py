@@ -118,10 +118,9 @@ def test_shared_buffers_refuse_the_fast_restores(
     target.forward([1, 2, 3, 4], "verify", len(PROMPT), geometry=chain_of(4))
     for shard in target.shards:
         pool = shard.caches.pool
-        for fast in (pool.restore_checkpoint, pool.remap):
-            with pytest.raises(CacheError, match="fast rollback is unavailable"):
-                fast(2)
-        pool.restore_snapshot()  # the replay path's undo still works
+        with pytest.raises(CacheError, match="fast rollback is unavailable"):
+            pool.mark_device_rollback()
+        pool.restore_pre_verify()  # the replay path's way back still works
         assert pool.length == len(PROMPT)
 
 

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from dflash.execution import RollbackPolicy, ShardedTarget, SpecDecoder, generate, plan_shards
-from dflash.execution.capture_gate import CaptureGate
-from dflash.execution.faults import FaultInjector, FaultPhase
+from dflash.execution.faults import FaultInjector
 from dflash.execution.graphs import ShardGraphs, ShardOutput
 from dflash.execution.oracle import reference_greedy
 from dflash.execution.policy import RollbackStatus
@@ -44,12 +43,13 @@ def test_a_kept_target_gives_the_fresh_tokens(
         policy = RollbackPolicy(mode=mode)  # type: ignore[arg-type]  # a literal of the set
         fresh = generate(tiny, PromptLookupDrafter(), prompt, plan=plan, max_new_tokens=12,
                          block_size=4, policy=policy)
+        oracle = greedy_generate(tiny, prompt, 12)
         built.clear()
         again = generate(tiny, PromptLookupDrafter(), prompt, plan=plan, max_new_tokens=12,
                          block_size=4, policy=policy, target=kept, check_parity=True,
-                         greedy_target=greedy_kept)
-        assert built == []  # both runs went through the kept targets
-        assert again.tokens == fresh.tokens == greedy_generate(tiny, prompt, 12)
+                         oracle_tokens=oracle)
+        assert built == []  # the run went through the kept target
+        assert again.tokens == fresh.tokens == oracle
         assert again.parity is True and again.steps == fresh.steps
         assert again.rollback.status == fresh.rollback.status
         assert reference_greedy(tiny, plan, prompt, 12, target=greedy_kept) == fresh.tokens
@@ -100,76 +100,6 @@ def test_graphs_are_forgotten_when_the_weights_change(tiny: TargetModel) -> None
     assert not graphs._graphs
 
 
-@pytest.mark.parametrize("mode", ["checkpoint", "remap"])
-def test_repeats_share_one_engine_whose_gate_runs_once(
-    tiny: TargetModel, mode: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``repeats`` time the speculative decode on one engine, as a long-lived one serves
-    requests: the capture gate's self-test runs in the first run only, the other runs
-    roll back fast from their first step, and the result reports the first run."""
-    plan = plan_shards(6, "cpu,cpu", "2,4")
-    policy = RollbackPolicy(mode=mode)  # type: ignore[arg-type]  # a literal of the set
-    prompt = PROMPTS[0]
-    single = generate(tiny, PromptLookupDrafter(), prompt, plan=plan, max_new_tokens=12,
-                      block_size=4, policy=policy)
-    engines: list[SpecDecoder] = []
-    tests: list[CaptureGate] = []
-    paths: list[str] = []
-    real_init, real_test, real_commit = (
-        SpecDecoder.__init__, CaptureGate.self_test, SpecDecoder._commit
-    )
-
-    def counting_init(self: SpecDecoder, *args: object, **kwargs: object) -> None:
-        engines.append(self)
-        real_init(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    def counting_test(self: CaptureGate, *args: object, **kwargs: object) -> bool:
-        tests.append(self)
-        return real_test(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    def noting_commit(self: SpecDecoder, path: str, failure: str | None) -> list[int]:
-        paths.append(path)
-        return real_commit(self, path, failure)
-
-    monkeypatch.setattr(SpecDecoder, "__init__", counting_init)
-    monkeypatch.setattr(CaptureGate, "self_test", counting_test)
-    monkeypatch.setattr(SpecDecoder, "_commit", noting_commit)
-    result = generate(tiny, PromptLookupDrafter(), prompt, plan=plan, max_new_tokens=12,
-                      block_size=4, policy=policy, baseline=True, repeats=3)
-    assert len(engines) == 1 and len(tests) == 1  # one engine, one self-test
-    steps = single.steps
-    assert paths == ["replay", *["fast"] * (3 * steps - 1)]  # only the gate's step replays
-    assert result.parity is True and result.tokens == single.tokens
-    assert len(result.timings.decode_runs_s) == 3
-    # the reported statistics are the first run's, as one run reports them
-    assert result.steps == steps and result.rollback == single.rollback
-    assert result.capture == single.capture and result.capture.verdict == "validated"
-    assert result.target_forwards == single.target_forwards
-    assert result.avg_commit == single.avg_commit
-
-
-def test_repeats_of_a_run_with_faults_get_new_engines_without_them(
-    tiny: TargetModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    plan = plan_shards(6, "cpu,cpu", "2,4")
-    engines: list[SpecDecoder] = []
-    real_init = SpecDecoder.__init__
-
-    def counting_init(self: SpecDecoder, *args: object, **kwargs: object) -> None:
-        engines.append(self)
-        real_init(self, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(SpecDecoder, "__init__", counting_init)
-    faults = FaultInjector(phase=FaultPhase.MID_RESTORE, steps=frozenset({1}), shard=1)
-    result = generate(tiny, PromptLookupDrafter(), PROMPTS[0], plan=plan, max_new_tokens=12,
-                      block_size=4, policy=RollbackPolicy(mode="checkpoint"), baseline=True,
-                      repeats=2, faults=faults)
-    assert len(engines) == 2
-    assert engines[0].faults is faults and engines[1].faults is not faults
-    assert faults.fired == [(1, FaultPhase.MID_RESTORE)]  # in the first run only
-    assert result.rollback.replay_after_failure == 1 and result.parity is True
-
-
 def test_a_kept_engine_serves_later_generations_and_is_refused_elsewhere(
     tiny: TargetModel,
 ) -> None:
@@ -202,6 +132,7 @@ def test_a_kept_engine_serves_later_generations_and_is_refused_elsewhere(
         ({"block_size": 2}, "its block size is 4, not 2"),
         ({"policy": RollbackPolicy(mode="remap")}, "rollback mode is 'checkpoint', not 'remap'"),
         ({"faults": FaultInjector()}, "'faults' gets a new engine"),
+        ({"verify_window": "full"}, "its verify window is 'auto', not 'full'"),
         ({"engine": object()}, "must be a SpecDecoder"),
     ]
     for kw, match in refusals:

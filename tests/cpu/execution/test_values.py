@@ -79,5 +79,5 @@ def test_per_slot_probability_hits_the_drafted_rate() -> None:
     assert 0.87 < p < 0.88
     assert per_slot_probability(0.0, 4) == pytest.approx(0.0, abs=1e-12)
     assert per_slot_probability(1.0, 4) == pytest.approx(1.0, abs=1e-12)
-    with pytest.raises(SessionError, match=r"--drafted-acceptance must be in \[0, 1\] \(got 1.5\)"):
+    with pytest.raises(SessionError, match=r"'drafted_acceptance' must be in \[0, 1\] \(got 1.5\)"):
         per_slot_probability(1.5, 16)

@@ -13,19 +13,22 @@ from dflash.execution import (
     generate,
     plan_shards,
 )
-from dflash.model import TargetModel, greedy_generate
-from dflash.model.drafters import PromptLookupDrafter, SyntheticDrafter
-from dflash.model.tiles import (
+from dflash.execution.window import (
     DEFAULT_RATE,
     MIN_WINDOW,
     STEP_COST,
     TILE_COST,
-    TILE_ROWS,
     TOKEN_COST,
     WINDOW_MARGIN,
+    CpuWindow,
+    FullWindow,
+    make_window,
     tile_window,
     verify_cost,
 )
+from dflash.model import TargetModel, greedy_generate
+from dflash.model.drafters import PromptLookupDrafter, SyntheticDrafter
+from dflash.model.tiles import TILE_ROWS
 
 
 def test_the_window_rule() -> None:
@@ -124,7 +127,9 @@ def _decode(
     starts, rates = [], []
     while len(out) < n:
         starts.append(engine.committed)
-        rates.append(engine.window_rate)
+        window = engine.window
+        assert isinstance(window, CpuWindow)
+        rates.append(window.rate)
         out.extend(engine.step())
     return out[:n], starts, rates, engine
 
@@ -183,26 +188,27 @@ def test_drafted_tokens_count_the_verified_guesses(tiny: TargetModel) -> None:
     assert r.acceptance_rate == r.accepted_tokens / r.drafted_tokens
 
 
-def test_windows_off_verifies_every_draft_whole(tiny: TargetModel) -> None:
-    """``windows=False`` (how a drafter's τ is measured) verifies the whole block on CPU;
-    the training evaluation's target is built that way."""
-    from dflash.training.loop import _eval_target
-
+def test_a_full_window_verifies_every_draft_whole(tiny: TargetModel) -> None:
+    """``verify_window="full"`` (how a drafter's τ is measured) verifies the whole block on
+    CPU, ``"auto"`` cuts windows there; anything else is refused, naming the value."""
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
     oracle = greedy_generate(tiny, prompt, 60)
-    for windows in (True, False):
+    for choice in ("auto", "full"):
         drafter = SyntheticDrafter(prompt + oracle, 0.9, tiny.config.vocab_size, seed=3)
-        target = ShardedTarget(tiny, plan_shards(6), max_len=len(prompt) + 80, max_draft=16,
-                               windows=windows)
-        engine = SpecDecoder(target, drafter, block_size=16, policy=RollbackPolicy(mode="replay"))
+        target = ShardedTarget(tiny, plan_shards(6), max_len=len(prompt) + 80, max_draft=16)
+        engine = SpecDecoder(target, drafter, block_size=16, verify_window=choice,
+                             policy=RollbackPolicy(mode="replay"))  # type: ignore[arg-type]
+        assert isinstance(engine.window, CpuWindow if choice == "auto" else FullWindow)
         out = [engine.prefill(prompt)]
         while len(out) < 60:
             out.extend(engine.step())
         assert out[:60] == oracle
         whole = all(len(r.draft) == 16 for r in engine.records)
-        assert whole is (not windows)
-    _, evaluation = _eval_target(tiny, [prompt], 8, 16)
-    assert evaluation.verify_window(1, 16, (1, 16)) == 16
+        assert whole is (choice == "full")
+    assert isinstance(make_window("auto", ["cuda:0"]), FullWindow)  # on CUDA: whole drafts
+    target = ShardedTarget(tiny, plan_shards(6), max_len=32, max_draft=16)
+    with pytest.raises(ValueError, match="'verify_window' must be one of auto, full"):
+        SpecDecoder(target, PromptLookupDrafter(), verify_window="half")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

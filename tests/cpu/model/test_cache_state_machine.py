@@ -1,5 +1,6 @@
 """Stateful property test: any sequence of decode / verify + rollback (checkpoint, remap,
-snapshot + replay, abort) keeps the caches equal to plain one-token-at-a-time decoding.
+snapshot + replay, abort, a fast rollback undone) keeps the caches equal to plain
+one-token-at-a-time decoding.
 
 The in-memory model is a second set of caches that only ever sees ``decode`` of the
 committed tokens. After every step the logits of the committed positions and the live
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from dflash.geometry import require_chain
-from dflash.model import TargetModel
+from dflash.model import RecurrentPool, TargetModel
 
 MODEL = TargetModel.tiny_default(seed=5)
 VOCAB = MODEL.config.vocab_size
@@ -27,6 +28,14 @@ torch.set_num_threads(1)  # tiny matrices: one thread is faster and immune to ma
 
 def _ids(tokens: list[int]) -> torch.Tensor:
     return torch.tensor([tokens])
+
+
+def roll_back(pool: RecurrentPool, mode: str, commit_n: int) -> None:
+    """A fast rollback as the engine runs it: the host checks, the device work on the
+    count, the host mirrors once the count is known."""
+    pool.mark_device_rollback()
+    pool.rollback_on_device(mode, torch.tensor([commit_n], device=pool.position.device))
+    pool.finish_rollback(mode, commit_n)
 
 
 class CachesMatchSequentialDecode(RuleBasedStateMachine):
@@ -57,7 +66,9 @@ class CachesMatchSequentialDecode(RuleBasedStateMachine):
     @rule(
         draft=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=MAX_DRAFT),
         accept=st.floats(0.0, 1.0),
-        path=st.sampled_from(["checkpoint", "remap", "replay", "abort"]),
+        path=st.sampled_from(
+            ["checkpoint", "remap", "replay", "abort", "undo-checkpoint", "undo-remap"]
+        ),
     )
     def verify_and_roll_back(self, draft: list[int], accept: float, path: str) -> None:
         start = self.caches.length
@@ -68,16 +79,16 @@ class CachesMatchSequentialDecode(RuleBasedStateMachine):
         with torch.inference_mode():
             geometry = require_chain(list(range(-1, len(draft) - 1)))
             logits, _ = MODEL(_ids(draft), self.caches, "verify", geometry=geometry)
-            if path == "checkpoint":
-                pool.restore_checkpoint(commit_n)
-            elif path == "remap":
-                pool.remap(commit_n)
+            if path in ("checkpoint", "remap"):
+                roll_back(pool, path, commit_n)
             else:
-                pool.restore_snapshot()
+                if path.startswith("undo-"):  # a fast rollback, then the way back
+                    roll_back(pool, path[len("undo-") :], commit_n)
+                pool.restore_pre_verify()
                 self.caches.kv.truncate(start)
                 if path == "replay":
                     MODEL(_ids(draft[:commit_n]), self.caches, "replay")
-            if path == "abort":
+            if path in ("abort", "undo-checkpoint", "undo-remap"):
                 commit_n = 0
             self.caches.kv.truncate(start + commit_n)
             want = self._oracle_decode(draft[:commit_n])

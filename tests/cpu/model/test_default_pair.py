@@ -219,14 +219,14 @@ def test_default_missing_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setenv(ENV_VAR, str(tmp_path))
     with pytest.raises(DefaultDataMissingError, match=r"default target is not installed"):
         require_default("target")
-    with pytest.raises(SessionError, match=r"--model default: .*lacks config\.json.*--model tiny"):
+    with pytest.raises(SessionError, match=r"'model' default: .*lacks config\.json.*--model tiny"):
         session.build_model("default", seed=0, dtype=torch.float32, device="cpu")
-    with pytest.raises(SessionError, match="--model default"):
+    with pytest.raises(SessionError, match="'model' default"):
         session.model_config("default")
     model = TargetModel.tiny_default()
     from dflash.execution.shards import plan_shards
 
-    with pytest.raises(SessionError, match=r"--draft dflash with --model default: .*drafter"):
+    with pytest.raises(SessionError, match=r"'draft' dflash with 'model' default: .*drafter"):
         session.build_drafter(
             "dflash", model, [1], plan=plan_shards(6, "cpu", None), acceptance=0.8, seed=0,
             max_new_tokens=1, block_size=2, model_spec="default",
@@ -263,7 +263,7 @@ def test_unknown_model_lists_the_names(tmp_path: Path) -> None:
 
 
 def test_text_prompt_without_tokenizer(tmp_path: Path) -> None:
-    with pytest.raises(SessionError, match=r"needs a tokenizer.*--bytes"):
+    with pytest.raises(SessionError, match=r"needs a tokenizer.*'bytes'"):
         session.encode_prompt(
             "tiny", 256, text="hi", ids=None, length=None, seed=0, allow_bytes=False
         )

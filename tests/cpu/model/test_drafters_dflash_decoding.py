@@ -37,7 +37,6 @@ def drafter_for(tiny: TargetModel, **changes: object) -> DFlashDrafter:
     return DFlashDrafter.random(cfg, tiny.embed_tokens.weight, tiny.lm_head.weight, seed=2)
 
 
-@pytest.mark.usefixtures("float32_products")
 @pytest.mark.parametrize("mode", ROLLBACK_MODES)
 @pytest.mark.parametrize("block", [2, 4])
 def test_every_mode_is_lossless(

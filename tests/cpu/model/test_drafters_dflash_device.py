@@ -27,7 +27,6 @@ def _pair(**changes: object) -> tuple[DFlashDrafter, DFlashDrafter]:
             DFlashDrafter.random(cfg, embed, head, seed=3))
 
 
-@pytest.mark.usefixtures("float32_products")
 @pytest.mark.parametrize("changes", [
     {},
     {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 4},

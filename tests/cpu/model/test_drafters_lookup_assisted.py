@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from dflash.commands.settings import DEFAULT_PROMPT
 from dflash.execution import RollbackPolicy, generate, plan_shards, session
 from dflash.execution.engine import SpecDecoder, StepRecord
 from dflash.model import TargetModel, greedy_generate
@@ -194,7 +195,6 @@ def test_bad_arguments_are_typed_errors(tiny: TargetModel) -> None:
     assert hybrid.drafts == 0  # nothing counted for a refused call
 
 
-@pytest.mark.usefixtures("float32_products")
 def test_probabilities_are_the_softmax_at_the_tokens(tiny: TargetModel) -> None:
     drafter = seeded(tiny)
     with pytest.raises(DraftArgumentError, match="needs a host proposal first"):
@@ -325,7 +325,7 @@ def test_the_shipped_pair_copies_and_stays_lossless() -> None:
         pytest.skip("the default pair is not installed")
     model = session.build_model("default", seed=0, dtype=torch.float32, device="cpu")
     prompt = session.encode_prompt(
-        "default", model.config.vocab_size, text=None, ids=None, length=None, seed=0
+        "default", model.config.vocab_size, text=DEFAULT_PROMPT, ids=None, length=None, seed=0
     )
     plan = plan_shards(model.config.num_hidden_layers, "cpu", None)
     drafter, _ = session.build_drafter(

@@ -14,7 +14,7 @@ import torch
 
 from dflash.geometry import require_chain
 from dflash.kernels.checks import INTERPRET
-from dflash.model import CacheError, HybridConfig, ShardCaches, TargetModel
+from dflash.model import CacheError, HybridConfig, RecurrentPool, ShardCaches, TargetModel
 from dflash.model.layers import Ops
 
 torch.set_num_threads(1)  # tiny matrices: one thread is faster and immune to machine load
@@ -201,16 +201,22 @@ def _verify(model: TargetModel, caches: ShardCaches, draft: list[int]) -> torch.
     return logits[0]
 
 
+def roll_back(pool: RecurrentPool, mode: str, commit_n: int) -> None:
+    """A fast rollback as the engine runs it: the host checks, the device work on the
+    count, the host mirrors once the count is known."""
+    pool.mark_device_rollback()
+    pool.rollback_on_device(mode, torch.tensor([commit_n], device=pool.position.device))
+    pool.finish_rollback(mode, commit_n)
+
+
 def _rollback(
     model: TargetModel, caches: ShardCaches, path: str, commit_n: int, draft: list[int]
 ) -> None:
     start = caches.pool.length
-    if path == "checkpoint":
-        caches.pool.restore_checkpoint(commit_n)
-    elif path == "remap":
-        caches.pool.remap(commit_n)
+    if path in ("checkpoint", "remap"):
+        roll_back(caches.pool, path, commit_n)
     else:  # legacy: snapshot + replay of the accepted tokens
-        caches.pool.restore_snapshot()
+        caches.pool.restore_pre_verify()
         caches.kv.truncate(start)
         model(_ids(draft[:commit_n]), caches, "replay")
     caches.kv.truncate(start + commit_n)
@@ -240,11 +246,11 @@ def test_rollback_then_continue_matches_sequential(model: TargetModel, path: str
 def test_full_accept_and_snapshot_after_remap(model: TargetModel) -> None:
     caches = _prefilled(model)
     _verify(model, caches, DRAFT)
-    caches.pool.remap(B)  # every draft slot accepted
+    roll_back(caches.pool, "remap", B)  # every draft slot accepted
     caches.kv.truncate(len(PROMPT) + B)
     live = _live(caches)
     _verify(model, caches, [4, 5])
-    caches.pool.restore_snapshot()  # undo the second verify: back to the remapped state
+    caches.pool.restore_pre_verify()  # undo the second verify: back to the remapped state
     caches.kv.truncate(len(PROMPT) + B)
     assert caches.pool.live_slot is None and caches.length == len(PROMPT) + B
     for got, want in zip(_live(caches), live, strict=True):
@@ -266,15 +272,27 @@ def test_misuse_is_rejected_before_any_change(model: TargetModel) -> None:
     with pytest.raises(CacheError, match="exceeds 'max_draft'=8"):
         _verify(model, caches, list(range(9)))
     with pytest.raises(CacheError, match="no completed verify"):
-        caches.pool.restore_checkpoint(1)
+        caches.pool.mark_device_rollback()
+    with pytest.raises(CacheError, match="no verify to undo"):
+        caches.pool.restore_pre_verify()
     _verify(model, caches, DRAFT)
     with pytest.raises(CacheError, match="needs a rollback of the last verify"):
         model(_ids([1]), caches, "decode")
+    with pytest.raises(CacheError, match="without an enqueued device rollback"):
+        caches.pool.finish_rollback("checkpoint", 2)
+    caches.pool.mark_device_rollback()
+    with pytest.raises(CacheError, match="no completed verify"):  # one rollback per verify
+        caches.pool.mark_device_rollback()
     with pytest.raises(CacheError, match=r"must be in \[1, verified slots=6\] \(got 7\)"):
-        caches.pool.restore_checkpoint(7)
+        caches.pool.finish_rollback("checkpoint", 7)
     with pytest.raises(CacheError, match=r"\(got 0\)"):
-        caches.pool.remap(0)
-    caches.pool.restore_checkpoint(2)
+        caches.pool.finish_rollback("remap", 0)
+    with pytest.raises(CacheError, match="needs a rollback of the last verify"):
+        model(_ids([1]), caches, "decode")  # still enqueued: the forward refuses
+    caches.pool.restore_pre_verify()
+    caches.kv.truncate(len(PROMPT))
+    _verify(model, caches, DRAFT)
+    roll_back(caches.pool, "checkpoint", 2)
     with pytest.raises(CacheError, match="'start_pos'=13 does not match the recurrent length 9"):
         model(_ids([1]), caches, "decode")  # KV not truncated to the recurrent length
 
@@ -287,8 +305,8 @@ def test_partial_verify_cannot_be_restored_from_checkpoints(model: TargetModel) 
     model.run_layers(hidden, [0, 1, 2], caches, len(PROMPT), "verify", chain)  # not 3..5
     assert caches.pool.verified_layers == (0, 1)
     with pytest.raises(CacheError, match=r"did not run recurrent layers \[3, 4\]"):
-        caches.pool.restore_checkpoint(2)
-    caches.pool.restore_snapshot()
+        caches.pool.mark_device_rollback()
+    caches.pool.restore_pre_verify()
     caches.kv.truncate(len(PROMPT))
     logits, _ = model(_ids([9]), caches, "decode")
     ref, _ = _sequential(model, [9])

@@ -1,0 +1,189 @@
+"""Where a step's guesses come from: the drafter on the host, or on the device.
+
+One :class:`DraftSource` is chosen when a :class:`~dflash.execution.engine.SpecDecoder` is
+built (:func:`draft_source`) and the step sees only its three calls, in data order:
+
+- ``take(context, last)`` → the ``B-1`` guesses for this step, and the drafter's
+  probability of each when it reports them (a :class:`ScoredDrafter` on the host);
+- ``enqueue_next(taps, count, t)`` → the next step's guesses as a device tensor that the
+  step's one read-back brings home, or None (the host proposes next step);
+- ``committed(taps, commit_n, read_tail)`` → after the read-back: the committed rows'
+  features (host) or the guesses the device made (device).
+
+Every guess is checked before it reaches a verify: a list of ``B-1`` token ids in the
+vocabulary, confidences ``None`` or ``B-1`` probabilities; a drafter that breaks either
+rule is an :class:`ExecutionError` naming it, and the step never runs on its draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from torch import Tensor
+
+from dflash.execution.errors import ExecutionError
+from dflash.execution.shards import ShardedTarget
+from dflash.execution.window import is_confidence
+from dflash.model.drafters import (
+    DeviceDrafter,
+    Drafter,
+    RevisingDrafter,
+    ScoredDrafter,
+    stack_tap_features,
+)
+
+
+class DraftSource(Protocol):
+    """A step's guesses (see the module docstring)."""
+
+    drafter: Drafter
+
+    def start(self, features: Tensor | None, last: int) -> None:
+        """After a prefill: ``features`` ``[P, taps·H]`` of the prompt, ``last`` pending."""
+        ...
+
+    def take(self, context: list[int], last: int) -> tuple[list[int], list[float] | None]: ...
+
+    def enqueue_next(self, taps: dict[int, Tensor], count: Tensor, t: Tensor) -> Tensor | None: ...
+
+    def committed(self, taps: dict[int, Tensor], commit_n: int, tail: list[int]) -> None: ...
+
+
+class _Checked:
+    """The checks every source applies to what its drafter returns."""
+
+    def __init__(self, target: ShardedTarget, drafter: Drafter, block_size: int) -> None:
+        self.target, self.drafter, self.block_size = target, drafter, block_size
+        self.taps = tuple(drafter.tap_layers)
+        self.vocab = target.model.config.vocab_size
+
+    def guesses(self, proposal: object) -> list[int]:
+        if not isinstance(proposal, list) or len(proposal) != self.block_size - 1:
+            got = len(proposal) if isinstance(proposal, list) else type(proposal).__name__
+            raise ExecutionError(
+                f"drafter {self.drafter.label!r} must propose block_size-1="
+                f"{self.block_size - 1} tokens (got {got})"
+            )
+        for i, tok in enumerate(proposal):
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < self.vocab:
+                raise ExecutionError(
+                    f"drafter {self.drafter.label!r} proposal[{i}] must be a token id in "
+                    f"[0, {self.vocab}) (got {tok!r})"
+                )
+        return proposal
+
+    def confidence(self, confidence: object) -> list[float] | None:
+        """A scored drafter's probabilities: None, or ``block_size - 1`` floats in [0, 1]."""
+        if confidence is None:
+            return None
+        if not is_confidence(confidence, self.block_size):
+            raise ExecutionError(
+                f"drafter {self.drafter.label!r} confidence must be None or "
+                f"{self.block_size - 1} probabilities in [0, 1], one per guess "
+                f"(got {confidence!r})"
+            )
+        return confidence
+
+
+class HostDrafts(_Checked):
+    """The drafter proposes on the host each step, from the committed rows' features."""
+
+    def __init__(self, target: ShardedTarget, drafter: Drafter, block_size: int) -> None:
+        super().__init__(target, drafter, block_size)
+        self._features: Tensor | None = None
+        # a runtime Protocol check walks the drafter's attributes: once here, not every step
+        self._scored = drafter if isinstance(drafter, ScoredDrafter) else None
+
+    def start(self, features: Tensor | None, last: int) -> None:
+        self._features = features
+
+    def take(self, context: list[int], last: int) -> tuple[list[int], list[float] | None]:
+        proposal = self.drafter.propose(context, last, self.block_size, self._features)
+        guesses = self.guesses(proposal)
+        scored = self._scored
+        return guesses, None if scored is None else self.confidence(scored.confidence())
+
+    def enqueue_next(self, taps: dict[int, Tensor], count: Tensor, t: Tensor) -> Tensor | None:
+        return None
+
+    def committed(self, taps: dict[int, Tensor], commit_n: int, tail: list[int]) -> None:
+        self._features = tap_features(self.target, self.taps, taps, commit_n)
+
+
+class DeviceDrafts(_Checked):
+    """A :class:`DeviceDrafter` on a target with CUDA graphs: each step enqueues the next
+    step's proposal on the device (the verify's tap rows, the accepted count and the
+    target's tokens never leave it) and reads it back with the step's tokens; a
+    :class:`RevisingDrafter` may then replace those guesses on the host."""
+
+    def __init__(self, target: ShardedTarget, drafter: DeviceDrafter, block_size: int) -> None:
+        super().__init__(target, drafter, block_size)
+        self.device_drafter = drafter
+        self._revising = drafter if isinstance(drafter, RevisingDrafter) else None
+        self._next: list[int] | None = None
+
+    def start(self, features: Tensor | None, last: int) -> None:
+        """The first proposal now, from the prompt's features (eager); the rest inside the
+        steps, replayed from the first shard's graphs."""
+        assert features is not None  # a device drafter has taps
+        graphs = self.target.graphs
+        assert graphs is not None  # draft_source chose this source for a graphed target
+        first, drafter = self.target.shards[0], self.device_drafter
+        with first.on_device():
+            guesses = drafter.start_device(
+                features, last, self.target.max_len + self.block_size, self.block_size
+            )
+        graphs[0].bind("draft", (id(drafter), drafter.device_buffers_version))
+        self._next = [int(g) for g in guesses.tolist()]
+
+    def take(self, context: list[int], last: int) -> tuple[list[int], list[float] | None]:
+        if self._next is None:
+            raise ExecutionError("the device drafter has no guesses: prefill() first")
+        proposal, self._next = self._next, None
+        if self._revising is not None:  # e.g. a copy from the context instead
+            proposal = self._revising.revise(context, last, proposal)
+        return self.guesses(proposal), None
+
+    def enqueue_next(self, taps: dict[int, Tensor], count: Tensor, t: Tensor) -> Tensor | None:
+        graphs = self.target.graphs
+        assert graphs is not None
+        first = self.target.shards[0]
+        rows = stack_tap_features({k: v.to(first.device) for k, v in taps.items()}, self.taps)
+        drafter = self.device_drafter
+        with first.on_device():
+            drafter.set_device_inputs(rows, count.to(first.device), t.to(first.device))
+            out: Tensor = graphs[0].run_static(("draft", self.block_size, False),
+                                               drafter.device_step)
+        return out
+
+    def committed(self, taps: dict[int, Tensor], commit_n: int, tail: list[int]) -> None:
+        self._next = tail
+
+
+def draft_source(target: ShardedTarget, drafter: Drafter, block_size: int) -> DraftSource:
+    """:class:`DeviceDrafts` when the drafter can draft on the device and the target runs
+    CUDA graphs, else :class:`HostDrafts`."""
+    if target.graphs is not None and drafter.tap_layers and isinstance(drafter, DeviceDrafter):
+        return DeviceDrafts(target, drafter, block_size)
+    return HostDrafts(target, drafter, block_size)
+
+
+def tap_features(
+    target: ShardedTarget, layers: Sequence[int], taps: dict[int, Tensor], rows: int
+) -> Tensor | None:
+    """A drafter's features ``[rows, len(layers)·H]`` from a forward's ``taps``, on the first
+    shard's device (None for a drafter without tap layers)."""
+    if not layers:
+        return None
+    first = target.shards[0].device
+    return stack_tap_features({k: v.to(first) for k, v in taps.items()}, layers)[:rows]
+
+
+__all__: Sequence[str] = (
+    "DeviceDrafts",
+    "DraftSource",
+    "HostDrafts",
+    "draft_source",
+    "tap_features",
+)

@@ -1,0 +1,250 @@
+"""The library API (``dflash.load``): generate, stream, chat, stop strings, typed errors.
+
+One default pair is loaded for the module; generations are short (the default pair is
+small, but the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import dflash
+from dflash.api import LLM, ArgumentError, NotSupportedYetError
+from dflash.cli import main
+from dflash.data import default_dir, missing_files
+from dflash.errors import UsageError
+from dflash.execution import RollbackConfigError, RollbackStatus, reference_greedy, token_sha256
+from dflash.model.tokenizer import TextEncodingError
+
+pytestmark = pytest.mark.skipif(
+    bool(missing_files("target") or missing_files("drafter")),
+    reason="the embedded default pair is not installed",
+)
+
+PROMPT = "def read_lines(path):\n"
+N = 12
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return dflash.load()
+
+
+@pytest.fixture(scope="module")
+def first(llm: LLM) -> dflash.GenerationResult:
+    """The module's first generation: the one that runs the capture gate."""
+    return llm.generate(PROMPT, max_new_tokens=N)
+
+
+@pytest.fixture(scope="module")
+def pieces(llm: LLM, first: dflash.GenerationResult) -> list[str]:
+    stream = llm.stream(PROMPT, max_new_tokens=N)
+    got = list(stream)
+    assert stream.result.tokens == first.tokens
+    assert "".join(got) == stream.result.text == first.text
+    return got
+
+
+def test_generate_by_text_and_by_ids_keeps_the_engine(
+    llm: LLM, first: dflash.GenerationResult
+) -> None:
+    assert llm.tokenizer is not None
+    ids = llm.tokenizer.encode(PROMPT)
+    assert first.prompt_len == len(ids) and len(first.tokens) == N
+    assert first.text == llm.tokenizer.decode(first.tokens)
+    assert first.rollback.requested == "checkpoint"  # the one default: fast requested
+    assert first.rollback.status_at_start is RollbackStatus.REQUESTED
+    assert first.capture.verdict == "validated"
+    engine = llm.engine
+    again = llm.generate(ids, max_new_tokens=N)
+    assert again.tokens == first.tokens and llm.engine is engine
+    # the kept engine's verdict holds: no second gate run, fast from the first step
+    assert again.rollback.status_at_start is RollbackStatus.EFFECTIVE
+    assert again.rollback.replay == 0 and again.rollback.fast == again.steps
+    assert again.capture.validated_at_step == first.capture.validated_at_step
+
+
+def test_plain_decoding_is_the_parity_oracle(llm: LLM, first: dflash.GenerationResult) -> None:
+    plain = dflash.load(draft=None)
+    assert llm.tokenizer is not None
+    ids = llm.tokenizer.encode(PROMPT)
+    result = plain.generate(PROMPT, max_new_tokens=N)
+    assert result.tokens == first.tokens  # speculative == plain, token for token
+    assert result.tokens == reference_greedy(plain.model, plain.plan, ids, N)
+    assert result.target_forwards == N and result.rollback.status is RollbackStatus.OFF
+    assert result.text == first.text and result.stop_reason == "max_new_tokens"
+
+
+def test_stream_pieces_concatenate_to_the_text(pieces: list[str]) -> None:
+    assert len([p for p in pieces if p]) > 1  # streamed as committed, not in one piece
+    assert all(pieces)
+
+
+def _check_cut(llm: LLM, full: str, stop: str, result: dflash.GenerationResult,
+               first: dflash.GenerationResult) -> None:
+    """``result``: text up to the stop string; tokens whose text ends before it."""
+    assert llm.tokenizer is not None
+    at = full.find(stop)
+    assert result.stop_reason == "stop" and result.text == full[:at]
+    kept = len(result.tokens)
+    assert result.tokens == first.tokens[:kept]
+    assert len(llm.tokenizer.decode(result.tokens)) <= at
+    assert len(llm.tokenizer.decode(first.tokens[: kept + 1])) > at  # the next one reaches it
+    assert result.sha256 == token_sha256(result.tokens)
+
+
+def test_stop_strings_cut_text_and_tokens(
+    llm: LLM, first: dflash.GenerationResult, pieces: list[str]
+) -> None:
+    full = first.text
+    assert full is not None
+    # a stop string spanning two streamed pieces: the last character of one and the first
+    # of the next, where that pair first occurs at the pieces' boundary
+    boundaries = [sum(map(len, pieces[: i + 1])) for i in range(len(pieces) - 1)]
+    spans = [full[b - 1 : b + 1] for b in boundaries if full.find(full[b - 1 : b + 1]) == b - 1]
+    assert spans, f"no piece boundary to test in {pieces!r}"
+    stop = spans[-1]
+    stream = llm.stream(PROMPT, max_new_tokens=N, stop=["never in the text", stop])
+    got = list(stream)
+    assert "".join(got) == full[: full.find(stop)]
+    _check_cut(llm, full, stop, stream.result, first)
+    cut = llm.generate(PROMPT, max_new_tokens=N, stop=stop)
+    same = ("tokens", "sha256", "text", "stop_reason")
+    assert [getattr(cut, f) for f in same] == [getattr(stream.result, f) for f in same]
+    missing = llm.generate(PROMPT, max_new_tokens=N, stop="never in the text")
+    assert missing.tokens == first.tokens and missing.stop_reason == "max_new_tokens"
+    # the decode itself ends at the step that completed the stop string
+    early = llm.generate(PROMPT, max_new_tokens=N, stop=spans[0])
+    assert early.stop_reason == "stop" and early.steps < missing.steps
+    plain = dflash.load(draft=None).generate(PROMPT, max_new_tokens=N, stop=spans[0])
+    assert plain.tokens == early.tokens and plain.steps < N - 1
+
+
+def test_closing_a_stream_early_frees_the_llm(llm: LLM, first: dflash.GenerationResult) -> None:
+    stream = llm.stream(PROMPT, max_new_tokens=N)
+    next(iter(stream))
+    with pytest.raises(ArgumentError, match="another generation is running"):
+        llm.generate(PROMPT, max_new_tokens=2)
+    stream.close()
+    with pytest.raises(ArgumentError, match="once its pieces have all been read"):
+        stream.result  # noqa: B018 - the property raises
+    assert llm.generate(PROMPT, max_new_tokens=N).tokens == first.tokens
+
+
+def test_the_default_pair_chats_with_the_plain_template(llm: LLM) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert llm.render_chat(messages) == "system: be brief\nuser: hi\nassistant: "
+    assert llm.render_chat(messages, add_generation_prompt=False) == (
+        "system: be brief\nuser: hi\n"
+    )
+    result = llm.chat(messages, max_new_tokens=4)
+    assert llm.tokenizer is not None
+    assert result.prompt_len == len(llm.tokenizer.encode(llm.render_chat(messages)))
+
+
+@pytest.fixture(scope="module")
+def templated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    directory = tmp_path_factory.mktemp("chat") / "target"
+    shutil.copytree(default_dir("target"), directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["bos_token"] = {"content": "<s>", "special": True}  # the AddedToken form
+    config["chat_template"] = (
+        "{{ bos_token }}{% for m in messages %}"
+        "{% if m['role'] not in ['user', 'assistant'] %}"
+        "{{ raise_exception('roles must be user or assistant') }}{% endif %}"
+        "<|{{ m['role'] }}|>{{ m['content'] | trim }}{{ eos_token }}\n"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    yield directory
+
+
+def test_chat_renders_the_checkpoint_template(templated: Path) -> None:
+    chatty = dflash.load(model=str(templated), draft="prompt-lookup")
+    messages = [{"role": "user", "content": " hi "}, {"role": "assistant", "content": "yes"}]
+    assert chatty.render_chat(messages) == (
+        "<s><|user|>hi<|endoftext|>\n<|assistant|>yes<|endoftext|>\n<|assistant|>"
+    )
+    with pytest.raises(ArgumentError, match=r"'messages': .*roles must be user or assistant"):
+        chatty.chat([{"role": "tool", "content": "x"}])
+    with pytest.raises(ArgumentError, match="'messages' entry 0 must be a dict"):
+        chatty.chat([{"role": "user"}])
+    # a chat_template.jinja file serves when tokenizer_config.json has none
+    config = json.loads((templated / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (templated / "tokenizer_config.json").write_text(json.dumps(config))
+    (templated / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    jinja = dflash.load(model=str(templated), draft=None)
+    assert jinja.render_chat([{"role": "user", "content": "x = 1"}]) == "x = 1!"
+    result = jinja.chat([{"role": "user", "content": "x = 1"}], max_new_tokens=3)
+    assert result.prompt_len == len(chatty.tokenizer.encode("x = 1!"))  # type: ignore[union-attr]
+
+
+def test_text_that_is_not_utf8_is_a_usage_error(llm: LLM) -> None:
+    bad = b"def f(\xff):".decode("utf-8", "surrogateescape")  # as argv carries it
+    with pytest.raises(TextEncodingError) as info:
+        llm.generate(bad, max_new_tokens=2)
+    assert str(info.value) == "'prompt' is not valid UTF-8: byte 0xff at offset 6"
+    assert isinstance(info.value, UsageError)
+    with pytest.raises(TextEncodingError, match=r"'prompt' .*lone surrogate U\+D800 at offset 2"):
+        llm.generate("é\ud800", max_new_tokens=2)
+    with pytest.raises(TextEncodingError, match="'stop' is not valid UTF-8"):
+        llm.generate(PROMPT, max_new_tokens=2, stop="\udcff")
+
+
+def test_the_cli_refuses_a_prompt_that_is_not_utf8(capsys: pytest.CaptureFixture[str]) -> None:
+    bad = b"def f(\xff):".decode("utf-8", "surrogateescape")
+    assert main(["generate", "--prompt", bad, "--max-new-tokens", "2", "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err
+    assert "dflash generate: error: --prompt is not valid UTF-8: byte 0xff at offset 6" in err
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("temperature", 0.7), ("top_k", 5), ("top_p", 0.9), ("min_p", 0.05)],
+)
+def test_sampling_is_refused_until_it_is_built(llm: LLM, option: str, value: float) -> None:
+    with pytest.raises(NotSupportedYetError, match=rf"'{option}'={value} is not supported yet"):
+        llm.generate(PROMPT, max_new_tokens=2, **{option: value})  # type: ignore[arg-type]
+
+
+def test_load_refuses_bad_arguments_naming_them() -> None:
+    with pytest.raises(NotSupportedYetError, match="'tree_budget'=8 is not supported yet"):
+        dflash.load(tree_budget=8)
+    with pytest.raises(ArgumentError, match=r"'dtype' must be one of float32, .*'float64'"):
+        dflash.load(dtype="float64")
+    with pytest.raises(UsageError, match=r"'device' entry 'tpu:0' is not a torch device"):
+        dflash.load(device="tpu:0")
+    with pytest.raises(UsageError, match=r"'layer_split' has 2 counts but 'device' names 1"):
+        dflash.load(layer_split="3,3")
+    with pytest.raises(RollbackConfigError, match=r"'rollback' must be one of .*'fastest'"):
+        dflash.load(rollback="fastest")
+    with pytest.raises(ArgumentError, match=r"'block_size' must be an int in \[2, 1024\]"):
+        dflash.load(block_size=1)
+    with pytest.raises(ArgumentError, match="'verify_window' must be one of auto, full"):
+        dflash.load(verify_window="half")
+    with pytest.raises(UsageError, match="'model' must be one of default, tiny"):
+        dflash.load(model="/no/such/model")
+
+
+def test_generate_refuses_bad_prompts_naming_them(llm: LLM) -> None:
+    with pytest.raises(ArgumentError, match=r"'prompt' entry 1 must be a token id in \[0, 4096\)"):
+        llm.generate([1, 5000], max_new_tokens=2)
+    with pytest.raises(ArgumentError, match="'prompt' must not be empty"):
+        llm.generate("", max_new_tokens=2)
+    with pytest.raises(ArgumentError, match="'max_new_tokens' must be an int >= 1"):
+        llm.generate(PROMPT, max_new_tokens=0)
+    with pytest.raises(ArgumentError, match="'stop' must be a non-empty str"):
+        llm.generate(PROMPT, max_new_tokens=2, stop=[""])
+    seeded = dflash.load(model="tiny", draft=None)
+    with pytest.raises(ArgumentError, match="'prompt' needs a tokenizer"):
+        seeded.generate("hello", max_new_tokens=2)
+    with pytest.raises(ArgumentError, match="'stream' needs a tokenizer"):
+        seeded.stream([1, 2, 3], max_new_tokens=2)
+    assert seeded.generate([1, 2, 3], max_new_tokens=3).text is None

@@ -321,7 +321,7 @@ def _bench(
     harness = Harness.kept(
         model, drafter, prompt, plan, max_new_tokens=args.max_new_tokens,
         block_size=args.block_size, eos_id=args.eos_id, graphs=graphs,
-        verify_window=getattr(args, "verify_window", "auto"),  # --verify-window
+        verify_window=args.verify_window,
     )
     if oracle is None:
         oracle = reference_greedy(model, plan, prompt, args.max_new_tokens, graphs=graphs)

@@ -25,13 +25,16 @@ import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from dflash.commands.settings import DEFAULT_PROMPT, cli_message, set_cpu_threads
 from dflash.errors import CheckpointError, ConfigError, DFlashError, UsageError
 from dflash.execution.errors import ContextLengthError
 from dflash.execution.policy import ENV_VAR, ROLLBACK_MODES, RollbackPolicy
 from dflash.execution.results import GenerationResult
+
+if TYPE_CHECKING:
+    from dflash.execution.window import WindowChoice
 
 #: unusable arguments, model or checkpoint: exit 2 (LayerSplitError, RollbackConfigError,
 #: SessionError and the drafters' argument errors are UsageErrors). Any other exception
@@ -152,6 +155,21 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run every forward eagerly (default on CUDA: decode, verify and replay "
         "forwards replay CUDA graphs)",
+    )
+    p.add_argument(
+        "--verify-window",
+        choices=("auto", "full"),
+        default="auto",
+        help="how much of each draft a step verifies: 'auto' (on CPU the part the step's "
+        "cost model says pays, elsewhere the whole draft; the default) or 'full' (every "
+        "draft whole, as a drafter's tau is measured); the tokens are the same",
+    )
+    p.add_argument(
+        "--draft-dtype",
+        choices=("float32", "bfloat16", "float16", "float64"),
+        default=None,
+        help="dtype of the DFlash drafter's products (default: its weights' dtype); only "
+        "guesses come out of the drafter, so the output is unchanged",
     )
 
 
@@ -491,6 +509,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
         max_new_tokens=args.max_new_tokens,
         block_size=args.block_size,
         model_spec=args.model,
+        draft_dtype=None if args.draft_dtype is None else getattr(torch, args.draft_dtype),
     )
     return Prepared(
         model, plan, prompt, drafter, oracle, dtype, devices, acceptance, codec, eos_id
@@ -637,7 +656,7 @@ def execute(
     # baseline) one greedy target across the runs; one timed run gets new ones
     n, keep = args.max_new_tokens, warm > 0 or repeats > 1
     what = (ready.model, ready.drafter, ready.prompt, ready.plan)
-    window: Any = getattr(args, "verify_window", "auto")  # --verify-window: a WindowChoice
+    window: WindowChoice = args.verify_window  # argparse's choices are the literals
     if keep:
         harness = Harness.kept(*what, max_new_tokens=n, block_size=args.block_size,
                                eos_id=ready.eos_id, graphs=graphs,

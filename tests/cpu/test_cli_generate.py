@@ -457,3 +457,23 @@ def test_the_default_drafter_is_lookup_assisted_and_counts_its_copies(
     assert 0 <= result["copied_drafts"] <= result["steps"]
     result, err = _json_run(capsys, "--draft", "prompt-lookup")
     assert result["copied_drafts"] is None and "copied drafts" not in err
+
+
+def test_verify_window_and_draft_dtype_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--verify-window full`` verifies every draft whole on CPU (``auto`` cuts windows
+    there); ``--draft-dtype`` changes the drafter's products only: the tokens are the same."""
+    args = ["--model", "default", "--max-new-tokens", "40", "--block-size", "16",
+            "--check-parity"]
+    code = main(["generate", "--json", "--no-progress", "--devices", "cpu", *args])
+    auto = json.loads(capsys.readouterr()[0])
+    assert code == 0 and auto["parity"] is True
+    assert auto["drafted_tokens"] < auto["steps"] * 15  # some windows were cut
+    for extra in (["--verify-window", "full"], ["--draft-dtype", "bfloat16"]):
+        code = main(["generate", "--json", "--no-progress", "--devices", "cpu", *args, *extra])
+        result = json.loads(capsys.readouterr()[0])
+        assert code == 0 and result["parity"] is True and result["sha256"] == auto["sha256"]
+        if extra[0] == "--verify-window":
+            assert result["drafted_tokens"] == result["steps"] * 15  # every draft whole
+    with pytest.raises(SystemExit) as exc:  # argparse's usage error
+        main(["generate", *FAST, "--verify-window", "half"])
+    assert exc.value.code == 2 and "invalid choice: 'half'" in capsys.readouterr()[1]

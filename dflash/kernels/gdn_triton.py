@@ -144,11 +144,10 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
 def default_config(K: int, V: int) -> tuple[int, int]:
     """(BV, num_warps) for a ``[K, V]`` state.
 
-    Measured on one H200 at the 27B shape (benchmarks/KERNELS_NOTES.md): BV=16 with one
-    warp was the fastest of 16 configurations (29.4 us against 33.4 us for BV=32, 4 warps);
-    one warp keeps the K-reduction of every token inside a warp (shuffles, no barrier).
-    The checkpoint stores are streaming (``.cs``, ``store_hint=1`` in the launcher): the
-    same sweep measured 24.5 us against 29.4 us for plain stores, bit-identical results.
+    The fastest of the configurations swept on an H200 (benchmarks/KERNELS_NOTES.md has the
+    sweep): one warp keeps the K-reduction of every token inside a warp (shuffles, no
+    barrier). The checkpoint stores are streaming (``.cs``, ``store_hint=1`` in the
+    launcher), bit-identical to plain stores.
     """
     return min(16, triton.next_power_of_2(V)), 1
 

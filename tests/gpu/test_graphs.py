@@ -22,20 +22,24 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
+import torch
+
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from dflash.execution import (  # noqa: E402 - after the CUDA skip
+# the rest is imported after the CUDA skip
+from dflash.execution import (
     ROLLBACK_MODES,
     ExecutionError,
     FaultInjector,
     FaultPhase,
     PoisonedError,
+    RollbackMode,
     RollbackPolicy,
     RollbackStatus,
     ShardedTarget,
@@ -45,8 +49,8 @@ from dflash.execution import (  # noqa: E402 - after the CUDA skip
     reference_greedy,
     token_sha256,
 )
-from dflash.model import HybridConfig, TargetModel, greedy_generate  # noqa: E402
-from dflash.model.drafters import SyntheticDrafter  # noqa: E402
+from dflash.model import HybridConfig, TargetModel, greedy_generate
+from dflash.model.drafters import DeviceDrafter, SyntheticDrafter
 
 BLOCK = 16
 ACCEPTANCE = 0.6
@@ -74,7 +78,7 @@ def _engine(
     model: TargetModel,
     prompt: list[int],
     oracle: list[int],
-    mode: str,
+    mode: RollbackMode,
     *,
     graphs: bool,
     devices: str = "cuda:0",
@@ -175,7 +179,7 @@ def test_graphs_are_captured_again_after_rebuild_storage(model: TargetModel) -> 
 @pytest.mark.parametrize("phase", [p for p in FaultPhase if p is not FaultPhase.DURING_RECOVERY])
 @torch.inference_mode()
 def test_fault_at_every_phase_with_graphs_emits_only_greedy_tokens(
-    model: TargetModel, mode: str, phase: FaultPhase
+    model: TargetModel, mode: RollbackMode, phase: FaultPhase
 ) -> None:
     prompt = _prompt(model.config.vocab_size, 32, seed=9)
     n = 40
@@ -307,7 +311,7 @@ def _eight_layer_bf16() -> TargetModel:
     return TargetModel.seeded(config, seed=0, dtype=torch.bfloat16, device="cuda:0")
 
 
-def _random_dflash(m: TargetModel, seed: int) -> Any:
+def _random_dflash(m: TargetModel, seed: int, draft_dtype: torch.dtype | None = None) -> Any:
     """A seeded 2-layer DFlash drafter of block ``BLOCK`` for ``m``."""
     from dflash.model.drafters import DFlashConfig, DFlashDrafter
 
@@ -315,11 +319,18 @@ def _random_dflash(m: TargetModel, seed: int) -> Any:
         hidden_size=m.config.hidden_size, vocab_size=m.config.vocab_size, num_target_layers=8,
         num_hidden_layers=2, block_size=BLOCK,
     )
-    return DFlashDrafter.random(cfg, m.embed_tokens.weight, m.lm_head.weight, seed=seed)
+    return DFlashDrafter.random(cfg, m.embed_tokens.weight, m.lm_head.weight, seed=seed,
+                                draft_dtype=draft_dtype)
 
 
 def _decode(
-    m: TargetModel, drafter: Any, plan: Any, prompt: list[int], n: int, mode: str, graphs: bool
+    m: TargetModel,
+    drafter: Any,
+    plan: Any,
+    prompt: list[int],
+    n: int,
+    mode: RollbackMode,
+    graphs: bool,
 ) -> tuple[list[int], SpecDecoder, ShardedTarget]:
     """``n`` tokens of speculative decoding on a fresh target: (tokens, engine, target)."""
     target = ShardedTarget(m, plan, max_len=len(prompt) + n + BLOCK + 1, max_draft=BLOCK,
@@ -471,6 +482,34 @@ def test_dflash_drafting_on_the_device_in_graphs_is_plain_greedy() -> None:
 
 
 @torch.inference_mode()
+def test_a_draft_dtype_changes_the_device_drafts_only() -> None:
+    """``draft_dtype=float32`` for a bf16 drafter, drafting on the device inside graphs:
+    its products run in float32 (its weight copies), its device drafts differ from the
+    bf16 drafter's somewhere, and the tokens are plain greedy's in every mode."""
+    m = _eight_layer_bf16()
+    try:
+        prompt, n = _prompt(m.config.vocab_size, 128, seed=41), 96
+        plan = plan_shards(8, "cuda:0")
+        oracle = reference_greedy(m, plan, prompt, n + BLOCK)
+        drafts: dict[object, list[tuple[int, ...]]] = {}
+        for draft_dtype in (None, torch.float32):
+            drafter = _random_dflash(m, seed=1, draft_dtype=draft_dtype)
+            for mode in ROLLBACK_MODES:
+                out, engine, _ = _decode(m, drafter, plan, prompt, n, mode, True)
+                assert out[:n] == oracle[:n], f"{mode} draft_dtype={draft_dtype}"
+                assert engine.device_drafter is drafter
+                drafts.setdefault(draft_dtype, []).extend(r.draft for r in engine.records)
+            assert drafter.draft_dtype == draft_dtype
+        assert drafts[None] != drafts[torch.float32]  # the products really changed
+        ROWS.append(f"draft_dtype float32 on a bf16 drafter: {len(drafts[torch.float32])} "
+                    "steps, every mode plain greedy")
+        print("\n" + ROWS[-1])
+    finally:
+        del m
+        torch.cuda.empty_cache()
+
+
+@torch.inference_mode()
 def test_lookup_assisted_dflash_on_cuda_is_plain_greedy() -> None:
     """``dflash+lookup`` on CUDA, every mode: eager (host proposals) and with graphs (the
     DFlash drafter drafts on the device, the host revises its guesses after each step's
@@ -487,7 +526,9 @@ def test_lookup_assisted_dflash_on_cuda_is_plain_greedy() -> None:
             for graphs in (False, True):
                 out, engine, _ = _decode(m, hybrid, plan, prompt, n, mode, graphs)
                 assert out[:n] == oracle[:n], f"{mode} graphs={graphs}"
-                assert (engine.device_drafter is hybrid) == graphs
+                # the cast: DeviceDrafter declares device_buffers_version settable, the
+                # hybrid drafter a read-only property, so mypy does not see it as one
+                assert (engine.device_drafter is cast(DeviceDrafter, hybrid)) == graphs
                 assert hybrid.drafts == len(engine.records)
                 ROWS.append(f"dflash+lookup {mode} graphs={graphs}: {len(engine.records)} "
                             f"steps, {hybrid.copied_drafts} copied")

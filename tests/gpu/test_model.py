@@ -22,14 +22,17 @@ from collections.abc import Iterator
 
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
+import torch
+
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from torch import Tensor  # noqa: E402 - after the CUDA skip
+# the rest is imported after the CUDA skip
+from torch import Tensor
 
-from dflash.geometry import require_chain  # noqa: E402
-from dflash.model import HybridConfig, RecurrentPool, ShardCaches, TargetModel  # noqa: E402
+from dflash.geometry import require_chain
+from dflash.model import HybridConfig, RecurrentPool, ShardCaches, TargetModel
 
 SEED = 1234
 PROMPT_LEN = 32

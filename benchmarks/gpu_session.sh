@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session.sh bench   # dflash bench, 9B-shaped model, A/B/A
 #   BEFORE=DIR bash benchmarks/gpu_session.sh bench-ab  # the same bench: DIR's dflash (a
 #                                          # checkout's dflash/ under DIR), this tree's, DIR's again
+#                                          # (ORDER="after before after2": the other way round)
 #   bash benchmarks/gpu_session.sh kernels # benchmarks/kernels.py (kernels-sweep: with its config sweep)
 #   bash benchmarks/gpu_session.sh cli     # dflash generate on two GPUs, every drafter
 #   bash benchmarks/gpu_session.sh minv    # M-invariant linear/attention: GPU tests + kernel table
@@ -43,8 +44,8 @@ for phase in "$@"; do
       ;;
     bench-ab)
       # before / after / before on one machine, same command: DIR/dflash shadows this tree's
-      for side in before after before2; do
-        path=$PYTHONPATH; [ "$side" = after ] || path=${BEFORE:?BEFORE=DIR}:$PYTHONPATH
+      for side in ${ORDER:-before after before2}; do
+        path=$PYTHONPATH; [ "${side#after}" = "$side" ] && path=${BEFORE:?BEFORE=DIR}:$PYTHONPATH
         PYTHONPATH=$path timeout "${BENCH_TIMEOUT:-300}" python3 -m dflash.cli bench \
           --model nine-b-shape --draft synthetic --acceptance 0.874 --block-size 16 \
           --prompt-len 1024 --max-new-tokens 256 --a replay --b checkpoint,remap \

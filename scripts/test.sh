@@ -8,7 +8,7 @@ source "$(dirname "$0")/_venv.sh" "[test]"
 cd "$root"
 export TRITON_INTERPRET=1
 echo "== ruff"; ruff check .
-echo "== mypy --strict"; mypy --strict dflash
+echo "== mypy --strict (dflash, tests)"; mypy --strict dflash tests
 echo "== pytest (CPU suite)"; python -m pytest tests/cpu -q "$@"
 if [ "${DFLASH_TRITON_MATRIX:-1}" != "0" ]; then
   source "$root/scripts/_venv_triton_latest.sh"

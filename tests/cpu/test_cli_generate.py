@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from dflash.cli import main
-from dflash.execution import token_sha256
+from dflash.execution import reference_greedy, token_sha256
 
 FAST = [  # the seeded tiny model (the default model is the embedded trained pair)
     "--model", "tiny", "--max-new-tokens", "8", "--block-size", "4", "--no-progress",
@@ -206,7 +206,7 @@ def _count_greedy(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, object]]:
     import dflash.execution.run as run_module
 
     calls: list[dict[str, object]] = []
-    real = run_module.reference_greedy
+    real = reference_greedy
 
     def counting(*args: Any, **kwargs: Any) -> list[int]:
         calls.append({"n": args[3], **kwargs})
@@ -242,7 +242,7 @@ def test_the_cpu_default_times_three_alternating_runs_each(
     import dflash.execution.run as run_module
 
     order: list[str] = []
-    real_spec, real_greedy = run_module._speculative_run, run_module.reference_greedy
+    real_spec, real_greedy = run_module._speculative_run, reference_greedy
 
     def spec(*args: Any, **kwargs: Any) -> Any:
         order.append("spec")

@@ -8,7 +8,14 @@ from typing import Any
 import pytest
 
 from dflash.commands.harness import Harness
-from dflash.execution import RollbackPolicy, SpecDecoder, generate, plan_shards
+from dflash.execution import (
+    RollbackMode,
+    RollbackPolicy,
+    SpecDecoder,
+    generate,
+    plan_shards,
+    reference_greedy,
+)
 from dflash.execution.capture_gate import CaptureGate
 from dflash.execution.errors import ContextLengthError
 from dflash.execution.shards import ShardedTarget
@@ -30,12 +37,12 @@ def _kept(tiny: TargetModel, **kw: Any) -> Harness:
 
 @pytest.mark.parametrize("mode", ["checkpoint", "remap"])
 def test_repeats_share_one_engine_whose_gate_runs_once(
-    tiny: TargetModel, mode: str, monkeypatch: pytest.MonkeyPatch
+    tiny: TargetModel, mode: RollbackMode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The repeats time the speculative decode on one kept engine, as a long-lived one
     serves requests: the capture gate's self-test runs in the first run only, the other
     runs roll back fast from their first step, and the result reports the first run."""
-    policy = RollbackPolicy(mode=mode)  # type: ignore[arg-type]  # a literal of the set
+    policy = RollbackPolicy(mode=mode)
     single = generate(tiny, PromptLookupDrafter(), PROMPT, plan=plan_shards(6, "cpu,cpu", "2,4"),
                       max_new_tokens=12, block_size=4, policy=policy)
     harness = _kept(tiny)
@@ -92,7 +99,7 @@ def test_a_repeat_whose_greedy_tokens_differ_fails_parity(
 ) -> None:
     import dflash.execution.run as run_module
 
-    real = run_module.reference_greedy
+    real = reference_greedy
     calls: list[int] = []
 
     def drifting(*args: Any, **kwargs: Any) -> list[int]:

@@ -123,6 +123,7 @@ def test_layer_errors_are_the_package_errors() -> None:
 
 def test_compatibility_bases() -> None:
     """Former ValueErrors still are; execution errors are neither ValueError nor RuntimeError."""
+    cls: type[Exception]
     for cls in (GeometryError, KernelBoundsError, CheckpointError, ConfigError, UsageError,
                 RollbackBoundsError, drafter_errors.DrafterError, SessionError):
         assert issubclass(cls, ValueError), cls
@@ -245,7 +246,8 @@ def test_debug_prints_the_traceback(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def broken(*args: object, **kwargs: object) -> None:
-        {}["missing"]  # a genuine bug: a KeyError from inside the command
+        # a genuine bug, a KeyError from inside the command; the traceback shows this line
+        {}["missing"]  # type: ignore[index]  # the untyped empty dict on purpose
 
     monkeypatch.setattr(generate_command, "prepare", broken)
     assert main(["--debug", "generate", *FAST]) == 4

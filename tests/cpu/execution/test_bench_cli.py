@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from dflash.cli import main
+from dflash.execution import reference_greedy
 
 ARGS = [
     "bench",
@@ -38,7 +39,7 @@ def test_aba_report(
     import dflash.execution.run as run_module
 
     greedy_calls: list[object] = []  # timed plain-greedy decodes (the oracle comes from
-    real_greedy = run_module.reference_greedy  # the synthetic drafter, not counted here)
+    real_greedy = reference_greedy  # the synthetic drafter, not counted here)
 
     def counting(*args: Any, **kwargs: Any) -> list[int]:
         greedy_calls.append(kwargs["graphs"])
@@ -124,7 +125,7 @@ def test_a_wrong_greedy_run_withholds_the_speedups(
 ) -> None:
     import dflash.execution.run as run_module
 
-    real_greedy = run_module.reference_greedy
+    real_greedy = reference_greedy
 
     def wrong_last_token(*args: Any, **kwargs: Any) -> list[int]:
         tokens = real_greedy(*args, **kwargs)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import pytest
 import torch
 
 from dflash.execution import (
     CaptureGate,
+    RollbackMode,
     RollbackPolicy,
     RollbackStatus,
     ShardedTarget,
@@ -148,7 +150,9 @@ def test_gate_refuses_ownership_map_mismatch_and_missing_taps(tiny: TargetModel)
 # -- end to end: the engine's status follows the gate --------------------------------------
 
 
-def _engine(tiny: TargetModel, oracle: list[int], prompt: list[int], mode: str) -> SpecDecoder:
+def _engine(
+    tiny: TargetModel, oracle: list[int], prompt: list[int], mode: RollbackMode
+) -> SpecDecoder:
     target = ShardedTarget(tiny, plan_shards(6, "cpu,cpu", "3,3"), max_len=64, max_draft=4)
     drafter = SyntheticDrafter(prompt + oracle, 0.6, tiny.config.vocab_size, seed=2)
     return SpecDecoder(target, drafter, block_size=4, policy=RollbackPolicy(mode=mode))
@@ -168,10 +172,10 @@ def test_refused_gate_keeps_requested_status_and_replays(
     engine = _engine(tiny, oracle, prompts["digits"], "remap")
     original = engine.gate.after_shard
 
-    def non_owner(k: int, storages: list[ShardStorage]) -> None:
+    def non_owner(k: int, shards: Sequence[ShardStorage]) -> None:
         if k == 0:
-            storages[1].pool.captured[0, :, 0].zero_()
-        original(k, storages)
+            shards[1].pool.captured[0, :, 0].zero_()
+        original(k, shards)
 
     engine.gate.after_shard = non_owner  # type: ignore[method-assign]  # test double
     assert engine.status is RollbackStatus.REQUESTED
@@ -187,8 +191,8 @@ def test_self_test_catches_an_off_by_one_slot(
     oracle = greedy("digits", 16)
     engine = _engine(tiny, oracle, prompts["digits"], "checkpoint")
     original = CaptureGate.save_slot
-    engine.gate.save_slot = lambda storages, slot: original(  # type: ignore[method-assign]
-        storages, slot + 1 if slot == 0 else slot - 1
+    engine.gate.save_slot = lambda shards, slot: original(  # type: ignore[method-assign]  # test double
+        shards, slot + 1 if slot == 0 else slot - 1
     )
     assert _decode(engine, prompts["digits"], 8) == oracle[:8]
     report = engine.gate.report
@@ -237,4 +241,5 @@ def test_gate_is_sticky_and_resets_on_storage_rebuild(
     while len(out) < 24:
         out += engine.step()
     assert out[:24] == oracle[:24]
-    assert engine.status is RollbackStatus.EFFECTIVE
+    # the cast: mypy would keep the status narrowed by the assert above across the steps
+    assert cast(RollbackStatus, engine.status) is RollbackStatus.EFFECTIVE

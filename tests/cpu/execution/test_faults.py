@@ -6,6 +6,7 @@ Two CPU shards, so ``mid_restore`` fires on shard 2 of 2 after shard 1 has resto
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from dflash.execution import (
     FaultInjector,
     FaultPhase,
     PoisonedError,
+    RollbackMode,
     RollbackPolicy,
     RollbackStatus,
     ShardedTarget,
@@ -33,7 +35,7 @@ def _engine(
     tiny: TargetModel,
     oracle: list[int],
     prompt: list[int],
-    mode: str,
+    mode: RollbackMode,
     faults: FaultInjector | None = None,
 ) -> SpecDecoder:
     target = ShardedTarget(tiny, plan_shards(6, "cpu,cpu", "3,3"), max_len=64, max_draft=4)
@@ -56,7 +58,7 @@ def test_fault_at_every_phase_emits_only_greedy_tokens(
     tiny: TargetModel,
     greedy: Callable[[str, int], list[int]],
     prompts: dict[str, list[int]],
-    mode: str,
+    mode: RollbackMode,
     phase: FaultPhase,
 ) -> None:
     oracle = greedy(PROMPT, N + 4)
@@ -104,7 +106,8 @@ def test_failed_recovery_leaves_poisoned_and_verify_refuses(
         engine.step()
     assert engine.target_forwards == forwards  # no forward ran while poisoned
     out += engine.resume()  # pre-verify state restored, accepted tokens replayed
-    assert engine.status is RollbackStatus.EFFECTIVE
+    # the cast: mypy would keep the status narrowed by the assert above across resume()
+    assert cast(RollbackStatus, engine.status) is RollbackStatus.EFFECTIVE
     while len(out) < N:
         out += engine.step()
     assert out[:N] == oracle[:N]

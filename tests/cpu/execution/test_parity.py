@@ -16,6 +16,7 @@ import pytest
 from dflash.execution import (
     ROLLBACK_MODES,
     GenerationResult,
+    RollbackMode,
     RollbackPolicy,
     RollbackStatus,
     generate,
@@ -49,7 +50,7 @@ def _run(
     drafter: Drafter,
     prompt: str,
     block: int,
-    mode: str,
+    mode: RollbackMode,
     *,
     n: int = N,
     devices: str = "cpu",
@@ -78,7 +79,7 @@ def test_every_mode_matches_plain_greedy(
     tiny_of: Callable[[str], TargetModel],
     greedy: Callable[..., list[int]],
     dtype: str,
-    mode: str,
+    mode: RollbackMode,
     prompt: str,
     block: int,
     p: float,
@@ -137,7 +138,7 @@ def test_bfloat16_longer_run_with_partial_acceptance(
 
 @pytest.mark.parametrize("mode", ROLLBACK_MODES)
 def test_split_across_two_cpu_shards_equals_unsplit(
-    tiny: TargetModel, greedy: Callable[..., list[int]], mode: str
+    tiny: TargetModel, greedy: Callable[..., list[int]], mode: RollbackMode
 ) -> None:
     oracle = greedy("digits", N + 4)
     drafter = _synthetic(tiny, "digits", oracle, 0.6)

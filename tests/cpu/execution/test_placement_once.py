@@ -5,6 +5,8 @@ replaced since (forgetting its CUDA graphs once)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -50,22 +52,22 @@ def test_weights_moved_since_placement_are_refused_naming_one() -> None:
     target.forward(PROMPT, "prefill", 0)
 
 
-def _noted(work: object) -> tuple[object, ShardOutput]:
+def _noted(work: Callable[[], object]) -> tuple[Callable[[], None], ShardOutput]:
     raise AssertionError("no capture runs in this test")
 
 
 def test_a_parameter_data_replaced_is_fused_and_forgets_the_graphs_once() -> None:
     model = TargetModel.tiny_default(seed=4)
     target = ShardedTarget(model, plan_shards(6), max_len=32, max_draft=4)
-    graphs = ShardGraphs(torch.device("cpu"), capture=_noted)  # type: ignore[arg-type]  # never captures
-    key = ("verify", 4, None, True)
+    graphs = ShardGraphs(torch.device("cpu"), capture=_noted)  # never captures
+    key = ("verify", 4, True)
     target.graphs = [graphs]
     layer = model.layers[0]
     assert isinstance(layer, DeltaNetLayer)
     mixer = layer.linear_attn
     torch.manual_seed(3)
     mixer.in_proj_z.weight.data = torch.randn_like(mixer.in_proj_z.weight)  # behind its back
-    graphs._graphs[key] = object()  # type: ignore[index, assignment]  # a captured graph
+    graphs._graphs[key] = object()  # type: ignore[assignment]  # a stand-in graph
     logits, _ = target.forward(PROMPT, "prefill", 0)
     assert not graphs._graphs  # the graph would read the old fused weight
     assert not mixer.in_proj.stale
@@ -75,6 +77,6 @@ def test_a_parameter_data_replaced_is_fused_and_forgets_the_graphs_once() -> Non
         PROMPT, "prefill", 0
     )
     assert torch.equal(logits, want)
-    graphs._graphs[key] = object()  # type: ignore[index, assignment]  # captured again
+    graphs._graphs[key] = object()  # type: ignore[assignment]  # a stand-in, again
     target.forward(PROMPT, "prefill", 0)
     assert graphs._graphs  # nothing changed since: kept

@@ -46,7 +46,7 @@ def test_policy_defaults_and_fast_flag() -> None:
 def test_policy_is_frozen_and_strict() -> None:
     policy = RollbackPolicy(mode="remap")
     with pytest.raises(Exception, match="frozen"):
-        policy.mode = "replay"  # type: ignore[misc]  # mutation attempt on purpose
+        policy.mode = "replay"  # a mutation attempt on purpose
     with pytest.raises(Exception, match="extra"):
         RollbackPolicy(mode="remap", colour="red")  # type: ignore[call-arg]  # on purpose
     with pytest.raises(Exception, match="mode"):

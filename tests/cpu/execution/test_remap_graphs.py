@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from dflash.execution import RollbackPolicy, ShardedTarget, SpecDecoder, plan_shards
+from dflash.execution import RollbackMode, RollbackPolicy, ShardedTarget, SpecDecoder, plan_shards
 from dflash.execution.graphs import ShardGraphs, ShardOutput
 from dflash.kernels.checks import INTERPRET
 from dflash.model import HybridConfig, TargetModel, greedy_generate
@@ -37,11 +37,11 @@ pytestmark = pytest.mark.skipif(
 Op = tuple[Any, ...]
 
 
-class _Recorder(TorchDispatchMode):
+class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's hook is unannotated
     """Runs and records every ATen operation (not those inside a Triton launch)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's __init__ is unannotated
         self.ops: list[Op] = []
         self.inside_launch = 0
 
@@ -136,7 +136,7 @@ def oracle() -> list[int]:
 
 
 def _decode(
-    oracle: list[int], mode: str, n: int, graphs: type[ShardGraphs] = ShardGraphs
+    oracle: list[int], mode: RollbackMode, n: int, graphs: type[ShardGraphs] = ShardGraphs
 ) -> tuple[list[int], list[int | None], list[ShardGraphs]]:
     model = TargetModel.seeded(HybridConfig.tiny_default(), seed=0)
     model.kernel_backend = "triton"
@@ -201,7 +201,7 @@ def _dflash(model: TargetModel, **changes: object) -> DFlashDrafter:
     return DFlashDrafter.random(cfg, model.embed_tokens.weight, model.lm_head.weight, seed=2)
 
 
-def _dflash_run(mode: str, n: int, graphs: bool, **changes: object) -> SpecDecoder:
+def _dflash_run(mode: RollbackMode, n: int, graphs: bool, **changes: object) -> SpecDecoder:
     model = TargetModel.seeded(HybridConfig.tiny_default(), seed=0)
     model.kernel_backend = "triton"
     # every draft verified whole, as on CUDA: a static drafting shape, and the same windows

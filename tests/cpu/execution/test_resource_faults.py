@@ -11,13 +11,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import cast
 
 import pytest
 import torch
 
 import dflash.model.caches as caches_module
 from dflash.errors import UsageError
-from dflash.execution import RollbackPolicy, RollbackStatus, ShardedTarget, SpecDecoder, plan_shards
+from dflash.execution import (
+    RollbackMode,
+    RollbackPolicy,
+    RollbackStatus,
+    ShardedTarget,
+    SpecDecoder,
+    plan_shards,
+)
 from dflash.execution.engine import chain_of
 from dflash.execution.errors import ContextLengthError, ExecutionError
 from dflash.execution.run import generate, positions_needed
@@ -60,7 +68,9 @@ def _target(tiny: TargetModel) -> ShardedTarget:
     return ShardedTarget(tiny, plan_shards(6, "cpu,cpu", "3,3"), max_len=64, max_draft=4)
 
 
-def _engine(tiny: TargetModel, target: ShardedTarget, oracle: list[int], mode: str) -> SpecDecoder:
+def _engine(
+    tiny: TargetModel, target: ShardedTarget, oracle: list[int], mode: RollbackMode
+) -> SpecDecoder:
     drafter = SyntheticDrafter(PROMPT + oracle, 0.6, tiny.config.vocab_size, seed=5)
     return SpecDecoder(target, drafter, block_size=4, policy=RollbackPolicy(mode=mode))
 
@@ -85,7 +95,7 @@ def test_capture_storage_that_does_not_fit_leaves_fast_requested_on_replay(
     tiny: TargetModel,
     greedy: Callable[[str, int], list[int]],
     monkeypatch: pytest.MonkeyPatch,
-    mode: str,
+    mode: RollbackMode,
     error: Exception,
 ) -> None:
     oracle = greedy("digits", N + 4)
@@ -153,7 +163,8 @@ def test_a_rebuild_that_does_not_fit_falls_back_to_replay_and_a_later_one_recove
     assert engine.status is RollbackStatus.EFFECTIVE and engine.counts["fast"] > 0
     with failing_allocation(monkeypatch, full_checkpoints, OOM_ERRORS[0]):
         engine.rebuild_storage()
-    assert engine.status is RollbackStatus.REQUESTED
+    # the cast: mypy would keep the status narrowed by the assert above across the rebuild
+    assert cast(RollbackStatus, engine.status) is RollbackStatus.REQUESTED
     assert engine.fast_unavailable_reason is not None
     fast_before, steps_before = engine.counts["fast"], len(engine.records)
     while len(out) < 2 * N:

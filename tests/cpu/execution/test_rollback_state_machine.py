@@ -21,6 +21,7 @@ from dflash.execution import (
     FaultInjector,
     FaultPhase,
     PoisonedError,
+    RollbackMode,
     RollbackPolicy,
     RollbackStatus,
     ShardedTarget,
@@ -76,7 +77,7 @@ class ScriptedFaults(FaultInjector):
 class Reference:
     """The specification in miniature: what the execution layer must report and emit."""
 
-    mode: str
+    mode: RollbackMode
     validated: bool = False
     poisoned: bool = False
     emitted: int = 1  # tokens of ORACLE emitted so far (the prefill's token is the first)
@@ -96,7 +97,7 @@ class Reference:
 
 class RollbackMachine(RuleBasedStateMachine):
     @initialize(mode=st.sampled_from(["replay", "checkpoint", "remap"]))
-    def start(self, mode: str) -> None:
+    def start(self, mode: RollbackMode) -> None:
         target = ShardedTarget(MODEL, plan_shards(6, "cpu,cpu", "3,3"), max_len=96, max_draft=B)
         self.drafter = ScriptedDrafter()
         self.faults = ScriptedFaults()
@@ -166,7 +167,7 @@ class RollbackMachine(RuleBasedStateMachine):
         self.ref.counts["replay_after_failure"] += 1
 
     @rule(mode=st.sampled_from(["replay", "checkpoint", "remap"]))
-    def request_mode(self, mode: str) -> None:
+    def request_mode(self, mode: RollbackMode) -> None:
         if self.ref.poisoned:
             with pytest.raises(ExecutionError, match="clean target"):
                 self.engine.request_mode(mode)

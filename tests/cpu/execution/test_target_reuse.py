@@ -3,10 +3,20 @@ cannot serve the run (naming why), and its CUDA graphs forgotten once the weight
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import pytest
 import torch
 
-from dflash.execution import RollbackPolicy, ShardedTarget, SpecDecoder, generate, plan_shards
+from dflash.execution import (
+    RollbackMode,
+    RollbackPolicy,
+    ShardedTarget,
+    SpecDecoder,
+    generate,
+    plan_shards,
+)
 from dflash.execution.faults import FaultInjector
 from dflash.execution.graphs import ShardGraphs, ShardOutput
 from dflash.execution.oracle import reference_greedy
@@ -15,6 +25,7 @@ from dflash.execution.results import GenerationResult
 from dflash.execution.run import timed_greedy
 from dflash.model import TargetModel, greedy_generate
 from dflash.model.drafters import PromptLookupDrafter
+from dflash.model.layers import MLP
 
 PROMPTS = ([5, 17, 200, 3, 5, 17, 200, 3, 9], [1, 2, 3, 1, 2, 3, 1, 2], [42] * 6)
 
@@ -26,7 +37,7 @@ def tiny() -> TargetModel:
 
 @pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap"])
 def test_a_kept_target_gives_the_fresh_tokens(
-    tiny: TargetModel, mode: str, monkeypatch: pytest.MonkeyPatch
+    tiny: TargetModel, mode: RollbackMode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     plan = plan_shards(6, "cpu,cpu", "2,4")
     kept = ShardedTarget(tiny, plan, max_len=64, max_draft=8)
@@ -40,7 +51,7 @@ def test_a_kept_target_gives_the_fresh_tokens(
 
     monkeypatch.setattr(ShardedTarget, "__init__", counting_init)
     for prompt in (*PROMPTS, PROMPTS[0]):  # a longer prompt after shorter ones, then again
-        policy = RollbackPolicy(mode=mode)  # type: ignore[arg-type]  # a literal of the set
+        policy = RollbackPolicy(mode=mode)
         fresh = generate(tiny, PromptLookupDrafter(), prompt, plan=plan, max_new_tokens=12,
                          block_size=4, policy=policy)
         oracle = greedy_generate(tiny, prompt, 12)
@@ -81,7 +92,7 @@ def test_a_target_that_cannot_serve_is_refused_with_the_reason(tiny: TargetModel
     run()  # the refusals changed nothing: the target still serves a run that fits
 
 
-def _noted(work: object) -> tuple[object, ShardOutput]:
+def _noted(work: Callable[[], object]) -> tuple[Callable[[], None], ShardOutput]:
     raise AssertionError("no capture runs in this test")
 
 
@@ -89,12 +100,12 @@ def test_graphs_are_forgotten_when_the_weights_change(tiny: TargetModel) -> None
     model = TargetModel.tiny_default(seed=4)
     plan = plan_shards(6)
     target = ShardedTarget(model, plan, max_len=32, max_draft=4)
-    graphs = ShardGraphs(torch.device("cpu"), capture=_noted)  # type: ignore[arg-type]
-    graphs._graphs[("verify", 4, None, True)] = object()  # type: ignore[assignment]  # a captured graph
+    graphs = ShardGraphs(torch.device("cpu"), capture=_noted)
+    graphs._graphs[("verify", 4, True)] = object()  # type: ignore[assignment]  # a stand-in graph
     target.graphs = [graphs]
     target.forward(PROMPTS[1], "prefill", 0)  # same weights: the graph is kept
     assert graphs._graphs
-    layer = model.layers[0].mlp.down_proj
+    layer = cast(MLP, model.layers[0].mlp).down_proj  # the tiny model's MLPs are dense
     layer.load_state_dict({"weight": layer.weight.detach().clone()}, assign=True)
     target.forward(PROMPTS[1], "prefill", 0)  # a replaced parameter: graphs would read freed memory
     assert not graphs._graphs

@@ -7,6 +7,7 @@ import pytest
 
 from dflash.execution import (
     ExecutionError,
+    RollbackMode,
     RollbackPolicy,
     ShardedTarget,
     SpecDecoder,
@@ -116,13 +117,13 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
 
 
 def _decode(
-    tiny: TargetModel, drafter: SyntheticDrafter, mode: str, n: int = 60
+    tiny: TargetModel, drafter: SyntheticDrafter, mode: RollbackMode, n: int = 60
 ) -> tuple[list[int], list[int], list[float], SpecDecoder]:
     """Speculative decoding of ``n`` tokens after PROMPT on CPU shards (tile windows on):
     the tokens, each step's start position and window rate, and the engine (its records)."""
     target = ShardedTarget(tiny, plan_shards(6), max_len=len(PROMPT) + n + 20, max_draft=16)
     engine = SpecDecoder(target, drafter, block_size=16,
-                         policy=RollbackPolicy(mode=mode))  # type: ignore[arg-type]
+                         policy=RollbackPolicy(mode=mode))
     out = [engine.prefill(PROMPT)]
     starts, rates = [], []
     while len(out) < n:
@@ -135,7 +136,9 @@ def _decode(
 
 
 @pytest.mark.parametrize("mode", ["replay", "checkpoint"])
-def test_cpu_windows_follow_a_scored_drafters_confidence(tiny: TargetModel, mode: str) -> None:
+def test_cpu_windows_follow_a_scored_drafters_confidence(
+    tiny: TargetModel, mode: RollbackMode
+) -> None:
     oracle = greedy_generate(tiny, PROMPT, 60)
     drafter = _Scored(PROMPT + oracle, 0.9, tiny.config.vocab_size, seed=3)
     out, starts, rates, engine = _decode(tiny, drafter, mode)
@@ -162,7 +165,9 @@ def tiny() -> TargetModel:
 
 
 @pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap"])
-def test_cpu_steps_verify_tile_aligned_windows_losslessly(tiny: TargetModel, mode: str) -> None:
+def test_cpu_steps_verify_tile_aligned_windows_losslessly(
+    tiny: TargetModel, mode: RollbackMode
+) -> None:
     oracle = greedy_generate(tiny, PROMPT, 60)
     drafter = SyntheticDrafter(PROMPT + oracle, 0.9, tiny.config.vocab_size, seed=3)
     out, starts, _, engine = _decode(tiny, drafter, mode)
@@ -197,7 +202,7 @@ def test_a_full_window_verifies_every_draft_whole(tiny: TargetModel) -> None:
         drafter = SyntheticDrafter(prompt + oracle, 0.9, tiny.config.vocab_size, seed=3)
         target = ShardedTarget(tiny, plan_shards(6), max_len=len(prompt) + 80, max_draft=16)
         engine = SpecDecoder(target, drafter, block_size=16, verify_window=choice,
-                             policy=RollbackPolicy(mode="replay"))  # type: ignore[arg-type]
+                             policy=RollbackPolicy(mode="replay"))
         assert isinstance(engine.window, CpuWindow if choice == "auto" else FullWindow)
         out = [engine.prefill(prompt)]
         while len(out) < 60:

@@ -21,7 +21,7 @@ def encode(parents: list[int], nbyte: int, container: int) -> bytes:
 
 def test_committed_seeds_pass_and_reach_every_reason() -> None:
     assert len(SEEDS) == len(CASES) * len(oracle.CONTAINERS)
-    reached = set()
+    reached: set[str] = set()
     for path in SEEDS:
         reached.update(oracle.check_one(path.read_bytes()))
     assert {r.value for r in RejectReason} <= reached

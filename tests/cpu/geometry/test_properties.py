@@ -7,6 +7,7 @@ import copy
 import json
 import pickle
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ from dflash.geometry import (
     validate_tree,
     verdict_from_json,
 )
-from specs.geometry_spec import spec_verdict
+from specs.geometry_spec import Policy, spec_verdict
 
 torch = pytest.importorskip("torch")
 
@@ -81,11 +82,14 @@ def test_every_single_entry_mutation_of_a_chain_is_rejected_as_specified(
         parents: list[int], data: st.DataObject) -> None:
     slot = data.draw(st.integers(0, len(parents) - 1))
     value = data.draw(entries.filter(lambda v: not (type(v) is int and v == parents[slot])))
-    mutated = list(parents)
+    mutated: list[object] = list(parents)
     mutated[slot] = value
-    for policy, validate in (("chain", validate_chain), ("tree", validate_tree)):
+    validators: tuple[tuple[Policy, Callable[[object], object]], ...] = (
+        ("chain", validate_chain), ("tree", validate_tree)
+    )
+    for policy, validate in validators:
         verdict = validate(mutated)
-        assert key(verdict) == spec_verdict(mutated, None, policy)  # type: ignore[arg-type]
+        assert key(verdict) == spec_verdict(mutated, None, policy)
         if policy == "chain":
             assert isinstance(verdict, Rejection) and verdict.slot == slot
 
@@ -150,7 +154,7 @@ def test_geometries_are_immutable_and_hashable(parents: list[int]) -> None:
         with pytest.raises(AttributeError):
             del geometry.parents
         with pytest.raises(AttributeError):
-            geometry.extra = 1  # type: ignore[union-attr]
+            geometry.extra = 1
         validate = validate_chain if type(geometry) is ChainGeometry else validate_tree
         again = validate(list(parents))
         assert again == geometry and hash(again) == hash(geometry)

@@ -12,6 +12,7 @@ from kernels_support import NAN, needs_interpreter, rel_rms
 
 from dflash.kernels import decode_attention, decode_attention_reference
 from dflash.kernels.attention_triton import launch_decode_attention
+from dflash.kernels.checks import Backend
 
 TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 BACKENDS = [
@@ -37,11 +38,11 @@ def _poison_after(cache: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _call(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _call(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
           start: torch.Tensor, split: int | None) -> torch.Tensor:
     out = torch.full_like(q, NAN)
     if split is None:
-        return decode_attention(q, k, v, start, out=out, backend=backend)  # type: ignore[arg-type]  # backend from parametrize
+        return decode_attention(q, k, v, start, out=out, backend=backend)
     return launch_decode_attention(q, k, v, start, q.shape[-1] ** -0.5, out,
                                    split_keys=split, block_n=16)
 
@@ -71,7 +72,7 @@ def test_triton_matches_reference_over_several_splits() -> None:
 
 
 def _check_rows_match_single_calls(
-    backend: str, dtype: torch.dtype, H: int, HKV: int, D: int, S: int,
+    backend: Backend, dtype: torch.dtype, H: int, HKV: int, D: int, S: int,
     start0: int, Ts: list[int], split: int | None,
 ) -> None:
     """Row t of a T-row call at ``start0`` equals the T=1 call at ``start0 + t`` bit for
@@ -94,7 +95,7 @@ def _check_rows_match_single_calls(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rows_do_not_depend_on_T_gqa_across_splits(backend: str) -> None:
+def test_rows_do_not_depend_on_T_gqa_across_splits(backend: Backend) -> None:
     """GQA (H=4, HKV=2), positions 120..136 across the 128-key split boundary and the
     64-key block boundaries of the default sizes."""
     _check_rows_match_single_calls(backend, torch.bfloat16, 4, 2, 32, 300, 120,
@@ -106,7 +107,7 @@ def test_rows_do_not_depend_on_T_gqa_across_splits(backend: str) -> None:
     [("reference", torch.float32), ("reference", torch.float16),
      pytest.param("triton", torch.float32, marks=needs_interpreter)],
 )
-def test_rows_do_not_depend_on_T_from_start_zero(backend: str, dtype: torch.dtype) -> None:
+def test_rows_do_not_depend_on_T_from_start_zero(backend: Backend, dtype: torch.dtype) -> None:
     """H = HKV, start 0, every T = 1..17; the Triton path with 16-key blocks and splits,
     so rows cross block and split boundaries and share row tiles."""
     _check_rows_match_single_calls(backend, dtype, 1, 1, 16, 40, 0, list(range(1, 18)),
@@ -121,7 +122,7 @@ def test_rows_do_not_depend_on_T_small_splits_gqa() -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_hand_checked_two_keys(backend: str) -> None:
+def test_hand_checked_two_keys(backend: Backend) -> None:
     """scale 1, q = [1, 0], k0 = [0, 0], k1 = [ln 3, 0]: row 0 (position 0) sees k0 only
     -> v0; row 1 sees both with softmax weights [1/4, 3/4] -> v0/4 + 3 v1/4."""
     q = torch.tensor([[1.0, 0.0], [1.0, 0.0]]).view(1, 2, 1, 2)
@@ -129,13 +130,13 @@ def test_hand_checked_two_keys(backend: str) -> None:
     v = torch.tensor([[4.0, 0.0], [0.0, 8.0], [NAN, NAN]]).view(1, 1, 3, 2)
     out = torch.full_like(q, NAN)
     got = decode_attention(q, k, v, torch.tensor([0]), scale=1.0, out=out,
-                           backend=backend)  # type: ignore[arg-type]  # backend from parametrize
+                           backend=backend)
     expect = torch.tensor([[4.0, 0.0], [1.0, 6.0]]).view(1, 2, 1, 2)
     assert torch.allclose(got, expect, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_strided_cache_views(backend: str) -> None:
+def test_strided_cache_views(backend: Backend) -> None:
     """k/v given as views of a stacked [L, B, HKV, S, D] cache, out a view of a wider
     buffer: same values as contiguous copies."""
     q, k, v = _qkv(1, 3, 2, 1, 32, 40, torch.float32, seed=5)
@@ -144,7 +145,7 @@ def test_strided_cache_views(backend: str) -> None:
     start = torch.tensor([20])
     buf = torch.full((1, 3, 2, 48), NAN)
     got = decode_attention(q, stack_k[0], stack_v[0], start, out=buf[..., :32],
-                           backend=backend)  # type: ignore[arg-type]  # backend from parametrize
+                           backend=backend)
     ref = decode_attention_reference(q.double(), k.double(), v.double(), start)
     assert rel_rms(got, ref) <= 1e-6
     assert torch.isnan(buf[..., 32:]).all()

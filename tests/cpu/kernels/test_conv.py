@@ -8,6 +8,7 @@ from kernels_support import NAN, needs_interpreter, rel_rms
 
 from dflash.errors import KernelBoundsError
 from dflash.kernels import causal_conv1d_capture, causal_conv1d_capture_reference
+from dflash.kernels.checks import Backend
 
 
 def conv_inputs(B: int, T: int, C: int, Kc: int, dtype: torch.dtype, bias: bool,
@@ -65,7 +66,7 @@ def test_triton_matches_float64_reference(
 
 @needs_interpreter
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_verify_equals_token_by_token_decode(backend: str) -> None:
+def test_verify_equals_token_by_token_decode(backend: Backend) -> None:
     """The window after n tokens, captured[:, n:n+Kc-1], continues the conv exactly."""
     B, T, C, Kc = 1, 4, 24, 4
     i = conv_inputs(B, T, C, Kc, torch.float32, True, seed=9)
@@ -83,7 +84,7 @@ def test_verify_equals_token_by_token_decode(backend: str) -> None:
 
 @needs_interpreter
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_remap_in_place_equals_out_of_place(backend: str) -> None:
+def test_remap_in_place_equals_out_of_place(backend: Backend) -> None:
     B, T, C, Kc, S = 2, 3, 40, 4, 4
     first = conv_inputs(B, T, C, Kc, torch.float32, True, seed=1)
     bank = torch.full((B, Kc - 1 + S, C), NAN)
@@ -114,7 +115,7 @@ def test_strided_conv_rows() -> None:
 
 @needs_interpreter
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_out_none_allocates_the_same_result(backend: str) -> None:
+def test_out_none_allocates_the_same_result(backend: Backend) -> None:
     i = conv_inputs(1, 5, 24, 4, torch.bfloat16, True, seed=6)
     cap_a = torch.full((1, 8, 24), NAN, dtype=torch.bfloat16)
     cap_b = torch.full((1, 8, 24), NAN, dtype=torch.bfloat16)
@@ -129,13 +130,15 @@ def test_out_none_allocates_the_same_result(backend: str) -> None:
 def test_bad_arguments_are_named() -> None:
     i = conv_inputs(1, 3, 16, 4, torch.float32, True, seed=0)
     cap = torch.full((1, 6, 16), NAN)
+    rows, weight, bias = i["conv_rows"], i["weight"], i["bias"]
+    assert rows is not None and weight is not None and bias is not None
     cases: list[tuple[dict[str, object], torch.Tensor, object, type[Exception], str]] = [
         ({"x": "x"}, cap, "silu", TypeError, "'x' must be a torch.Tensor"),
-        ({"conv_rows": i["conv_rows"][:, :2]}, cap, "silu", ValueError, "'conv_rows' must have"),
-        ({"conv_rows": i["conv_rows"].half()}, cap, "silu", ValueError,  # type: ignore[union-attr]
+        ({"conv_rows": rows[:, :2]}, cap, "silu", ValueError, "'conv_rows' must have"),
+        ({"conv_rows": rows.half()}, cap, "silu", ValueError,
          "'conv_rows' must be torch.float32"),
-        ({"weight": i["weight"][:, :1]}, cap, "silu", ValueError, "Kc must be >= 2"),  # type: ignore[index]
-        ({"bias": i["bias"][:3]}, cap, "silu", ValueError, "'bias' must have shape"),  # type: ignore[index]
+        ({"weight": weight[:, :1]}, cap, "silu", ValueError, "Kc must be >= 2"),
+        ({"bias": bias[:3]}, cap, "silu", ValueError, "'bias' must have shape"),
         ({}, cap[:, :5], "silu", ValueError, "needs Kc-1\\+T=6 rows"),
         ({}, cap.double(), "silu", ValueError, "'captured' must be torch.float32"),
         ({}, cap.transpose(1, 2).contiguous().transpose(1, 2), "silu", ValueError,
@@ -145,7 +148,7 @@ def test_bad_arguments_are_named() -> None:
     ]
     for change, captured, act, error, match in cases:
         with pytest.raises(error, match=match):
-            run({**i, **change}, captured, activation=act)  # type: ignore[dict-item]
+            run({**i, **change}, captured, activation=act)  # type: ignore[dict-item]  # bad values on purpose
     x = i["x"]
     assert x is not None
     bad_out: list[tuple[object, type[Exception], str]] = [

@@ -8,6 +8,7 @@ from kernels_support import NAN, needs_interpreter, rel_rms
 
 from dflash.errors import KernelBoundsError
 from dflash.kernels import gdn_gates, gdn_gates_reference
+from dflash.kernels.checks import Backend
 
 
 def _inputs(
@@ -63,12 +64,12 @@ def test_rows_are_batch_invariant() -> None:
 
 
 @pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_interpreter)])
-def test_three_dimensional_inputs_and_every_element_written(backend: str) -> None:
+def test_three_dimensional_inputs_and_every_element_written(backend: Backend) -> None:
     a, b, A_log, dt_bias = _inputs(6, 4, torch.float32, seed=2)
     a3, b3 = a.view(2, 3, 4), b.view(2, 3, 4)
     beta_out, g_out = _poisoned(a3, torch.float32), _poisoned(a3, torch.float32)
     beta, g = gdn_gates(a3, b3, A_log, dt_bias, beta_out=beta_out, g_out=g_out,
-                        backend=backend)  # type: ignore[arg-type]
+                        backend=backend)
     want_beta, want_g = gdn_gates_reference(a3, b3, A_log, dt_bias)
     torch.testing.assert_close(beta, want_beta, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(g, want_g, rtol=1e-6, atol=0)

@@ -11,6 +11,7 @@ import dflash.kernels.gdn_triton as gdn_triton_module
 from dflash.errors import KernelBoundsError
 from dflash.geometry import require_chain, require_tree, validate_chain
 from dflash.kernels import checks, gdn_verify, gdn_verify_reference
+from dflash.kernels.checks import Backend
 
 
 def chain(T: int) -> object:
@@ -76,7 +77,7 @@ def test_triton_matches_float64_reference(
 
 @needs_interpreter
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_tree_slots_follow_their_parents(backend: str) -> None:
+def test_tree_slots_follow_their_parents(backend: Backend) -> None:
     parents = [-1, 0, 0, 1, 2, 2]
     T = len(parents)
     inputs = gdn_inputs(1, T, 2, 4, 16, 16, torch.float32, seed=7)
@@ -98,7 +99,7 @@ def test_tree_slots_follow_their_parents(backend: str) -> None:
 
 @needs_interpreter
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_checkpoints_equal_sequential_decode_bit_exactly(backend: str) -> None:
+def test_checkpoints_equal_sequential_decode_bit_exactly(backend: Backend) -> None:
     T, HV, K, V = 5, 3, 32, 16
     inputs = gdn_inputs(1, T, 1, HV, K, V, torch.bfloat16, seed=11)
     ckpt = nan_slots(1, T, HV, K, V, torch.float32)
@@ -116,7 +117,7 @@ def test_checkpoints_equal_sequential_decode_bit_exactly(backend: str) -> None:
 
 @needs_interpreter
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_remap_in_place_equals_out_of_place(backend: str) -> None:
+def test_remap_in_place_equals_out_of_place(backend: Backend) -> None:
     """initial_state may be a slot of the checkpoints it writes (slot remap)."""
     B, T, HV, K, V, S = 2, 3, 2, 16, 32, 4
     first = gdn_inputs(B, T, 1, HV, K, V, torch.float32, seed=3)
@@ -156,14 +157,14 @@ def test_strided_initial_state_and_final_state_only() -> None:
 
 @needs_interpreter
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_out_none_allocates_the_same_result(backend: str) -> None:
+def test_out_none_allocates_the_same_result(backend: Backend) -> None:
     inputs = gdn_inputs(1, 4, 1, 2, 16, 24, torch.bfloat16, seed=8)
     i = inputs
     ckpt_a = nan_slots(1, 4, 2, 16, 24, torch.float32)
     ckpt_b = nan_slots(1, 4, 2, 16, 24, torch.float32)
     into = run(inputs, ckpt_a, chain(4), backend=backend)
     fresh = gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], i["initial_state"], ckpt_b,
-                       chain(4), backend=backend)  # type: ignore[arg-type]
+                       chain(4), backend=backend)
     assert fresh.dtype == torch.bfloat16 and fresh.shape == (1, 4, 2, 24)
     assert not into.isnan().any() and torch.equal(fresh, into)
     assert torch.equal(ckpt_a, ckpt_b)
@@ -222,7 +223,7 @@ def test_bad_arguments_are_named() -> None:
     i = gdn_inputs(1, 3, 2, 4, 16, 16, torch.float32, seed=0)
     ck = nan_slots(1, 3, 4, 16, 16, torch.float32)
     geo = chain(3)
-    cases: list[tuple[dict[str, object], object, type[Exception], str]] = [
+    cases: list[tuple[dict[str, object], torch.Tensor, type[Exception], str]] = [
         ({"q": i["q"].tolist()}, ck, TypeError, "'q' must be a torch.Tensor"),
         ({"k": i["k"][:, :2]}, ck, ValueError, "'k' must have shape"),
         ({"v": i["v"][:, :, :3]}, ck, ValueError, "multiple of q's HK=2"),
@@ -238,7 +239,7 @@ def test_bad_arguments_are_named() -> None:
     ]
     for change, ckpt, error, match in cases:
         with pytest.raises(error, match=match):
-            run({**i, **change}, ckpt, geo)  # type: ignore[dict-item]
+            run({**i, **change}, ckpt, geo)  # type: ignore[dict-item]  # bad values on purpose
     with pytest.raises(ValueError, match="'scale'"):
         run(i, ck, geo, scale=float("nan"))
     with pytest.raises(ValueError, match="'snapshot' must have shape"):
@@ -264,7 +265,9 @@ def test_bad_arguments_are_named() -> None:
 @needs_interpreter
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("slot", [-1, 0, 2])
-def test_live_slot_read_on_the_device_selects_the_initial_state(backend: str, slot: int) -> None:
+def test_live_slot_read_on_the_device_selects_the_initial_state(
+    backend: Backend, slot: int
+) -> None:
     """``slot_bank`` + ``live_slot`` (an int64 device tensor): slot ``s >= 0`` starts from
     ``slot_bank[:, s]``, ``-1`` from ``initial_state`` — the same bits as passing that
     state directly, for a verify (bank = the checkpoints it writes) and a decode."""
@@ -300,7 +303,7 @@ def test_live_slot_read_on_the_device_selects_the_initial_state(backend: str, sl
 
 @needs_interpreter
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_live_slot_past_the_bank_is_clamped(backend: str) -> None:
+def test_live_slot_past_the_bank_is_clamped(backend: Backend) -> None:
     """A live slot past the bank (never set by the pool) reads the last slot, not memory
     beyond the bank."""
     B, T, HV, K, V, S = 1, 2, 2, 16, 16, 3

@@ -8,6 +8,7 @@ import torch
 from kernels_support import NAN, needs_interpreter, rel_rms
 
 from dflash.kernels import linear, linear_reference
+from dflash.kernels.checks import Backend
 from dflash.kernels.linear_triton import LinearConfig, launch_linear, linear_config
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -49,14 +50,14 @@ def test_split_rule_is_a_function_of_the_shape() -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_do_not_depend_on_M(backend: str, dtype: torch.dtype) -> None:
+def test_rows_do_not_depend_on_M(backend: Backend, dtype: torch.dtype) -> None:
     """Row i of an M-row call is bitwise the 1-row call on that row, for M = 1..17, with
     different neighbours and positions for every M."""
     x, w, b = _inputs(17, 45, 67, dtype, seed=7)
-    alone = [linear(x[i : i + 1], w, b, backend=backend)[0] for i in range(17)]  # type: ignore[arg-type]  # backend from parametrize
+    alone = [linear(x[i : i + 1], w, b, backend=backend)[0] for i in range(17)]
     for M in range(1, 18):
         order = [(i + 5 * M) % 17 for i in range(M)]
-        got = linear(x[order], w, b, backend=backend)  # type: ignore[arg-type]  # as above
+        got = linear(x[order], w, b, backend=backend)
         for i, src in enumerate(order):
             assert torch.equal(got[i], alone[src]), f"M={M} row {i} (source row {src})"
 
@@ -76,13 +77,13 @@ def test_split_k_rows_do_not_depend_on_M() -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_leading_dims_and_strided_out(backend: str) -> None:
+def test_leading_dims_and_strided_out(backend: Backend) -> None:
     """x [2, 3, K] and out a column slice of a wider buffer: every element written, the
     rest of the buffer untouched."""
     x, w, b = _inputs(6, 33, 40, torch.float32, seed=9)
     buf = torch.full((2, 3, 50), NAN)
     out = buf[..., 5:38]
-    got = linear(x.view(2, 3, 40), w, b, out=out, backend=backend)  # type: ignore[arg-type]  # backend from parametrize
+    got = linear(x.view(2, 3, 40), w, b, out=out, backend=backend)
     assert got is out and got.shape == (2, 3, 33)
     assert torch.isfinite(out).all()
     assert torch.isnan(buf[..., :5]).all() and torch.isnan(buf[..., 38:]).all()
@@ -90,9 +91,9 @@ def test_leading_dims_and_strided_out(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_zero_rows(backend: str) -> None:
+def test_zero_rows(backend: Backend) -> None:
     x, w, _ = _inputs(0, 8, 16, torch.float32, seed=1)
-    assert linear(x, w, backend=backend).shape == (0, 8)  # type: ignore[arg-type]  # backend from parametrize
+    assert linear(x, w, backend=backend).shape == (0, 8)
 
 
 def test_reference_is_the_defining_formula() -> None:

@@ -8,6 +8,7 @@ from kernels_support import NAN, needs_interpreter, rel_rms
 
 from dflash.errors import KernelBoundsError
 from dflash.kernels import rms_norm, rms_norm_reference
+from dflash.kernels.checks import Backend
 
 
 def poisoned(like: torch.Tensor) -> torch.Tensor:
@@ -57,7 +58,7 @@ def test_rows_are_batch_invariant() -> None:
 
 @needs_interpreter
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_every_row_is_written(backend: str) -> None:
+def test_every_row_is_written(backend: Backend) -> None:
     """Each row of a 3-D input (leading dims collapsed into rows) equals the formula."""
     x, w, _ = _inputs(5, 33, torch.float32, seed=4)
     x3 = x.view(5, 1, 33)
@@ -72,7 +73,7 @@ def test_every_row_is_written(backend: str) -> None:
 
 @needs_interpreter
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_out_none_allocates_the_same_result(backend: str) -> None:
+def test_out_none_allocates_the_same_result(backend: Backend) -> None:
     x, w, z = _inputs(3, 40, torch.bfloat16, seed=6)
     out = poisoned(x)
     into = rms_norm(x, w, 1e-6, zero_centred=False, gate=z, out=out, backend=backend)

@@ -15,6 +15,7 @@ from dflash.kernels import (
     rollback_restore,
     rollback_restore_reference,
 )
+from dflash.kernels.checks import Backend
 
 
 def banks(L: int, B: int, S: int, HV: int, K: int, V: int, Kc: int, C: int,
@@ -105,7 +106,7 @@ def test_bounds_refused_before_launch(
     b = banks(2, 1, 4, 2, 16, 16, 4, 24, seed=0)
     bad = {n: (v(b) if callable(v) else v) for n, v in change.items()}
     with pytest.raises(RollbackBoundsError, match=match) as info:
-        restore({**b, **bad}, commit_n)  # type: ignore[dict-item]
+        restore({**b, **bad}, commit_n)  # type: ignore[dict-item]  # bad values on purpose
     assert isinstance(info.value, ValueError)
     assert torch.isnan(b["states"]).all() and torch.isnan(b["conv_rows"].float()).all()
 
@@ -114,7 +115,9 @@ def test_bounds_refused_before_launch(
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize("rows_only", [False, True])
 @pytest.mark.parametrize("commit_n", [1, 3, 4])
-def test_device_commit_count_matches_host_int(backend: str, rows_only: bool, commit_n: int) -> None:
+def test_device_commit_count_matches_host_int(
+    backend: Backend, rows_only: bool, commit_n: int
+) -> None:
     """A one-element int64 ``commit_n`` read by the kernel restores exactly what the host int
     does; ``rows_only`` copies the conv rows and leaves the states untouched."""
     L, B, S, HV, K, V, Kc, C = 3, 2, 4, 2, 16, 16, 4, 24
@@ -134,7 +137,9 @@ def test_device_commit_count_matches_host_int(backend: str, rows_only: bool, com
 @needs_interpreter
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 @pytest.mark.parametrize(("given", "used"), [(0, 1), (-3, 1), (9, 4)])
-def test_device_commit_count_out_of_range_is_clamped(backend: str, given: int, used: int) -> None:
+def test_device_commit_count_out_of_range_is_clamped(
+    backend: Backend, given: int, used: int
+) -> None:
     """A device count outside 1..S (never produced by the step; the caller checks the value
     it reads back) is clamped, so the copy stays inside the banks."""
     b = banks(2, 1, 4, 2, 16, 16, 4, 24, seed=3)
@@ -145,7 +150,7 @@ def test_device_commit_count_out_of_range_is_clamped(backend: str, given: int, u
 
 @needs_interpreter
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_restore_and_remap_continue_exactly_like_decode(backend: str) -> None:
+def test_restore_and_remap_continue_exactly_like_decode(backend: Backend) -> None:
     """verify T tokens, accept n: restore, remap and token-by-token decode agree bit for bit."""
     L, B, HV, K, V, Kc, C, T, n = 2, 1, 2, 16, 16, 4, 24, 4, 2
     gen = torch.Generator().manual_seed(5)
@@ -162,11 +167,11 @@ def test_restore_and_remap_continue_exactly_like_decode(backend: str) -> None:
     for l in range(L):
         i = ins[l]
         gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], state0[l], ckpt[l],
-                   require_chain(list(range(-1, T - 1))), out=o[l], backend=backend)  # type: ignore[arg-type]
-        causal_conv1d_capture(xs[l], rows0[l], weight, None, cap[l], out=y[l], backend=backend)  # type: ignore[arg-type]
+                   require_chain(list(range(-1, T - 1))), out=o[l], backend=backend)
+        causal_conv1d_capture(xs[l], rows0[l], weight, None, cap[l], out=y[l], backend=backend)
 
     live, live_rows = torch.full_like(state0, NAN), torch.full_like(rows0, NAN)
-    rollback_restore(live, live_rows, ckpt, cap, n, backend=backend)  # type: ignore[arg-type]
+    rollback_restore(live, live_rows, ckpt, cap, n, backend=backend)
     remap_state, remap_rows = ckpt[:, :, n - 1], cap[:, :, n : n + Kc - 1]  # a remap's views
 
     dec, dec_rows = state0.clone(), rows0.clone()
@@ -177,9 +182,9 @@ def test_restore_and_remap_continue_exactly_like_decode(backend: str) -> None:
             o_t = torch.full((B, 1, HV, V), NAN)
             gdn_verify(i["q"][:, s], i["k"][:, s], i["v"][:, s], i["g"][:, s], i["beta"][:, s],
                        dec[l], dec[l].unsqueeze(1), None, final_state_only=True, out=o_t,
-                       backend=backend)  # type: ignore[arg-type]
+                       backend=backend)
             step, y_t = torch.full((B, Kc, C), NAN), torch.full((B, 1, C), NAN)
-            causal_conv1d_capture(xs[l][:, s], dec_rows[l], weight, None, step, out=y_t,  # type: ignore[arg-type]
+            causal_conv1d_capture(xs[l][:, s], dec_rows[l], weight, None, step, out=y_t,
                                   backend=backend)
             dec_rows[l] = step[:, 1:]
             assert torch.equal(o_t, o[l][:, s]) and torch.equal(y_t, y[l][:, s]), f"token {t}"

@@ -10,6 +10,8 @@ forwards run on M-invariant kernels).
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -22,7 +24,16 @@ MODEL = TargetModel.tiny_default(seed=5)
 VOCAB = MODEL.config.vocab_size
 MAX_DRAFT = 5
 MAX_LEN = 96
-TOL = {"rtol": 0.0, "atol": 0.0}  # bitwise
+
+
+class Tolerance(TypedDict):
+    """assert_close's tolerance keywords."""
+
+    rtol: float
+    atol: float
+
+
+TOL: Tolerance = {"rtol": 0.0, "atol": 0.0}  # bitwise
 torch.set_num_threads(1)  # tiny matrices: one thread is faster and immune to machine load
 
 

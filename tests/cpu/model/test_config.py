@@ -133,7 +133,7 @@ def test_missing_field_and_bad_files(tmp_path: Path) -> None:
 def test_frozen_and_named_shapes() -> None:
     cfg = HybridConfig.tiny_default()
     with pytest.raises(ValueError, match="frozen"):
-        cfg.hidden_size = 3  # type: ignore[misc]
+        cfg.hidden_size = 3
     nine = HybridConfig.nine_b_shape()
     assert nine.num_hidden_layers == 32 and nine.attention_layer_ids == tuple(range(3, 32, 4))
     assert (nine.linear_num_value_heads, nine.linear_num_key_heads) == (32, 16)

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TypedDict, cast
 
 import pytest
 import torch
 
 from dflash.data import ENV_VAR, DefaultDataMissingError, missing_files, require_default
-from dflash.execution import session
+from dflash.execution import ShardPlan, session
 from dflash.execution.session import SessionError
 from dflash.model import HybridConfig, TargetModel
+from dflash.model.drafters import DFlashDrafter
 from dflash.model.tokenizer import eos_token_id, load_tokenizer
 
 PY_TEXT = (
@@ -117,6 +119,16 @@ def test_shipped_pair_decodes_losslessly_through_the_session() -> None:
 _STAND_IN = HybridConfig.tiny_default().model_copy(update={"vocab_size": 300})
 
 
+class BuildArgs(TypedDict):
+    """session.build_drafter's keywords that these tests share."""
+
+    plan: ShardPlan
+    acceptance: float
+    seed: int
+    max_new_tokens: int
+    block_size: int
+
+
 @pytest.fixture()
 def stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A seeded pair laid out like the package data, under $DFLASH_DATA_DIR = tmp_path."""
@@ -140,8 +152,8 @@ def stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     tok.add_special_tokens(["<|mask|>"])
     tok.save(str(target_dir / "tokenizer.json"))
     (target_dir / "generation_config.json").write_text('{"eos_token_id": 0}', encoding="utf-8")
-    drafter = make_drafter("dflash", model, seed=5)
-    drafter.save_pretrained(tmp_path / "default" / "drafter")  # type: ignore[attr-defined]  # DFlashDrafter
+    drafter = cast(DFlashDrafter, make_drafter("dflash", model, seed=5))
+    drafter.save_pretrained(tmp_path / "default" / "drafter")
     monkeypatch.setenv(ENV_VAR, str(tmp_path))
     return tmp_path
 
@@ -162,22 +174,23 @@ def test_draft_dflash_with_default_loads_the_shipped_drafter(stand_in: Path) -> 
 
     model = session.build_model("default", seed=0, dtype=torch.float32, device="cpu")
     plan = plan_shards(model.config.num_hidden_layers, "cpu", None)
-    kwargs = dict(plan=plan, acceptance=0.8, seed=0, max_new_tokens=4, block_size=4)
+    kwargs: BuildArgs = dict(plan=plan, acceptance=0.8, seed=0, max_new_tokens=4, block_size=4)
     shipped, _ = session.build_drafter("dflash", model, [1, 2], model_spec="default", **kwargs)
     seeded, _ = session.build_drafter("dflash", model, [1, 2], model_spec="tiny", **kwargs)
-    seeded_5, _ = session.build_drafter("dflash", model, [1, 2], **{**kwargs, "seed": 5})
+    seed_5: BuildArgs = {**kwargs, "seed": 5}
+    seeded_5, _ = session.build_drafter("dflash", model, [1, 2], **seed_5)
     # the stand-in drafter was saved (in bf16) from seed 5: loading it gives seed 5's
     # weights, not the seeded default's
-    state = dict(shipped.state_dict())  # type: ignore[attr-defined]  # a DFlashDrafter
+    state = dict(cast(DFlashDrafter, shipped).state_dict())
 
     def as_saved(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.bfloat16).to(t.dtype)
 
-    for name, value in seeded_5.state_dict().items():  # type: ignore[attr-defined]
+    for name, value in cast(DFlashDrafter, seeded_5).state_dict().items():
         assert torch.equal(state[name], as_saved(value)), name
     assert any(
         not torch.equal(state[n], as_saved(v))
-        for n, v in seeded.state_dict().items()  # type: ignore[attr-defined]
+        for n, v in cast(DFlashDrafter, seeded).state_dict().items()
     )
 
 
@@ -192,11 +205,11 @@ def test_draft_dflash_with_the_default_target_directory_loads_the_shipped_drafte
 
     model = session.build_model("default", seed=0, dtype=torch.float32, device="cpu")
     plan = plan_shards(model.config.num_hidden_layers, "cpu", None)
-    kwargs = dict(plan=plan, acceptance=0.8, seed=0, max_new_tokens=4, block_size=4)
+    kwargs: BuildArgs = dict(plan=plan, acceptance=0.8, seed=0, max_new_tokens=4, block_size=4)
 
     def state(model_spec: str) -> dict[str, torch.Tensor]:
         drafter, _ = session.build_drafter("dflash", model, [1, 2], model_spec=model_spec, **kwargs)
-        return dict(drafter.state_dict())  # type: ignore[attr-defined]  # a DFlashDrafter
+        return dict(cast(DFlashDrafter, drafter).state_dict())
 
     def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
         return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -8,6 +8,7 @@ over [context ; block] keys, argmax of the LM head) and compare with the module.
 from __future__ import annotations
 
 import math
+from typing import Any, cast
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 from dflash.model.drafters import DFlashConfig, DFlashDrafter, DraftArgumentError
 from dflash.model.drafters.dflash_checkpoint import config_from_hf
 from dflash.model.drafters.dflash_config import default_tap_layers
-from dflash.model.drafters.dflash_layers import inverse_frequencies
+from dflash.model.drafters.dflash_layers import DrafterLayer, inverse_frequencies
 
 V, H = 11, 4
 
@@ -37,6 +38,11 @@ def tiny_config(**changes: object) -> DFlashConfig:
     }
     base.update(changes)
     return DFlashConfig.model_validate(base)
+
+
+def layer(d: DFlashDrafter, i: int) -> DrafterLayer:
+    """``d``'s layer ``i`` (a ModuleList entry, which mypy sees as a plain Module)."""
+    return cast(DrafterLayer, d.layers[i])
 
 
 def make(cfg: DFlashConfig, seed: int = 0) -> DFlashDrafter:
@@ -203,8 +209,8 @@ def test_attention_pattern_with_uniform_weights(
     cfg = tiny_config(layer_types=(layer_type,), sliding_window=window, is_causal=is_causal)
     d = make(cfg)
     with torch.no_grad():
-        d.layers[0].self_attn.q_proj.weight.zero_()
-    attn = d.layers[0].self_attn
+        layer(d, 0).self_attn.q_proj.weight.zero_()
+    attn = layer(d, 0).self_attn
     gen = torch.Generator().manual_seed(9)
     ctx_rows = torch.randn(1, 3, H, generator=gen, dtype=torch.float64)
     blk_rows = torch.randn(1, 3, H, generator=gen, dtype=torch.float64)
@@ -251,7 +257,8 @@ def test_saved_config_is_a_qwen3_config(tmp_path: object) -> None:
     assert hf.vocab_size == V and hf.block_size == 3 and hf.num_target_layers == 4
     assert hf.dflash_config == {"mask_token_id": V - 1, "target_layer_ids": [1, 2]}
     assert hf.layer_types == ["sliding_attention"] and hf.sliding_window == 8
-    assert hf.rope_parameters["rope_theta"] == 100.0
+    rope = hf.rope_parameters
+    assert rope is not None and rope["rope_theta"] == 100.0
     import json
 
     raw = json.loads((root / "config.json").read_text())
@@ -347,7 +354,7 @@ def test_the_inference_layers_equal_the_reference_block(monkeypatch: pytest.Monk
     calls: list[int] = []
     real = DrafterLayer.infer
 
-    def counted(self: DrafterLayer, *args: object) -> torch.Tensor:
+    def counted(self: DrafterLayer, *args: Any) -> torch.Tensor:
         calls.append(1)
         return real(self, *args)
 
@@ -404,14 +411,14 @@ def test_packed_weights_follow_changed_parameters() -> None:
     d = make(cfg, seed=6)
     _hidden_pair(d, seed=2)  # packs every layer
     with torch.no_grad():
-        d.layers[1].mlp.down_proj.weight.mul_(-2.0)  # the block's rows
-        d.layers[0].self_attn.k_proj.weight.add_(0.3)  # the context's keys
+        layer(d, 1).mlp.down_proj.weight.mul_(-2.0)  # the block's rows
+        layer(d, 0).self_attn.k_proj.weight.add_(0.3)  # the context's keys
     got, ref = _hidden_pair(d, seed=2)
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
     d.load_state_dict(make(cfg, seed=7).state_dict())
     got, ref = _hidden_pair(d, seed=2)
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
-    o_proj = d.layers[0].self_attn.o_proj
+    o_proj = layer(d, 0).self_attn.o_proj
     o_proj.weight.data = torch.randn(o_proj.weight.shape, dtype=torch.float64)  # replaced
     got, ref = _hidden_pair(d, seed=2)
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)

@@ -86,7 +86,7 @@ def edit_config(change: Callable[[dict[str, Any]], None]) -> Callable[[Path], No
     return apply
 
 
-def edit_tensors(change: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[Path], None]:
+def edit_tensors(change: Callable[[dict[str, torch.Tensor]], object]) -> Callable[[Path], None]:
     def apply(path: Path) -> None:
         tensors = load_file(str(path / "model.safetensors"))
         change(tensors)
@@ -100,7 +100,7 @@ def _corrupt(path: Path) -> None:
     (path / "model.safetensors").write_bytes(data[: len(data) // 2])
 
 
-BAD: list[tuple[str, Callable[[Path], None], type[Exception], str]] = [
+BAD: list[tuple[str, Callable[[Path], object], type[Exception], str]] = [
     (
         "bad JSON",
         lambda p: (p / "config.json").write_text("{not json"),
@@ -209,7 +209,7 @@ BAD: list[tuple[str, Callable[[Path], None], type[Exception], str]] = [
 
 @pytest.mark.parametrize(("what", "damage", "error", "message"), BAD, ids=[b[0] for b in BAD])
 def test_bad_checkpoints_are_refused_with_a_typed_error(
-    ckpt: Path, what: str, damage: Callable[[Path], None], error: type[Exception], message: str
+    ckpt: Path, what: str, damage: Callable[[Path], object], error: type[Exception], message: str
 ) -> None:
     damage(ckpt)
     with pytest.raises(error, match=message) as info:

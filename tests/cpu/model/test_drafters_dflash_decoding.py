@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.execution import ROLLBACK_MODES, RollbackPolicy, generate, plan_shards
+from dflash.execution import ROLLBACK_MODES, RollbackMode, RollbackPolicy, generate, plan_shards
 from dflash.model import TargetModel, greedy_generate
 from dflash.model.drafters import DFlashConfig, DFlashDrafter, stack_tap_features
 
@@ -40,7 +40,7 @@ def drafter_for(tiny: TargetModel, **changes: object) -> DFlashDrafter:
 @pytest.mark.parametrize("mode", ROLLBACK_MODES)
 @pytest.mark.parametrize("block", [2, 4])
 def test_every_mode_is_lossless(
-    tiny: TargetModel, oracle: list[int], mode: str, block: int
+    tiny: TargetModel, oracle: list[int], mode: RollbackMode, block: int
 ) -> None:
     drafter = drafter_for(tiny)
     result = generate(

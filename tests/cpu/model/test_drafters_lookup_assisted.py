@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
 from torch import Tensor
 
 from dflash.commands.settings import DEFAULT_PROMPT
-from dflash.execution import RollbackPolicy, generate, plan_shards, session
+from dflash.execution import RollbackMode, RollbackPolicy, generate, plan_shards, session
 from dflash.execution.engine import SpecDecoder, StepRecord
 from dflash.model import TargetModel, greedy_generate
 from dflash.model.drafters import (
@@ -245,7 +246,7 @@ def test_registry_names(tiny: TargetModel, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("mode", ["replay", "checkpoint"])
-def test_decoding_with_a_seeded_drafter_is_lossless(tiny: TargetModel, mode: str) -> None:
+def test_decoding_with_a_seeded_drafter_is_lossless(tiny: TargetModel, mode: RollbackMode) -> None:
     """The real DFlash drafter inside (whether it copies here is up to its guesses; the
     copies themselves: the Echo test below)."""
     prompt = [3, 14, 15, 92, 65, 35] * 3
@@ -333,7 +334,7 @@ def test_the_shipped_pair_copies_and_stays_lossless() -> None:
         max_new_tokens=96, block_size=16, model_spec="default",
     )  # fmt: skip
     assert isinstance(drafter, LookupAssistedDrafter)
-    shipped = make_drafter(str(default_dir("drafter")), model)
+    shipped = cast(DFlashDrafter, make_drafter(str(default_dir("drafter")), model))
     for (name, a), b in zip(drafter.dflash.state_dict().items(),
                             shipped.state_dict().values(), strict=True):  # fmt: skip
         assert torch.equal(a, b), name

@@ -181,5 +181,5 @@ def test_every_call_names_a_bad_context_entry() -> None:
     drafter.propose([1, 2, 3], 3, 4)
     for equal_but_not_int in (True, 1.0):  # == 1, so the prefix compares equal
         with pytest.raises(DraftArgumentError, match=r"'context\[0\]'"):
-            drafter.propose([equal_but_not_int, 2, 3, 4], 3, 4)
+            drafter.propose([equal_but_not_int, 2, 3, 4], 3, 4)  # type: ignore[list-item]  # on purpose
     assert drafter.propose([*context, 4], 3, 4) == drafter.propose([*context, 4], 3, 4)

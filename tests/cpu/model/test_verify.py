@@ -90,10 +90,14 @@ LONG_DRAFT = [11, 250, 64, 9, 123, 31, 0, 255, 7, 7, 7, 42, 1, 2, 3, 99, 18]  # 
 @torch.inference_mode()
 def _decode_rows(
     model: TargetModel, tokens: list[int], taps: tuple[int, ...]
-) -> tuple[list[torch.Tensor], list[dict[int, torch.Tensor]], list[list[tuple[torch.Tensor, ...]]]]:
+) -> tuple[
+    list[torch.Tensor], list[dict[int, torch.Tensor]], list[list[tuple[torch.Tensor, torch.Tensor]]]
+]:
     caches = model.new_caches(max_len=64, max_draft=len(tokens))
     model(_ids(PROMPT), caches, "prefill")
-    logits, tapped, states = [], [], []
+    logits: list[torch.Tensor] = []
+    tapped: list[dict[int, torch.Tensor]] = []
+    states: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
     for tok in tokens:
         out, t = model(_ids([tok]), caches, "decode", taps=taps)
         logits.append(out[0, 0])
@@ -197,6 +201,7 @@ def test_verify_equals_sequential_decode(model: TargetModel) -> None:
 
 def _verify(model: TargetModel, caches: ShardCaches, draft: list[int]) -> torch.Tensor:
     geometry = require_chain(list(range(-1, len(draft) - 1)))
+    logits: torch.Tensor
     logits, _ = model(_ids(draft), caches, "verify", geometry=geometry)
     return logits[0]
 
@@ -262,7 +267,7 @@ def test_full_accept_and_snapshot_after_remap(model: TargetModel) -> None:
 def test_misuse_is_rejected_before_any_change(model: TargetModel) -> None:
     caches = _prefilled(model)
     with pytest.raises(TypeError, match="needs a validated ChainGeometry"):
-        model(_ids(DRAFT), caches, "verify", geometry=[-1, 0, 1, 2, 3, 4])  # type: ignore[arg-type]
+        model(_ids(DRAFT), caches, "verify", geometry=[-1, 0, 1, 2, 3, 4])
     with pytest.raises(ValueError, match="n_actual=3 slots but 'hidden' has T=6"):
         model(_ids(DRAFT), caches, "verify", geometry=require_chain([-1, 0, 1]))
     with pytest.raises(ValueError, match=r"'ids' must lie in \[0, 256\) \(got min 0, max 999\)"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import pytest
 import torch
@@ -100,7 +101,10 @@ def test_blocked_training_attention_equals_the_dense_mask_with_its_gradients(
         d.zero_grad(set_to_none=True)
         out = block_forward(d, ids, feats, anchors, dense=dense)
         (out * probe).sum().backward()  # type: ignore[no-untyped-call]  # torch's stub is untyped
-        grads.append((out.detach(), {k: p.grad.clone() for k, p in d.named_parameters()}))
+        # every parameter has a gradient after backward(): the cast says so to mypy
+        grads.append((
+            out.detach(), {k: cast(torch.Tensor, p.grad).clone() for k, p in d.named_parameters()}
+        ))
     (got, got_g), (want, want_g) = grads
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     assert got_g.keys() == want_g.keys()

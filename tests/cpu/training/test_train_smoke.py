@@ -229,12 +229,12 @@ def test_heldout_loss_is_the_objective_on_heldout_sequences(tokens: Path, tmp_pa
 def test_math_attention_selects_only_the_math_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inside math_attention() the drafter's attention asks SDPA for the math backend only
     (a deterministic backward); outside, the fused kernels too; the setting is restored."""
-    from torch.nn.attention import SDPBackend
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from dflash.model.drafters import dflash_layers
 
     seen: list[list[SDPBackend]] = []
-    real = dflash_layers.sdpa_kernel
+    real = sdpa_kernel  # what dflash_layers imported
 
     def spy(backends: list[SDPBackend]) -> object:
         seen.append(list(backends))

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from dflash.execution.capture_gate import CaptureGate
-from dflash.execution.drafts import DraftSource, draft_source, tap_features
+from dflash.execution.drafts import DeviceDrafts, DraftSource, draft_source, tap_features
 from dflash.execution.errors import ExecutionError
 from dflash.execution.faults import NO_FAULTS, FaultInjector
 from dflash.execution.policy import RollbackPolicy, RollbackStatus, parse_mode
@@ -225,7 +225,8 @@ class SpecDecoder:
     @property
     def device_drafter(self) -> DeviceDrafter | None:
         """The drafter when it drafts on the device (see :mod:`dflash.execution.drafts`)."""
-        return getattr(self.drafts, "device_drafter", None)
+        drafts = self.drafts
+        return drafts.device_drafter if isinstance(drafts, DeviceDrafts) else None
 
     # -- prefill --------------------------------------------------------------------------
 

@@ -114,7 +114,7 @@ def main() -> None:
     drafter.propose(context[:base], 7, 16, feats[:base])
 
     def propose() -> None:
-        drafter._tokens = drafter._tokens[:base]  # the same new rows every time
+        drafter.host._tokens = drafter.host._tokens[:base]  # the same new rows every time
         drafter.propose(context, 7, 16, feats[base:])
 
     rows["propose"] = best_ms(propose, args.reps)

@@ -341,7 +341,7 @@ def test_cached_and_uncached_context_give_the_same_drafts(changes: dict[str, obj
     assert len({tuple(c) for c, _ in drafts}) > 1, "drafts do not depend on the context"
     n = sum(commits)
     torch.testing.assert_close(
-        d._draft_hidden(tokens[n], 3), d.uncached_hidden(feats[:n], tokens[n], 3)
+        d.host._draft_hidden(tokens[n], 3), d.uncached_hidden(feats[:n], tokens[n], 3)
     )
 
 
@@ -366,11 +366,11 @@ def test_the_inference_layers_equal_the_reference_block(monkeypatch: pytest.Monk
     tokens = torch.randint(0, V - 1, (71,), generator=gen).tolist()
     drafts = run_steps(d, feats, tokens, [30, 20, 12, 1, 4], cfg.block_size)
     assert all(cached == uncached for cached, uncached in drafts)
-    assert d._cache[0][0].shape[2] >= 70  # grown past the first 64 rows
+    assert d.host._cache[0][0].shape[2] >= 70  # grown past the first 64 rows
     for n in (67, 65):  # a shorter context again: the scratch rows are rewritten
         d.propose(tokens[:n], tokens[n], 3, feats[n - 1 : n])
         torch.testing.assert_close(
-            d._draft_hidden(tokens[n], 3), d.uncached_hidden(feats[:n], tokens[n], 3),
+            d.host._draft_hidden(tokens[n], 3), d.uncached_hidden(feats[:n], tokens[n], 3),
             rtol=1e-12, atol=1e-12,
         )
     assert len(calls) == 2 * 9  # the cached proposals ran the inference layers (2 per call)
@@ -384,7 +384,7 @@ def _hidden_pair(d: DFlashDrafter, seed: int, n: int = 20) -> tuple[torch.Tensor
     tokens = torch.randint(0, V - 1, (n + 1,), generator=gen).tolist()
     d.reset()
     d.propose(tokens[:n], tokens[n], 3, feats)
-    return d._draft_hidden(tokens[n], 3), d.uncached_hidden(feats, tokens[n], 3)
+    return d.host._draft_hidden(tokens[n], 3), d.uncached_hidden(feats, tokens[n], 3)
 
 
 def test_inference_layers_with_biases_equal_the_reference_block() -> None:

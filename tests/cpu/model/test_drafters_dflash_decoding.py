@@ -55,14 +55,14 @@ def test_every_mode_is_lossless(
     assert result.tokens == oracle
     # the cache holds exactly the committed context, and matches the target's features
     committed = PROMPT + result.tokens[: drafter.cached_length - len(PROMPT)]
-    assert drafter.cached_length == len(committed) and drafter._tokens == committed
+    assert drafter.cached_length == len(committed) and drafter.host._tokens == committed
     caches = tiny.new_caches(max_len=64, max_draft=1)
     with torch.no_grad():
         _, taps = tiny(torch.tensor([committed]), caches, "prefill", taps=drafter.tap_layers)
     feats = stack_tap_features(taps, drafter.tap_layers)
     last = result.tokens[len(committed) - len(PROMPT)]
     torch.testing.assert_close(
-        drafter._draft_hidden(last, block),
+        drafter.host._draft_hidden(last, block),
         drafter.uncached_hidden(feats, last, block),
         rtol=1e-4,
         atol=1e-4,

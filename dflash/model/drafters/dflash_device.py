@@ -1,0 +1,180 @@
+"""Drafting on the device: the DFlash drafter's static context cache and its steps.
+
+``start_device`` / ``set_device_inputs`` / ``device_step``: the same maths as drafting on
+the host, over a static-capacity context cache, for a step whose accepted count is still
+on the device. The cache holds ``capacity`` positions per layer; a step projects a fixed
+``B`` rows (the verify's tap rows, of which the first ``commit_n`` are committed), writes
+their keys/values at the drafter's device position, advances it by ``commit_n`` and runs
+the block over every cached position with the uncommitted ones masked out. No host value
+and no shape depends on the step, so a CUDA graph can hold it. Rows past ``commit_n``
+land at positions the next step overwrites before they become visible.
+
+:class:`DeviceDrafting` holds those buffers for one :class:`DFlashDrafter` (its
+``on_device``) and runs the drafter's weights and forward pieces; the drafter's public
+device methods delegate to it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from dflash.model.drafters.base import check_block_size, check_token
+from dflash.model.drafters.dflash_products import drafting
+from dflash.model.drafters.errors import DraftArgumentError
+
+if TYPE_CHECKING:
+    from dflash.model.drafters.dflash_drafter import DFlashDrafter
+
+
+class _DeviceCache:
+    """Static buffers of drafting on the device (see the module docstring)."""
+
+    def __init__(self, drafter: DFlashDrafter, capacity: int, block_size: int) -> None:
+        cfg, dev, dt = drafter.config, drafter.device, drafter.dtype
+        self.capacity, self.block_size, self.dtype, self.device = capacity, block_size, dt, dev
+        shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        # zeros: masked keys/values must be finite (0 · NaN would poison the attention)
+        self.kv = [
+            (torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev))
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        self.position = torch.zeros(1, dtype=torch.int64, device=dev)  # committed tokens
+        self.rows = torch.zeros(block_size, cfg.feature_size, dtype=dt, device=dev)
+        self.count = torch.ones(1, dtype=torch.int64, device=dev)
+        self.tokens = torch.zeros(block_size, dtype=torch.int64, device=dev)
+        self.masks = torch.full((1, block_size), cfg.mask_token_id, dtype=torch.long, device=dev)
+        self.key_index = torch.arange(capacity, device=dev)  # [C]
+        self.block_index = torch.arange(block_size, device=dev)  # [B]
+        self.block_visible = torch.ones(block_size, dtype=torch.bool, device=dev)
+
+    def fits(self, drafter: DFlashDrafter, capacity: int, block_size: int) -> bool:
+        return (
+            self.capacity >= capacity and self.block_size == block_size
+            and self.dtype == drafter.dtype and self.device == drafter.device
+        )
+
+
+class DeviceDrafting:
+    """The device drafting state of a :class:`DFlashDrafter` (see the module docstring)."""
+
+    def __init__(self, drafter: DFlashDrafter) -> None:
+        # a weak reference: the drafter owns this part, and a strong one back would make a
+        # reference cycle, keeping the target's embedding and LM head (which the drafter
+        # holds) alive until the garbage collector next runs
+        self._drafter = weakref.ref(drafter)
+        self._device: _DeviceCache | None = None
+        #: bumped whenever the device buffers are allocated anew (graphs of the old ones
+        #: must be dropped: they hold their addresses)
+        self.device_buffers_version = 0
+
+    @property
+    def drafter(self) -> DFlashDrafter:
+        drafter = self._drafter()
+        if drafter is None:
+            raise ReferenceError("the DFlash drafter of this device drafting state is gone")
+        return drafter
+
+    @property
+    def draft_dtype(self) -> torch.dtype | None:
+        """The drafter's ``draft_dtype`` (what :func:`drafting` runs the products in)."""
+        return self.drafter.draft_dtype
+
+    @drafting
+    @torch.no_grad()
+    def start_device(
+        self, features: Tensor, last: int, capacity: int, block_size: int
+    ) -> Tensor:
+        """Begin drafting on the device after a prefill of ``n = features.shape[0]`` tokens
+        (their tap rows ``[n, F]``): fill the static cache (``capacity`` positions, at
+        least ``n + block_size``) and return the first proposal after ``last``, ``[B-1]``
+        int64 on the LM head's device (eager: ``n`` is the prompt's length)."""
+        d = self.drafter
+        check_block_size(block_size)
+        check_token("last", last, d.config.vocab_size)
+        n = int(features.shape[0]) if isinstance(features, Tensor) else 0
+        features = d._check_features(features, n)
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < n + block_size:
+            raise DraftArgumentError(
+                f"'capacity' must be an int >= {n + block_size} (the {n} prompt rows and a "
+                f"block of {block_size}; got {capacity!r})"
+            )
+        dev = self._device
+        if dev is None or not dev.fits(d, capacity, block_size):
+            dev = self._device = _DeviceCache(d, capacity, block_size)
+            self.device_buffers_version += 1
+        dev.position.zero_()
+        self._write_context(dev, features.to(d.device, d.dtype), None)
+        last_t = torch.full((1,), last, dtype=torch.int64, device=d.device)
+        return self._device_block(dev, last_t)
+
+    def set_device_inputs(self, rows: Tensor, commit_n: Tensor, tokens: Tensor) -> None:
+        """The inputs of the next :meth:`device_step`, copied into its static buffers:
+        ``rows [T, F]`` the tap rows of the last verify (``T <= B``), ``commit_n [1]`` how
+        many of them were committed, ``tokens [T]`` the target's tokens after each (the
+        new pending token is ``tokens[commit_n-1]``)."""
+        dev = self._require_device()
+        t = int(rows.shape[0])
+        width = self.drafter.config.feature_size
+        if rows.dim() != 2 or rows.shape[1] != width or not 1 <= t <= dev.block_size:
+            raise DraftArgumentError(
+                f"'rows' must be [T, {width}] with 1 <= T <= "
+                f"{dev.block_size} (got {list(rows.shape)})"
+            )
+        if tuple(tokens.shape) != (t,) or tuple(commit_n.shape) != (1,):
+            raise DraftArgumentError(
+                f"'tokens' must be [{t}] and 'commit_n' [1] (got {list(tokens.shape)}, "
+                f"{list(commit_n.shape)})"
+            )
+        dev.rows[:t].copy_(rows)
+        dev.tokens[:t].copy_(tokens)
+        dev.count.copy_(commit_n)
+
+    @drafting
+    @torch.no_grad()
+    def device_step(self) -> Tensor:
+        """One drafting step on the device (capture-safe: no host value, static shapes):
+        the committed rows of :meth:`set_device_inputs` join the context and the block
+        after the new pending token is drafted; returns ``[B-1]`` int64 guesses."""
+        dev = self._require_device()
+        self._write_context(dev, dev.rows, dev.count)
+        last = dev.tokens.gather(0, dev.count - 1)  # [1]
+        return self._device_block(dev, last)
+
+    def _require_device(self) -> _DeviceCache:
+        if self._device is None:
+            raise DraftArgumentError("drafting on the device needs start_device() first")
+        return self._device
+
+    def _write_context(self, dev: _DeviceCache, rows: Tensor, count: Tensor | None) -> None:
+        """Keys/values of ``rows [R, F]`` at positions ``position … position+R-1``;
+        ``position += count`` (all ``R`` rows when ``count`` is None)."""
+        d = self.drafter
+        r = rows.shape[0]
+        ctx = d.hidden_norm(d.fc(rows))[None]  # [1, R, H]
+        positions = dev.position + (dev.block_index if r == dev.block_size
+                                    else torch.arange(r, device=d.device))  # [R]
+        for (k_buf, v_buf), (k, v) in zip(dev.kv, d.context_kv(ctx, positions[None]),
+                                          strict=True):
+            k_buf.index_copy_(2, positions, k)
+            v_buf.index_copy_(2, positions, v)
+        if count is None:
+            dev.position.add_(r)
+        else:
+            dev.position.add_(count)
+
+    def _device_block(self, dev: _DeviceCache, last: Tensor) -> Tensor:
+        """``[B-1]`` guesses after ``last [1]`` over the cached context (positions below
+        ``position`` visible, the rest masked)."""
+        d = self.drafter
+        ids = torch.cat([last.view(1, 1), dev.masks[:, 1:]], dim=1)  # [1, B]
+        x = d.embed(ids)
+        q_pos = (dev.position + dev.block_index)[None]  # [1, B]
+        ctx_visible = dev.key_index < dev.position  # [C]
+        visible = torch.cat([ctx_visible, dev.block_visible])[None, None]  # [1, 1, C+B]
+        visible = visible.expand(1, dev.block_size, -1)
+        hidden = d.run_block(x, q_pos, dev.kv, dev.key_index[None], visible)[0]  # [B, H]
+        return d.logits(hidden[1:]).argmax(dim=-1)

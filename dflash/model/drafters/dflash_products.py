@@ -1,0 +1,61 @@
+"""The DFlash drafter's product dtype (``draft_dtype``): its allowed values and the
+decorator that runs a drafting method's products in it.
+
+Shared by the drafter (:mod:`dflash_drafter`) and its drafting parts on the host
+(:mod:`dflash_host`) and on the device (:mod:`dflash_device`), which import it without
+importing one another. See :func:`dflash_layers.products_in` for what the dtype governs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
+
+import torch
+
+from dflash.model.drafters.dflash_layers import products_in
+from dflash.model.drafters.errors import DraftArgumentError
+
+#: the dtypes a drafter's products may run in (``draft_dtype``)
+DRAFT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class _Drafting(Protocol):
+    """What :func:`drafting` reads: the products' dtype (None: each weight's own)."""
+
+    @property
+    def draft_dtype(self) -> torch.dtype | None: ...
+
+
+_S = TypeVar("_S", bound=_Drafting)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def check_draft_dtype(draft_dtype: object) -> torch.dtype | None:
+    """``draft_dtype`` itself when it is None or one of :data:`DRAFT_DTYPES`.
+
+    Raises:
+        DraftArgumentError: anything else (named in the message).
+    """
+    if draft_dtype is None:
+        return None
+    if isinstance(draft_dtype, torch.dtype) and draft_dtype in DRAFT_DTYPES:
+        return draft_dtype
+    allowed = ", ".join(str(d) for d in DRAFT_DTYPES)
+    raise DraftArgumentError(
+        f"'draft_dtype' must be None (the drafter's own dtype) or one of {allowed} "
+        f"(got {draft_dtype!r})"
+    )
+
+
+def drafting(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenate[_S, _P], _R]:
+    """Run a drafting method with its products in its owner's ``draft_dtype``."""
+
+    def run(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with products_in(self.draft_dtype):
+            return method(self, *args, **kwargs)
+
+    functools.update_wrapper(run, method)  # the method's name and docstring
+    return run

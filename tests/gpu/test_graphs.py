@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
@@ -50,7 +50,7 @@ from dflash.execution import (
     token_sha256,
 )
 from dflash.model import HybridConfig, TargetModel, greedy_generate
-from dflash.model.drafters import DeviceDrafter, SyntheticDrafter
+from dflash.model.drafters import SyntheticDrafter
 
 BLOCK = 16
 ACCEPTANCE = 0.6
@@ -526,9 +526,7 @@ def test_lookup_assisted_dflash_on_cuda_is_plain_greedy() -> None:
             for graphs in (False, True):
                 out, engine, _ = _decode(m, hybrid, plan, prompt, n, mode, graphs)
                 assert out[:n] == oracle[:n], f"{mode} graphs={graphs}"
-                # the cast: DeviceDrafter declares device_buffers_version settable, the
-                # hybrid drafter a read-only property, so mypy does not see it as one
-                assert (engine.device_drafter is cast(DeviceDrafter, hybrid)) == graphs
+                assert (engine.device_drafter is hybrid) == graphs
                 assert hybrid.drafts == len(engine.records)
                 ROWS.append(f"dflash+lookup {mode} graphs={graphs}: {len(engine.records)} "
                             f"steps, {hybrid.copied_drafts} copied")

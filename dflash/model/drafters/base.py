@@ -65,7 +65,11 @@ class DeviceDrafter(Drafter, Protocol):
     device work over static buffers — returns the next ``[B-1]`` guesses as a tensor. The
     engine uses it when the target runs CUDA graphs, and captures ``device_step`` too."""
 
-    device_buffers_version: int  # changes when the static buffers are allocated anew
+    @property
+    def device_buffers_version(self) -> int:
+        """Changes when the static buffers are allocated anew (the engine rebinds the
+        drafter's captured step then); read only."""
+        ...
 
     def start_device(
         self, features: Tensor, last: int, capacity: int, block_size: int

@@ -17,23 +17,19 @@ device methods delegate to it.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from dflash.model.drafters.base import check_block_size, check_token
-from dflash.model.drafters.dflash_products import drafting
+from dflash.model.drafters.dflash_products import DrafterWeights, drafting
 from dflash.model.drafters.errors import DraftArgumentError
-
-if TYPE_CHECKING:
-    from dflash.model.drafters.dflash_drafter import DFlashDrafter
 
 
 class _DeviceCache:
     """Static buffers of drafting on the device (see the module docstring)."""
 
-    def __init__(self, drafter: DFlashDrafter, capacity: int, block_size: int) -> None:
+    def __init__(self, drafter: DrafterWeights, capacity: int, block_size: int) -> None:
         cfg, dev, dt = drafter.config, drafter.device, drafter.dtype
         self.capacity, self.block_size, self.dtype, self.device = capacity, block_size, dt, dev
         shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
@@ -51,7 +47,7 @@ class _DeviceCache:
         self.block_index = torch.arange(block_size, device=dev)  # [B]
         self.block_visible = torch.ones(block_size, dtype=torch.bool, device=dev)
 
-    def fits(self, drafter: DFlashDrafter, capacity: int, block_size: int) -> bool:
+    def fits(self, drafter: DrafterWeights, capacity: int, block_size: int) -> bool:
         return (
             self.capacity >= capacity and self.block_size == block_size
             and self.dtype == drafter.dtype and self.device == drafter.device
@@ -61,7 +57,7 @@ class _DeviceCache:
 class DeviceDrafting:
     """The device drafting state of a :class:`DFlashDrafter` (see the module docstring)."""
 
-    def __init__(self, drafter: DFlashDrafter) -> None:
+    def __init__(self, drafter: DrafterWeights) -> None:
         # a weak reference: the drafter owns this part, and a strong one back would make a
         # reference cycle, keeping the target's embedding and LM head (which the drafter
         # holds) alive until the garbage collector next runs
@@ -72,7 +68,7 @@ class DeviceDrafting:
         self.device_buffers_version = 0
 
     @property
-    def drafter(self) -> DFlashDrafter:
+    def drafter(self) -> DrafterWeights:
         drafter = self._drafter()
         if drafter is None:
             raise ReferenceError("the DFlash drafter of this device drafting state is gone")

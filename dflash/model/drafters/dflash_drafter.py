@@ -57,6 +57,7 @@ from dflash.model.drafters.dflash_layers import (
     visibility,
 )
 from dflash.model.drafters.dflash_products import DRAFT_DTYPES as DRAFT_DTYPES
+from dflash.model.drafters.dflash_products import ContextKV as ContextKV
 from dflash.model.drafters.dflash_products import check_draft_dtype as check_draft_dtype
 from dflash.model.drafters.errors import (
     DraftArgumentError,
@@ -66,7 +67,6 @@ from dflash.model.drafters.errors import (
 )
 
 _O_PROJ_GAIN = 4.0  # see DFlashDrafter.random
-ContextKV = list[tuple[Tensor, Tensor]]  # per layer: k, v [N, kv_heads, C, D]
 
 
 class DFlashDrafter(nn.Module):

@@ -15,24 +15,20 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from dflash.model.drafters.base import check_block_size, check_context, check_token
 from dflash.model.drafters.dflash_layers import PackedLayer, normed, product_dtype
-from dflash.model.drafters.dflash_products import drafting
+from dflash.model.drafters.dflash_products import ContextKV, DrafterWeights, drafting
 from dflash.model.drafters.errors import DraftArgumentError
-
-if TYPE_CHECKING:
-    from dflash.model.drafters.dflash_drafter import ContextKV, DFlashDrafter
 
 
 class HostDrafting:
     """The host drafting state of a :class:`DFlashDrafter` (see the module docstring)."""
 
-    def __init__(self, drafter: DFlashDrafter) -> None:
+    def __init__(self, drafter: DrafterWeights) -> None:
         # a weak reference: the drafter owns this part, and a strong one back would make a
         # reference cycle, keeping the target's embedding and LM head (which the drafter
         # holds) alive until the garbage collector next runs
@@ -52,7 +48,7 @@ class HostDrafting:
         self._scores: tuple[Tensor, Tensor, Tensor] | None = None
 
     @property
-    def drafter(self) -> DFlashDrafter:
+    def drafter(self) -> DrafterWeights:
         drafter = self._drafter()
         if drafter is None:
             raise ReferenceError("the DFlash drafter of this host drafting state is gone")

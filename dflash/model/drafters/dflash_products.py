@@ -1,9 +1,8 @@
-"""The DFlash drafter's product dtype (``draft_dtype``): its allowed values and the
-decorator that runs a drafting method's products in it.
-
-Shared by the drafter (:mod:`dflash_drafter`) and its drafting parts on the host
-(:mod:`dflash_host`) and on the device (:mod:`dflash_device`), which import it without
-importing one another. See :func:`dflash_layers.products_in` for what the dtype governs.
+"""What the DFlash drafter and its drafting parts share, so the parts need not import the
+drafter: the product dtype (``draft_dtype``: its allowed values and the decorator that
+runs a drafting method's products in it) and :class:`DrafterWeights`, what the parts on
+the host (:mod:`dflash_host`) and on the device (:mod:`dflash_device`) use of the drafter
+(:mod:`dflash_drafter`). See :func:`dflash_layers.products_in` for what the dtype governs.
 """
 
 from __future__ import annotations
@@ -13,9 +12,62 @@ from collections.abc import Callable
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
+from torch import Tensor
 
-from dflash.model.drafters.dflash_layers import products_in
+from dflash.model.drafters.dflash_config import DFlashConfig
+from dflash.model.drafters.dflash_layers import (
+    DrafterLayer,
+    ProductLinear,
+    RMSNorm,
+    Rotary,
+    products_in,
+)
 from dflash.model.drafters.errors import DraftArgumentError
+
+ContextKV = list[tuple[Tensor, Tensor]]  # per layer: k, v [N, kv_heads, C, D]
+
+
+class DrafterWeights(Protocol):
+    """The drafter's weights and forward pieces, as its drafting parts use them
+    (:class:`~dflash.model.drafters.dflash_drafter.DFlashDrafter` is one)."""
+
+    config: DFlashConfig
+    fc: ProductLinear
+    hidden_norm: RMSNorm
+    norm: RMSNorm
+    rotary: Rotary
+    _lm_head_weight: Tensor
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def draft_dtype(self) -> torch.dtype | None: ...
+
+    def embed(self, ids: Tensor) -> Tensor: ...
+
+    def project_context(self, features: Tensor) -> Tensor: ...
+
+    def context_kv(self, context: Tensor, positions: Tensor) -> ContextKV: ...
+
+    def run_block(
+        self, x: Tensor, q_pos: Tensor, ctx_kv: ContextKV, k_ctx_pos: Tensor,
+        extra_visible: Tensor | None = None,
+    ) -> Tensor: ...
+
+    def logits(self, hidden: Tensor) -> Tensor: ...
+
+    def block_ids(self, last: int, block_size: int) -> Tensor: ...
+
+    def _head_in(self, dtype: torch.dtype) -> Tensor: ...
+
+    def _layers(self) -> list[DrafterLayer]: ...
+
+    def _check_features(self, features: Tensor | None, n_context: int) -> Tensor: ...
+
 
 #: the dtypes a drafter's products may run in (``draft_dtype``)
 DRAFT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -16,13 +16,11 @@ device methods delegate to it.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import Tensor
 
 from dflash.model.drafters.base import check_block_size, check_token
-from dflash.model.drafters.dflash_products import DrafterWeights, drafting
+from dflash.model.drafters.dflash_products import DrafterWeights, DraftingPart, drafting
 from dflash.model.drafters.errors import DraftArgumentError
 
 
@@ -54,30 +52,15 @@ class _DeviceCache:
         )
 
 
-class DeviceDrafting:
+class DeviceDrafting(DraftingPart):
     """The device drafting state of a :class:`DFlashDrafter` (see the module docstring)."""
 
     def __init__(self, drafter: DrafterWeights) -> None:
-        # a weak reference: the drafter owns this part, and a strong one back would make a
-        # reference cycle, keeping the target's embedding and LM head (which the drafter
-        # holds) alive until the garbage collector next runs
-        self._drafter = weakref.ref(drafter)
+        super().__init__(drafter)
         self._device: _DeviceCache | None = None
         #: bumped whenever the device buffers are allocated anew (graphs of the old ones
         #: must be dropped: they hold their addresses)
         self.device_buffers_version = 0
-
-    @property
-    def drafter(self) -> DrafterWeights:
-        drafter = self._drafter()
-        if drafter is None:
-            raise ReferenceError("the DFlash drafter of this device drafting state is gone")
-        return drafter
-
-    @property
-    def draft_dtype(self) -> torch.dtype | None:
-        """The drafter's ``draft_dtype`` (what :func:`drafting` runs the products in)."""
-        return self.drafter.draft_dtype
 
     @drafting
     @torch.no_grad()

@@ -13,7 +13,6 @@ delegate to it.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 
 import torch
@@ -21,18 +20,20 @@ from torch import Tensor
 
 from dflash.model.drafters.base import check_block_size, check_context, check_token
 from dflash.model.drafters.dflash_layers import PackedLayer, normed, product_dtype
-from dflash.model.drafters.dflash_products import ContextKV, DrafterWeights, drafting
+from dflash.model.drafters.dflash_products import (
+    ContextKV,
+    DrafterWeights,
+    DraftingPart,
+    drafting,
+)
 from dflash.model.drafters.errors import DraftArgumentError
 
 
-class HostDrafting:
+class HostDrafting(DraftingPart):
     """The host drafting state of a :class:`DFlashDrafter` (see the module docstring)."""
 
     def __init__(self, drafter: DrafterWeights) -> None:
-        # a weak reference: the drafter owns this part, and a strong one back would make a
-        # reference cycle, keeping the target's embedding and LM head (which the drafter
-        # holds) alive until the garbage collector next runs
-        self._drafter = weakref.ref(drafter)
+        super().__init__(drafter)
         config = drafter.config
         #: every layer's block queries see every context and block key (no causal rule, no
         #: window): the case DrafterLayer.infer computes
@@ -46,18 +47,6 @@ class HostDrafting:
         # the last host proposal's logits [B-1, V] (float32 or wider) with each row's max and
         # 1 / sum(exp(logit - max)): what probabilities() reads
         self._scores: tuple[Tensor, Tensor, Tensor] | None = None
-
-    @property
-    def drafter(self) -> DrafterWeights:
-        drafter = self._drafter()
-        if drafter is None:
-            raise ReferenceError("the DFlash drafter of this host drafting state is gone")
-        return drafter
-
-    @property
-    def draft_dtype(self) -> torch.dtype | None:
-        """The drafter's ``draft_dtype`` (what :func:`drafting` runs the products in)."""
-        return self.drafter.draft_dtype
 
     @property
     def cached_length(self) -> int:

@@ -8,6 +8,7 @@ the host (:mod:`dflash_host`) and on the device (:mod:`dflash_device`) use of th
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
@@ -67,6 +68,29 @@ class DrafterWeights(Protocol):
     def _layers(self) -> list[DrafterLayer]: ...
 
     def _check_features(self, features: Tensor | None, n_context: int) -> Tensor: ...
+
+
+class DraftingPart:
+    """A drafting part (host or device) of one drafter: holds it, and reads its
+    ``draft_dtype`` for :func:`drafting`."""
+
+    def __init__(self, drafter: DrafterWeights) -> None:
+        # a weak reference: the drafter owns this part, and a strong one back would make a
+        # reference cycle, keeping the target's embedding and LM head (which the drafter
+        # holds) alive until the garbage collector next runs
+        self._drafter = weakref.ref(drafter)
+
+    @property
+    def drafter(self) -> DrafterWeights:
+        drafter = self._drafter()
+        if drafter is None:
+            raise ReferenceError(f"the DFlash drafter of this {type(self).__name__} is gone")
+        return drafter
+
+    @property
+    def draft_dtype(self) -> torch.dtype | None:
+        """The drafter's ``draft_dtype`` (what :func:`drafting` runs the products in)."""
+        return self.drafter.draft_dtype
 
 
 #: the dtypes a drafter's products may run in (``draft_dtype``)

@@ -95,3 +95,28 @@ def test_new_buffers_bump_the_version() -> None:
     assert dev.device_buffers_version == v
     dev.start_device(feats, 1, capacity=64, block_size=B)  # larger: new buffers
     assert dev.device_buffers_version == v + 1
+
+
+def test_a_deleted_drafter_is_freed_at_once_and_its_parts_say_so() -> None:
+    """The drafting parts hold their drafter weakly: deleting a drafter that drafted on the
+    host and on the device frees it without the garbage collector (no reference cycle),
+    and a part kept past it refuses with ``ReferenceError``."""
+    import gc
+    import weakref
+
+    host, dev = _pair()
+    feats = torch.randn(4, dev.config.feature_size)
+    host.propose([1, 2, 3, 4], 5, B, feats)
+    dev.start_device(feats, 1, capacity=32, block_size=B)
+    parts, gone = (dev.host, dev.on_device), weakref.ref(dev)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del dev
+        assert gone() is None  # freed by reference counting alone
+    finally:
+        if was_enabled:
+            gc.enable()
+    for part in parts:
+        with pytest.raises(ReferenceError, match=r"DFlash drafter of this \w+ is gone"):
+            _ = part.drafter

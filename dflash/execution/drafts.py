@@ -180,10 +180,10 @@ def tap_features(
     return stack_tap_features({k: v.to(first) for k, v in taps.items()}, layers)[:rows]
 
 
-__all__: Sequence[str] = (
+__all__ = [
     "DeviceDrafts",
     "DraftSource",
     "HostDrafts",
     "draft_source",
     "tap_features",
-)
+]

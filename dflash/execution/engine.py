@@ -45,7 +45,7 @@ from dflash.execution.drafts import DeviceDrafts, DraftSource, draft_source, tap
 from dflash.execution.errors import ExecutionError
 from dflash.execution.faults import NO_FAULTS, FaultInjector
 from dflash.execution.policy import RollbackPolicy, RollbackStatus, parse_mode
-from dflash.execution.rollback import Lifecycle, Path, Rollback
+from dflash.execution.rollback import Lifecycle, Rollback, RollbackPath
 from dflash.execution.shards import ShardedTarget, device_ids
 from dflash.execution.window import VerifyWindow, WindowChoice, make_window
 from dflash.geometry import ChainGeometry, require_chain
@@ -60,7 +60,7 @@ class StepRecord:
     draft: tuple[int, ...]
     accept_n: int
     emitted: tuple[int, ...]
-    path: str  # "fast" | "replay" | "replay_after_failure"
+    path: RollbackPath
     status_before: RollbackStatus
     forwards: int  # target forwards this step (verify + replays; the gate step has one more)
     failure: str | None = None
@@ -185,7 +185,6 @@ class SpecDecoder:
         self.verifies = 0  # verify forwards run
         self.status_at_start = self.status
         self._pending: Verified | None = None
-        self._taps: dict[int, Tensor] = {}  # the last verify's tap rows
         self._forwards_before = 0  # target forwards before the current step
 
     # -- status ---------------------------------------------------------------------------
@@ -265,11 +264,11 @@ class SpecDecoder:
         draft = self._draft(guesses, T)  # d: [T], validated as a chain of T slots
         status_before = self.status
         fast = status_before is RollbackStatus.EFFECTIVE
-        logits, ids = self._verify(draft)  # logits: [T, vocab]; ids: [1, T] on the device
+        logits, taps, ids = self._verify(draft)  # logits: [T, vocab]; ids: [1, T] on device
         t_dev, count = self.accept.on_device(logits, ids[0].to(logits.device))  # [T], [1]
         # the fast rollback is enqueued on the device's count before the one host read
         started = self.rollback.enqueue_fast(self.committed, T, count, step) if fast else None
-        v = self._read_back(draft, t_dev, count, status_before, undo=fast)  # one host sync
+        v = self._read_back(draft, t_dev, count, taps, status_before, undo=fast)  # one sync
         d = draft.tokens
         if started is not None:
             path, failure = self.rollback.finish_fast(
@@ -290,9 +289,9 @@ class SpecDecoder:
         storages = self.target.storages()
         self.gate.arm(storages)
         status_before = self.status
-        logits, ids = self._verify(draft, lambda k: self.gate.after_shard(k, storages))
+        logits, taps, ids = self._verify(draft, lambda k: self.gate.after_shard(k, storages))
         t_dev, count = self.accept.on_device(logits, ids[0].to(logits.device))
-        v = self._read_back(draft, t_dev, count, status_before, undo=False)
+        v = self._read_back(draft, t_dev, count, taps, status_before, undo=False)
         valid = self.gate.judge(storages, B, v.taps, self.taps)
         saved = self.gate.save_slot(storages, v.commit_n - 1) if valid else None
         self.rollback.replay(draft.tokens, self.committed, v.commit_n)
@@ -316,27 +315,28 @@ class SpecDecoder:
 
     def _verify(
         self, draft: Draft, after_shard: Callable[[int], None] | None = None
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, dict[int, Tensor], Tensor]:
         """One target forward over the draft at ``committed …``: (logits ``[T, vocab]``,
-        the ``[1, T]`` ids on the first shard's device, also used by the acceptance)."""
+        the drafter's tap rows, the ``[1, T]`` ids on the first shard's device, also used
+        by the acceptance)."""
         self.rollback.life.move("verify")
         ids = device_ids(draft.tokens, self.target.shards[0].device)  # [1, T]
-        logits, self._taps = self.target.forward(
+        logits, taps = self.target.forward(
             ids, "verify", self.committed, geometry=draft.geometry, taps=self.taps,
             after_shard=after_shard,
         )
         self.verifies += 1
-        return logits, ids
+        return logits, taps, ids
 
     def _read_back(
-        self, draft: Draft, t_dev: Tensor, count: Tensor, status_before: RollbackStatus,
-        *, undo: bool,
+        self, draft: Draft, t_dev: Tensor, count: Tensor, taps: dict[int, Tensor],
+        status_before: RollbackStatus, *, undo: bool,
     ) -> Verified:
         """The step's one host synchronisation: the target's tokens, the accepted count and
         (drafting on the device) the next step's guesses, enqueued first. A count that
         disagrees with the tokens is an error (``undo``: the enqueued rollback is put back
         first)."""
-        d, taps = draft.tokens, self._taps
+        d = draft.tokens
         T = len(d)
         drafted = self.drafts.enqueue_next(taps, count, t_dev)  # [B-1] on the device, or None
         parts = [t_dev, count] if drafted is None else [t_dev, count, drafted.to(count.device)]
@@ -351,7 +351,7 @@ class SpecDecoder:
         self._pending = Verified(d, t, accept_n, taps, status_before)
         return self._pending
 
-    def _commit(self, path: Path, failure: str | None) -> list[int]:
+    def _commit(self, path: RollbackPath, failure: str | None) -> list[int]:
         v = self._pending
         assert v is not None
         self.target.require_position(self.committed + v.commit_n, what="after rollback")

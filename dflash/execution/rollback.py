@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from torch import Tensor
 
@@ -96,7 +97,8 @@ class FastStart:
     changed: bool
 
 
-Path = str  # "fast" | "replay" | "replay_after_failure"
+#: how a step's rollback went
+RollbackPath = Literal["fast", "replay", "replay_after_failure"]
 
 
 class Rollback:
@@ -146,7 +148,7 @@ class Rollback:
 
     def finish_fast(
         self, d: Sequence[int], committed: int, commit_n: int, step: int, started: FastStart
-    ) -> tuple[Path, str | None]:
+    ) -> tuple[RollbackPath, str | None]:
         """The host side of the enqueued rollback (mirrors, KV truncation) once ``commit_n``
         was read back; any failure, here or while enqueueing, falls back to the legacy
         path, poisoning first when state had begun to change."""

@@ -18,6 +18,7 @@ from dflash.execution import (
 )
 from dflash.execution.capture_gate import CaptureGate
 from dflash.execution.errors import ContextLengthError
+from dflash.execution.rollback import RollbackPath
 from dflash.execution.shards import ShardedTarget
 from dflash.model import TargetModel
 from dflash.model.drafters import PromptLookupDrafter
@@ -62,7 +63,9 @@ def test_repeats_share_one_engine_whose_gate_runs_once(
         tests.append(self)
         return real_test(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    def noting_commit(self: SpecDecoder, path: str, failure: str | None) -> list[int]:
+    def noting_commit(
+        self: SpecDecoder, path: RollbackPath, failure: str | None
+    ) -> list[int]:
         paths.append(path)
         return real_commit(self, path, failure)
 

@@ -5,6 +5,9 @@
 #   BEFORE=DIR bash benchmarks/gpu_session.sh bench-ab  # the same bench: DIR's dflash (a
 #                                          # checkout's dflash/ under DIR), this tree's, DIR's again
 #                                          # (ORDER="after before after2": the other way round)
+#   bash benchmarks/gpu_session.sh recompute # dflash bench A/B/A: checkpoint vs recompute (and remap),
+#                                          # 9B shape at block 16 and 64, 27B shape at block 16
+#   bash benchmarks/gpu_session.sh wide    # the wide-verify linear: GPU tests + benchmarks/linear_wide.py
 #   bash benchmarks/gpu_session.sh kernels # benchmarks/kernels.py (kernels-sweep: with its config sweep)
 #   bash benchmarks/gpu_session.sh cli     # dflash generate on two GPUs, every drafter
 #   bash benchmarks/gpu_session.sh minv    # M-invariant linear/attention: GPU tests + kernel table
@@ -54,6 +57,24 @@ for phase in "$@"; do
         echo "$side rc=$?"; tail -12 "$OUT/bench_9b_$side.log"
       done
       ;;
+    recompute)
+      # model, block size, configurations B (A is checkpoint)
+      for spec in "nine-b-shape 16 recompute,remap" "nine-b-shape 64 recompute" \
+                  "twenty-seven-b-shape 16 recompute"; do
+        set -- $spec
+        name=bench_recompute_${1%%-*}_b$2
+        timeout "${BENCH_TIMEOUT:-300}" python3 -m dflash.cli bench --model "$1" --draft synthetic \
+          --acceptance 0.874 --block-size "$2" --prompt-len 1024 --max-new-tokens 256 \
+          --a checkpoint --b "$3" --warmup 1 --runs 3 \
+          --out "$OUT/$name.json" --plot '' > "$OUT/$name.log" 2>&1
+        echo "$name rc=$?"; tail -8 "$OUT/$name.log"
+      done
+      ;;
+    wide)
+      python3 -m pytest tests/gpu/test_minv_kernels.py -q -p no:cacheprovider 2>&1 \
+        | tee "$OUT/wide_tests.log" | tail -5
+      python3 benchmarks/linear_wide.py --out "$OUT/linear_wide.json" 2>&1 | tee "$OUT/linear_wide.log"
+      ;;
     kernels)
       python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
       ;;
@@ -96,7 +117,7 @@ print(' parity', d['parity'], 'sha', d['sha256'], 'status', r['status'], \
       for spec in "nine-b-shape synthetic 1024 128" "${PARITY_MODEL:-default} dflash 64 256" \
                   "${PARITY_MODEL:-default} prompt-lookup 64 256"; do
         set -- $spec
-        for mode in replay checkpoint remap; do
+        for mode in replay checkpoint remap recompute; do
           dflash generate --model "$1" --draft "$2" --prompt-len "$3" --max-new-tokens "$4" \
             --rollback "$mode" --check-parity --json --no-progress \
             > /tmp/parity.json 2>> "$OUT/parity_stderr.log"

@@ -77,6 +77,7 @@ from dflash.execution.session import (
 from dflash.execution.shards import ShardedTarget, ShardPlan, plan_shards
 from dflash.geometry import MAX_SLOTS
 from dflash.model import TargetModel
+from dflash.model.caches import capture_kind
 from dflash.model.drafters import Drafter
 from dflash.model.tokenizer import TextTokenizer, require_utf8
 
@@ -441,7 +442,8 @@ class LLM:
         if self.target is None or self.target.max_len < need:
             self.target = self.engine = None  # free the old caches first
             self.target = ShardedTarget(
-                self.model, self.plan, max_len=self._capacity(need), max_draft=max_draft
+                self.model, self.plan, max_len=self._capacity(need), max_draft=max_draft,
+                capture=capture_kind(self.policy.mode),
             )
         return self.target
 

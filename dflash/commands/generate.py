@@ -623,6 +623,7 @@ def execute(
     The timing (warm-up, repeats, the greedy baseline) is :mod:`dflash.commands.harness`'s.
     """
     from dflash.commands.harness import Harness
+    from dflash.model.caches import capture_kind as capture_for
 
     start = "off" if not policy.fast else "requested"
     print(
@@ -660,7 +661,8 @@ def execute(
     if keep:
         harness = Harness.kept(*what, max_new_tokens=n, block_size=args.block_size,
                                eos_id=ready.eos_id, graphs=graphs,
-                               greedy_tokens=n if baseline else None, verify_window=window)
+                               greedy_tokens=n if baseline else None, verify_window=window,
+                               capture=capture_for(policy.mode))
     else:
         harness = Harness(*what, n, args.block_size, ready.eos_id, graphs,
                           verify_window=window)

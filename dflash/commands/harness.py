@@ -23,6 +23,7 @@ from dflash.execution.results import GenerationResult, token_sha256
 from dflash.execution.shards import ShardedTarget, ShardPlan
 from dflash.execution.window import WindowChoice
 from dflash.model import TargetModel
+from dflash.model.caches import CaptureKind
 from dflash.model.drafters import Drafter
 
 
@@ -59,6 +60,7 @@ class Harness:
         graphs: bool | None = None,
         greedy_tokens: int | None = None,
         verify_window: WindowChoice = "auto",
+        capture: CaptureKind = "states",
     ) -> Harness:
         """A harness with a kept speculative target for these sizes and, when
         ``greedy_tokens`` is given, a kept greedy target for that many tokens. The
@@ -66,7 +68,7 @@ class Harness:
         (:class:`ContextLengthError`) before anything is allocated."""
         prompt = list(prompt)
         target = run.spec_target(
-            model, plan, len(prompt), max_new_tokens, block_size, graphs=graphs
+            model, plan, len(prompt), max_new_tokens, block_size, graphs=graphs, capture=capture
         )
         greedy = None
         if greedy_tokens is not None:

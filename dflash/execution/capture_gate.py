@@ -1,15 +1,18 @@
 """The capture gate: fast rollback becomes effective only on evidence from a real run.
 
 Before the first verify that requests capture, the gate *poisons* every shard's capture
-storage (checkpoint slots and captured conv rows) with NaN.  During that verify it checks,
-between shards, that the shards still to run have untouched (all-NaN) storage and that the
-shards already run keep their fingerprint — a shard that wrote storage it does not own is
-caught as a changed canary.  After the verify it checks, per shard: storage present,
-checkpoints float32 and correctly shaped, the pool's layers equal the layers the plan gave
-the shard (and so does the pool's own record of the layers the verify wrote), every slot
-``0..T-1`` of every owned layer written (finite), no slot past ``T`` written, and every
-owned tap layer's features produced.  Then, once, a numerical
-self-test: the checkpoint of one slot against the live state a replay of the same tokens
+storage with NaN: the per-token buffers of the pool's capture kind (checkpoint slots, or
+the recurrence's inputs ``inputs``/``g``/``beta`` for ``recompute``) and the captured conv
+rows.  During that verify it checks, between shards, that the shards still to run have
+untouched (all-NaN) storage and that the shards already run keep their fingerprint — a
+shard that wrote storage it does not own is caught as a changed canary.  After the verify
+it checks, per shard: storage present, the float32 buffers float32, every buffer correctly
+shaped, the pool's layers equal the layers the plan gave the shard (and so does the pool's
+own record of the layers the verify wrote), every slot ``0..T-1`` of every buffer of every
+owned layer written (finite), no slot past ``T`` written, and every owned tap layer's
+features produced.  Then, once, a numerical self-test: the state a fast rollback would
+give for the accepted count (the checkpoint slot, or the recurrence recomputed by the
+rollback's own kernel into scratch) against the live state a replay of the same tokens
 produces.  The verdict (validated or refused) is sticky until the storage is rebuilt.
 """
 
@@ -27,6 +30,11 @@ from dflash.execution.results import CaptureReport, SelfTestReport, ShardCapture
 from dflash.model.caches import RecurrentPool
 
 
+def _entry(name: str) -> str:
+    """How an unwritten entry of buffer ``name`` is named ("layer 4 slot 2")."""
+    return {"checkpoints": "slot", "captured": "captured row"}.get(name, f"{name} slot")
+
+
 @dataclass(frozen=True)
 class ShardStorage:
     """What the gate inspects for one shard: the plan's ownership and the shard's pool."""
@@ -40,12 +48,27 @@ class ShardStorage:
     conv_rows_shape: tuple[int, ...]  # expected [B, Kc-1, C] of one layer's conv window
 
 
-def _storage(pool: RecurrentPool) -> tuple[Tensor | None, Tensor | None]:
-    ckpt = getattr(pool, "checkpoints", None)
-    captured = getattr(pool, "captured", None)
-    ok = isinstance(ckpt, Tensor) and ckpt.numel() > 0
-    ok_c = isinstance(captured, Tensor) and captured.numel() > 0
-    return (ckpt if ok else None), (captured if ok_c else None)
+#: the per-token buffers of each capture kind (read from the pool by name), then the
+#: captured conv rows; the float32 ones; the names whose "slot" is a conv row
+_BUFFERS = {"states": ("checkpoints", "captured"), "inputs": ("inputs", "g", "beta", "captured")}
+_F32 = ("checkpoints", "g")
+
+
+def _names(pool: RecurrentPool) -> tuple[str, ...]:
+    return _BUFFERS.get(getattr(pool, "capture", "states"), _BUFFERS["states"])
+
+
+def _buffers(pool: RecurrentPool) -> dict[str, Tensor | None]:
+    """The pool's capture buffers by name (None: missing or empty)."""
+    out: dict[str, Tensor | None] = {}
+    for name in _names(pool):
+        t = getattr(pool, name, None)
+        out[name] = t if isinstance(t, Tensor) and t.numel() > 0 else None
+    return out
+
+
+def _storage(pool: RecurrentPool) -> tuple[Tensor | None, ...]:
+    return tuple(_buffers(pool).values())
 
 
 def _nan_count(s: ShardStorage) -> int:
@@ -181,17 +204,28 @@ class CaptureGate:
         taps: Mapping[int, Tensor],
         taps_expected: Sequence[int],
     ) -> ShardCaptureEvidence:
+        if len(s.state_shape) != 4 or len(s.conv_rows_shape) != 3:
+            raise ValueError(
+                f"ShardStorage needs state_shape [B, HV, K, V] and conv_rows_shape [B, Kc-1, C] "
+                f"(got {s.state_shape} and {s.conv_rows_shape})"
+            )
         problems: list[str] = []
         pool = s.pool
-        ckpt, captured = _storage(pool)
-        present = ckpt is not None and captured is not None
-        if not s.owned_recurrent and ckpt is None:
-            present = True  # a shard without recurrent layers needs no checkpoint storage
+        buffers = _buffers(pool)
+        present = all(t is not None for t in buffers.values())
+        if not s.owned_recurrent and all(t is None for t in buffers.values()):
+            present = True  # a shard without recurrent layers needs no capture storage
         if not present:
-            problems.append("capture storage missing (checkpoints or captured conv rows)")
-        dtype = None if ckpt is None else str(ckpt.dtype).replace("torch.", "")
-        if ckpt is not None and ckpt.dtype != torch.float32:
-            problems.append(f"checkpoints must be float32 (got {dtype})")
+            missing_names = [name for name, t in buffers.items() if t is None]
+            problems.append(f"capture storage missing ({', '.join(missing_names)})")
+        f32_name = next(name for name in buffers if name in _F32)
+        f32_buffer = buffers[f32_name]
+        dtype = None if f32_buffer is None else str(f32_buffer.dtype).replace("torch.", "")
+        for name in _F32:
+            t = buffers.get(name)
+            if t is not None and t.dtype != torch.float32:
+                got = str(t.dtype).replace("torch.", "")
+                problems.append(f"{name} must be float32 (got {got})")
         if tuple(pool.layer_ids) != tuple(s.owned_recurrent):
             problems.append(
                 f"pool holds recurrent layers {list(pool.layer_ids)} but the shard owns "
@@ -203,46 +237,47 @@ class CaptureGate:
                 f"the pool reports the verify wrote layers {list(reported)}, the shard owns "
                 f"{list(s.owned_recurrent)}"
             )
-        n_layers = len(s.owned_recurrent)
         kc1 = s.conv_rows_shape[1]
+        batch, hv, conv_dim = s.state_shape[0], s.state_shape[1], s.conv_rows_shape[2]
+        trailing = {
+            "checkpoints": tuple(s.state_shape[1:]), "captured": (conv_dim,),
+            "inputs": (conv_dim,), "g": (hv,), "beta": (hv,),
+        }
+        rows_needed = {name: kc1 + n_slots if name == "captured" else n_slots for name in buffers}
         shapes_ok = True
-        if ckpt is not None:
-            want = (n_layers, s.state_shape[0], None, *s.state_shape[1:])
-            got = tuple(ckpt.shape)
-            if len(got) != 6 or any(
-                w is not None and w != g for w, g in zip(want, got, strict=True)
-            ):
+        for name, t in buffers.items():
+            if t is None:
+                continue
+            want = (len(s.owned_recurrent), batch, rows_needed[name], *trailing[name])
+            have = tuple(t.shape)
+            if len(have) != len(want) or have[:2] != want[:2] or have[3:] != want[3:]:
                 shapes_ok = False
-                problems.append(f"checkpoints shape {got} does not match {want} (None: slots)")
-            elif got[2] < n_slots:
+                shown = (*want[:2], None, *want[3:])
+                problems.append(f"{name} shape {have} does not match {shown} (None: slots)")
+            elif have[2] < want[2]:
                 shapes_ok = False
-                problems.append(f"checkpoints hold {got[2]} slots, the verify needs {n_slots}")
-        if captured is not None:
-            want_c = (n_layers, s.conv_rows_shape[0], kc1 + n_slots, s.conv_rows_shape[2])
-            got_c = tuple(captured.shape)
-            if (
-                len(got_c) != 4
-                or got_c[:2] != want_c[:2]
-                or got_c[3] != want_c[3]
-                or (got_c[2] < want_c[2])
-            ):
-                shapes_ok = False
-                problems.append(f"captured shape {got_c} does not cover {want_c}")
+                what = "rows" if name == "captured" else "slots"
+                problems.append(f"{name} holds {have[2]} {what}, the verify needs {want[2]}")
         unwritten: list[str] = []
-        if present and shapes_ok and ckpt is not None and captured is not None:
-            # one reduction per tensor, one transfer: [L, slots] / [L, rows] NaN maps
-            slot_nan = torch.isnan(ckpt[:, :, :n_slots]).flatten(3).any(-1).any(1).tolist()
-            row_nan = torch.isnan(captured[:, :, : kc1 + n_slots]).any(-1).any(1).tolist()
-            past = torch.isnan(ckpt[:, :, n_slots:]).flatten(1).all(-1).tolist()
-            for i, layer in enumerate(s.owned_recurrent):
-                unwritten += [f"layer {layer} slot {j}" for j, bad in enumerate(slot_nan[i]) if bad]
-                unwritten += [
-                    f"layer {layer} captured row {r}" for r, bad in enumerate(row_nan[i]) if bad
-                ]
-                if not past[i]:
-                    problems.append(
-                        f"layer {layer}: a slot past the verify's {n_slots} was written"
-                    )
+        if present and shapes_ok:
+            for name, t in buffers.items():
+                if t is None:
+                    continue
+                need = rows_needed[name]
+                # one reduction per tensor, one transfer: an [L, rows] NaN map
+                nan_rows = torch.isnan(t[:, :, :need]).flatten(3).any(-1).any(1).tolist()
+                past = torch.isnan(t[:, :, need:]).flatten(1).all(-1).tolist()
+                for i, layer in enumerate(s.owned_recurrent):
+                    unwritten += [
+                        f"layer {layer} {_entry(name)} {j}"
+                        for j, bad in enumerate(nan_rows[i]) if bad
+                    ]
+                    if not past[i] and name != "captured":
+                        which = "" if name == "checkpoints" else f"{name} "
+                        problems.append(
+                            f"layer {layer}: a {which}slot past the verify's {n_slots} was "
+                            "written"
+                        )
             if unwritten:
                 problems.append(f"{len(unwritten)} owned entries unwritten, first {unwritten[0]}")
         non_owner = tuple(self._non_owner.get(s.index, ()))
@@ -256,6 +291,7 @@ class CaptureGate:
         if missing:
             problems.append(f"tap-layer features not written for layers {list(missing)}")
         return ShardCaptureEvidence(
+            capture=getattr(pool, "capture", "states"),
             shard=s.index,
             device=s.device,
             layers=s.layers,
@@ -275,11 +311,17 @@ class CaptureGate:
 
     @staticmethod
     def save_slot(shards: Sequence[ShardStorage], slot: int) -> list[tuple[Tensor, Tensor]]:
-        """Copies of checkpoint slot ``slot`` and its conv window, per shard (before rollback)."""
+        """Per shard, the state and conv window a fast rollback to slot ``slot`` would
+        restore, as new tensors (before the rollback): copies of checkpoint slot ``slot``
+        and its conv rows, or (capturing inputs) the recurrence recomputed into scratch by
+        the rollback's own kernel."""
         out = []
         for s in shards:
             pool = s.pool
             kc = pool.conv_kernel
+            if getattr(pool, "capture", "states") == "inputs":
+                out.append(pool.recomputed_copy(slot + 1))
+                continue
             out.append(
                 (
                     pool.checkpoints[:, :, slot].clone(),

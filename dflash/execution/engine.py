@@ -49,6 +49,7 @@ from dflash.execution.rollback import Lifecycle, Rollback, RollbackPath
 from dflash.execution.shards import ShardedTarget, device_ids
 from dflash.execution.window import VerifyWindow, WindowChoice, make_window
 from dflash.geometry import ChainGeometry, require_chain
+from dflash.model.caches import capture_kind
 from dflash.model.drafters import DeviceDrafter, Drafter
 
 
@@ -174,6 +175,7 @@ class SpecDecoder:
         self.drafts: DraftSource = draft_source(target, drafter, block_size)
         dtype = target.model.embed_tokens.weight.dtype
         self.gate = CaptureGate(requested=self.policy.fast, tolerance=self_test_tolerance(dtype))
+        self._capture_for(self.policy.mode)
         self.rollback = Rollback(target, self.policy.mode, self.faults)
         self.accept: AcceptanceRule = GreedyAcceptance()
         self.taps = tuple(drafter.tap_layers)
@@ -399,10 +401,23 @@ class SpecDecoder:
         """
         self.rollback.require_clean("request_mode")
         new = RollbackPolicy(mode=parse_mode(mode, source="'mode'"))
+        if self._capture_for(new.mode):
+            self.rollback.life.move("rebuild")
+            self.gate.reset()
         self.policy = new
         self.rollback.mode = new.mode
         if new.fast and not self.gate.requested:
             self.gate.request()
+
+    def _capture_for(self, mode: str) -> bool:
+        """Give the target the capture storage a fast ``mode`` needs (``recompute``: the
+        recurrence's inputs; the others: states), rebuilding it when it holds the other
+        kind; True when it was rebuilt. ``replay`` runs on either kind."""
+        kind = capture_kind(mode)
+        if mode == "replay" or self.target.capture == kind:
+            return False
+        self.target.rebuild_storage(kind)
+        return True
 
     def rebuild_storage(self) -> None:
         """Rebuild every shard's capture storage; the capture gate forgets its verdict."""

@@ -4,7 +4,10 @@ Modes:
 
 - ``replay`` — legacy: restore the pre-verify state, replay the accepted tokens;
 - ``checkpoint`` — restore checkpoint slot ``commit_n - 1`` (one kernel launch per shard);
-- ``remap`` — point the live state at slot ``commit_n - 1`` (moves no bytes).
+- ``remap`` — point the live state at slot ``commit_n - 1`` (moves no bytes);
+- ``recompute`` — keep no per-token state: the verify captures the recurrence's per-token
+  inputs, and the rollback re-runs the gated delta rule for the accepted tokens from the
+  pre-verify state (one launch per shard; a fraction of the checkpoint storage).
 
 The fast modes are only *requested* until the capture gate has validated the storage;
 until then every step rolls back through ``replay``.  The mode comes from, in
@@ -24,8 +27,8 @@ from pydantic import BaseModel, ConfigDict
 
 from dflash.execution.errors import RollbackConfigError
 
-RollbackMode = Literal["replay", "checkpoint", "remap"]
-ROLLBACK_MODES: tuple[RollbackMode, ...] = ("replay", "checkpoint", "remap")
+RollbackMode = Literal["replay", "checkpoint", "remap", "recompute"]
+ROLLBACK_MODES: tuple[RollbackMode, ...] = ("replay", "checkpoint", "remap", "recompute")
 ENV_VAR = "DFLASH_ROLLBACK"
 DEFAULT_MODE: RollbackMode = "checkpoint"  # fast rollback requested (the gate decides)
 

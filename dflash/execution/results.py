@@ -22,8 +22,13 @@ class _Frozen(BaseModel):
 
 
 class ShardCaptureEvidence(_Frozen):
-    """What one shard's capture verify demonstrably wrote (evidence from the run itself)."""
+    """What one shard's capture verify demonstrably wrote (evidence from the run itself).
 
+    ``capture``: the per-token storage checked — ``states`` (checkpoint slots) or
+    ``inputs`` (the recurrence's inputs, for ``recompute``); ``checkpoint_dtype`` is the
+    dtype of its float32 buffer (``checkpoints``, or ``g``)."""
+
+    capture: Literal["states", "inputs"] = "states"
     shard: int
     device: str
     layers: tuple[int, int]  # [first, last) layer ids the shard owns
@@ -139,5 +144,8 @@ class GenerationResult(_Frozen):
     copied_drafts: int | None = None
     parity_sha256: str | None = None  # the oracle's SHA-256 when --check-parity ran
     text: str | None = None  # decoded new text (final EOS left out) when there is a tokenizer
+    # checkpoint_bytes by buffer: the per-token capture of the rollback mode's kind
+    # ("checkpoints", or "inputs" / "g" / "beta"), "captured" conv rows and "snapshot"
+    capture_bytes: dict[str, int] = Field(default_factory=dict)
     # timings.tokens_per_s / timings.greedy_tokens_per_s; null when either is null
     speedup_vs_greedy: float | None = None

@@ -22,6 +22,7 @@ from dflash.execution.results import (
 from dflash.execution.shards import ShardedTarget, ShardPlan
 from dflash.execution.window import WindowChoice
 from dflash.model import TargetModel
+from dflash.model.caches import CaptureKind, capture_kind
 from dflash.model.drafters import Drafter, LookupAssistedDrafter
 
 
@@ -108,13 +109,16 @@ def spec_target(
     block_size: int,
     *,
     graphs: bool | None = None,
+    capture: CaptureKind = "states",
 ) -> ShardedTarget:
     """A target for :func:`generate` runs of these sizes (keep it and pass it as
-    ``target=`` to run again without new CUDA graphs). Sizes past the model's positions
-    are refused before anything is allocated (:func:`check_positions`)."""
+    ``target=`` to run again without new CUDA graphs), capturing what the rollback mode
+    needs (:func:`dflash.model.caches.capture_kind`; an engine rebuilds the storage for
+    another mode). Sizes past the model's positions are refused before anything is
+    allocated (:func:`check_positions`)."""
     check_positions(model, prompt_len, max_new_tokens, block_size)
     return ShardedTarget(model, plan, max_len=spec_capacity(prompt_len, max_new_tokens, block_size),
-                         max_draft=block_size, graphs=graphs)
+                         max_draft=block_size, graphs=graphs, capture=capture)
 
 
 def positions_needed(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -265,7 +269,8 @@ def generate(
     if engine is not None:
         _check_engine(engine, target, drafter, block_size, policy, faults, verify_window)
     if target is None or faults is not None:  # spec_target checks the positions
-        target = spec_target(model, plan, len(prompt), max_new_tokens, block_size, graphs=graphs)
+        target = spec_target(model, plan, len(prompt), max_new_tokens, block_size, graphs=graphs,
+                             capture=capture_kind(policy.mode))
     else:
         check_positions(model, len(prompt), max_new_tokens, block_size)
         target.require_serves(
@@ -315,6 +320,7 @@ def generate(
         ),
         capture=engine.gate.report,
         checkpoint_bytes=target.checkpoint_bytes,
+        capture_bytes=target.capture_bytes,
         parity=parity,
         timings=Timings(
             prefill_s=t1 - t0,

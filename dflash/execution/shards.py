@@ -22,6 +22,7 @@ from dflash.execution.errors import LayerSplitError, ShardPositionError, Weights
 from dflash.execution.graphs import ShardCompute, ShardGraphs, ShardOutput, graphs_supported
 from dflash.geometry import ChainGeometry
 from dflash.model import KVCache, ShardCaches, TargetModel
+from dflash.model.caches import CaptureKind
 from dflash.model.layers import fuse_linear_groups_
 from dflash.model.target import Mode
 
@@ -187,6 +188,7 @@ class ShardedTarget:
         max_len: int,
         max_draft: int,
         graphs: bool | None = None,
+        capture: CaptureKind = "states",
     ):
         if len(plan.split) and sum(plan.split) != model.config.num_hidden_layers:
             raise LayerSplitError(
@@ -195,6 +197,7 @@ class ShardedTarget:
             )
         self.model, self.plan = model, plan
         self.max_len, self.max_draft = max_len, max_draft
+        self.capture: CaptureKind = capture
         devices = [torch.device(d) for d in plan.devices]
         self._place()
         self.shards: list[Shard] = []
@@ -293,6 +296,8 @@ class ShardedTarget:
             dtype=self.model.embed_tokens.weight.dtype,
             device=device,
             kv=kv,
+            capture=self.capture,
+            kernel_backend=self.model.backend_for(device),
         )
 
     @property
@@ -305,6 +310,15 @@ class ShardedTarget:
     @property
     def checkpoint_bytes(self) -> int:
         return sum(s.caches.checkpoint_bytes for s in self.shards)
+
+    @property
+    def capture_bytes(self) -> dict[str, int]:
+        """:attr:`checkpoint_bytes` by buffer name, summed over the shards."""
+        out: dict[str, int] = {}
+        for s in self.shards:
+            for name, size in s.caches.pool.capture_bytes.items():
+                out[name] = out.get(name, 0) + size
+        return out
 
     @property
     def fast_unavailable_reason(self) -> str | None:
@@ -424,13 +438,14 @@ class ShardedTarget:
     # -- rollback with the accepted count on the device ---------------------------------
 
     def enqueue_rollback(self, shard: Shard, mode: str, commit_n: Tensor) -> None:
-        """Enqueue ``shard``'s fast rollback (``"checkpoint"`` or ``"remap"``) on the
+        """Enqueue ``shard``'s fast rollback (``"checkpoint"``, ``"remap"`` or
+        ``"recompute"``) on the
         accepted count ``commit_n`` (int64 ``[1]``, still on the device): host checks,
         then the device work — replayed from a CUDA graph when graphs are on. The count
         is read back later; :meth:`finish_rollback` then updates the host mirrors."""
         pool = shard.caches.pool
         with shard.on_device():
-            pool.mark_device_rollback()
+            pool.mark_device_rollback(mode)
             n = commit_n if commit_n.device == shard.device else commit_n.to(shard.device)
             if self.graphs is None:
                 pool.rollback_on_device(mode, n)
@@ -471,9 +486,12 @@ class ShardedTarget:
                     f"(positions per shard {self.positions()})"
                 )
 
-    def rebuild_storage(self) -> None:
-        """Fresh capture storage for every shard; the live state (wherever it lies) and the
-        KV cache are carried over, so decoding continues unchanged."""
+    def rebuild_storage(self, capture: CaptureKind | None = None) -> None:
+        """Fresh capture storage for every shard (of kind ``capture``; None: the current
+        kind); the live state (wherever it lies) and the KV cache are carried over, so
+        decoding continues unchanged."""
+        if capture is not None:
+            self.capture = capture
         for s in self.shards:
             old = s.caches
             new = self._new_caches(s.layers, s.device, kv=old.kv)

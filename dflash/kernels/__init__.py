@@ -2,6 +2,9 @@
 
 - :func:`gdn_verify`: the gated delta rule over ``T`` draft tokens, writing the F32 state
   after every token into checkpoint slots (chain or validated tree geometry).
+- :func:`gdn_recompute`: the ``recompute`` rollback: re-run the accepted tokens of a verify
+  from the pre-verify state (all layers of a shard, one launch), bit-identical to the
+  verify's checkpoint slot.
 - :func:`causal_conv1d_capture`: depthwise causal conv1d + SiLU that captures its inputs.
 - :func:`rollback_restore`: live state and conv window <- slot ``commit_n - 1`` for all
   recurrent layers of a shard in one launch (``rows_only``: the conv rows alone, for a
@@ -25,8 +28,8 @@ from dflash.kernels.conv import causal_conv1d_capture
 from dflash.kernels.conv_reference import causal_conv1d_capture_reference
 from dflash.kernels.gates import gdn_gates
 from dflash.kernels.gates_reference import gdn_gates_reference
-from dflash.kernels.gdn import gdn_verify
-from dflash.kernels.gdn_reference import gdn_verify_reference
+from dflash.kernels.gdn import gdn_recompute, gdn_verify
+from dflash.kernels.gdn_reference import gdn_recompute_reference, gdn_verify_reference
 from dflash.kernels.linear import linear
 from dflash.kernels.linear_reference import linear_reference
 from dflash.kernels.rmsnorm import rms_norm
@@ -42,6 +45,8 @@ __all__ = [
     "decode_attention_reference",
     "gdn_gates",
     "gdn_gates_reference",
+    "gdn_recompute",
+    "gdn_recompute_reference",
     "gdn_verify",
     "gdn_verify_reference",
     "linear",

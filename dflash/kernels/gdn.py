@@ -1,4 +1,5 @@
-"""Public entry point: gated delta rule verification with F32 checkpoint capture."""
+"""Public entry points: gated delta rule verification with F32 checkpoint capture, and the
+recompute of a verify's accepted tokens (the ``recompute`` rollback)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 
 from dflash.errors import KernelBoundsError
 from dflash.kernels import checks
-from dflash.kernels.gdn_reference import gdn_verify_reference
+from dflash.kernels.gdn_reference import gdn_recompute_reference, gdn_verify_reference
+from dflash.kernels.rollback import _commit as _commit_count  # the rollback's commit_n rule
 
 #: Triton holds the whole key dimension of a state tile in registers.
 MAX_TRITON_K = 256
@@ -21,7 +23,7 @@ def gdn_verify(
     g: torch.Tensor,
     beta: torch.Tensor,
     initial_state: torch.Tensor,
-    checkpoints: torch.Tensor,
+    checkpoints: torch.Tensor | None,
     geometry: object,
     *,
     scale: float | None = None,
@@ -45,7 +47,9 @@ def gdn_verify(
         checkpoints: ``[B, S, HV, K, V]`` float32 with ``S >= T``; slot ``t`` receives the
             state after token ``t``. With ``final_state_only`` only slot 0 is written, with
             the state after the last token (pass ``initial_state.unsqueeze(1)`` to update
-            the state in place).
+            the state in place). ``None`` (a chain, ``final_state_only=False``): no state
+            is written anywhere, only ``o`` (and ``snapshot``) — a verify whose rollback
+            recomputes the state (:func:`gdn_recompute`).
         geometry: a validated ``ChainGeometry`` or ``TreeGeometry`` with ``n_actual == T``
             (tree: token ``t`` starts from its parent's slot, the root from
             ``initial_state``). ``None`` only with ``final_state_only=True``.
@@ -71,7 +75,8 @@ def gdn_verify(
         TypeError: a tensor argument is not a tensor, or ``geometry`` is not a validated
             geometry object (before anything is launched).
         KernelBoundsError: shapes, dtypes or devices disagree, ``T > S``,
-            ``n_actual != T``, or ``out`` is wrong (a ``ValueError``).
+            ``n_actual != T``, ``out`` is wrong, or ``checkpoints`` is ``None`` with
+            ``final_state_only`` or a branching tree (a ``ValueError``).
     """
     q = checks.tensor("q", q, 4)
     B, T, HK, K = q.shape
@@ -95,14 +100,20 @@ def gdn_verify(
     initial_state = checks.tensor("initial_state", initial_state, 4)
     checks.shape("initial_state", initial_state, (B, HV, K, V), "[B, HV, K, V]")
     checks.dtype("initial_state", initial_state, torch.float32)
-    checkpoints = checks.tensor("checkpoints", checkpoints, 5)
-    S = checkpoints.shape[1]
-    checks.shape("checkpoints", checkpoints, (B, S, HV, K, V), "[B, S, HV, K, V]")
-    checks.dtype("checkpoints", checkpoints, torch.float32)
-    if not final_state_only and S < T:
-        raise KernelBoundsError(f"'checkpoints' needs S >= T={T} slots (got S={S})")
-    if S < 1:
-        raise KernelBoundsError("'checkpoints' needs at least one slot (got S=0)")
+    if checkpoints is not None:
+        checkpoints = checks.tensor("checkpoints", checkpoints, 5)
+        S = checkpoints.shape[1]
+        checks.shape("checkpoints", checkpoints, (B, S, HV, K, V), "[B, S, HV, K, V]")
+        checks.dtype("checkpoints", checkpoints, torch.float32)
+        if not final_state_only and S < T:
+            raise KernelBoundsError(f"'checkpoints' needs S >= T={T} slots (got S={S})")
+        if S < 1:
+            raise KernelBoundsError("'checkpoints' needs at least one slot (got S=0)")
+    elif final_state_only:
+        raise KernelBoundsError(
+            "'checkpoints' is None, which stores no state, but final_state_only=True asks "
+            "for the final state: pass a slot for it"
+        )
     if snapshot is not None:
         snapshot = checks.tensor("snapshot", snapshot, 4)
         checks.shape("snapshot", snapshot, (B, HV, K, V), "[B, HV, K, V]")
@@ -134,6 +145,11 @@ def gdn_verify(
         checks.disjoint("out", out, inputs)
     device = checks.same_device({**inputs, "out": out})
     parents = checks.geometry_parents(geometry, T, final_state_only)
+    if checkpoints is None and parents is not None:
+        raise KernelBoundsError(
+            "'checkpoints' is None but the geometry is a branching tree (parents "
+            f"{parents}): its tokens start from their parents' slots, so it needs checkpoints"
+        )
 
     if not checks.use_triton(backend, device):
         if slot_bank is not None and live_slot is not None:  # the reference reads it here
@@ -153,4 +169,168 @@ def gdn_verify(
         scale=K**-0.5 if scale is None else float(scale), use_qk_l2norm=use_qk_l2norm,
         final_state_only=final_state_only, snapshot=snapshot, slot_bank=slot_bank,
         live_slot=live_slot, out=out,
+    )
+
+
+def gdn_recompute(
+    state: torch.Tensor,
+    inputs: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_rows: torch.Tensor,
+    captured: torch.Tensor,
+    commit_n: int | torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    snapshot: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+    backend: checks.Backend = "auto",
+) -> None:
+    """Re-run a verify's first ``commit_n`` tokens from the pre-verify state, for all ``L``
+    recurrent layers of a shard in one launch (the ``recompute`` rollback).
+
+    For every layer ``l`` and batch row ``b``, with ``n = commit_n``:
+
+    - ``snapshot[l] <- state[l]`` (when given);
+    - ``out[l] <-`` the state after the gated delta rule ran from ``state[l]`` over tokens
+      ``0 .. n-1``, token ``t`` taking ``k = inputs[l, b, t, HK*K : 2*HK*K]`` viewed
+      ``[HK, K]``, ``v = inputs[l, b, t, 2*HK*K :]`` viewed ``[HV, V]``, ``g`` and ``beta``
+      at ``t``; value head ``h`` uses key head ``h // (HV // HK)``. This is
+      :func:`gdn_verify`'s per-token update (same L2 norm of k, eps 1e-6, same tile shape
+      and reductions), so on the same backend the result equals the verify's checkpoint
+      slot ``n-1``, and ``n`` one-token decodes, bit for bit;
+    - ``conv_rows[l] <- captured[l, :, n : n+Kc-1]`` (the conv window after ``n`` tokens).
+
+    Every check runs on the host before anything is launched, so a refused call has changed
+    nothing. Triton (on CUDA, or on CPU under ``TRITON_INTERPRET=1``) runs one launch: one
+    program per (layer, batch x value head, value block) state tile, plus programs copying
+    the conv rows. Each state program reads its whole tile (and writes its snapshot tile)
+    before it writes its ``out`` tile, so ``out`` may be ``state`` itself.
+
+    Args:
+        state: ``[L, B, HV, K, V]`` float32, the live (pre-verify) states, read; any strides.
+        inputs: ``[L, B, S, C]`` the verify's conv outputs per token, ``q | k | v``
+            head-major, ``C = 2*HK*K + HV*V`` (``q`` is not read); float16, bfloat16 or
+            float32. ``HK = (C - HV*V) / (2*K)`` must be a positive integer dividing ``HV``.
+        g: ``[L, B, S, HV]`` float32 log decay per token.
+        beta: ``[L, B, S, HV]`` step size, ``inputs``' dtype.
+        conv_rows: ``[L, B, Kc-1, C]`` out, ``captured``'s dtype: the conv window.
+        captured: ``[L, B, Kc-1+S, C]`` the verify's conv input rows
+            (``causal_conv1d_capture``), ``Kc >= 2``.
+        commit_n: accepted tokens ``1 <= commit_n <= S``: a host int (checked), or a
+            one-element int64 tensor on the tensors' device that the kernel reads, so the
+            launch needs no host value and a CUDA graph can hold it. A tensor's value is not
+            checked on the host (that would synchronise): it is clamped to ``1 .. S`` (0
+            recomputes one token, ``S + 5`` all ``S``); the caller checks the value it reads
+            back.
+        out: ``None`` (``state`` is updated in place, the normal use) or ``[L, B, HV, K, V]``
+            float32, any strides; it must share no memory with any other argument unless it
+            is ``state`` itself (or a view of exactly the same elements).
+        snapshot: optional ``[L, B, HV, K, V]`` float32, any strides, sharing no memory
+            with any other argument: receives a copy of ``state`` as read.
+        use_qk_l2norm: L2-normalise k per head, as the verify did.
+        backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see :func:`gdn_verify`); use
+            the verify's backend, since the bits are each backend's own. Triton needs the
+            last dimension of ``inputs``, ``g`` and ``beta`` unit-stride, ``conv_rows`` and
+            ``captured`` dense after their ``[L, B]`` dims, and ``K <= 256``; the leading
+            dims may be strided views of larger buffers.
+
+    Raises:
+        TypeError: a tensor argument is not a tensor.
+        KernelBoundsError: shapes, dtypes, devices or layouts disagree, ``C`` does not
+            give a valid ``HK``, or ``out`` / ``snapshot`` overlap another argument (a
+            ``ValueError``).
+        RollbackBoundsError: ``commit_n`` is not an int in ``1 .. S`` nor a one-element
+            int64 tensor (a ``KernelBoundsError``).
+    """
+    state = checks.tensor("state", state, 5)
+    L, B, HV, K, V = state.shape
+    checks.dtype("state", state, torch.float32)
+    if min(L, B, HV, K, V) < 1:
+        raise KernelBoundsError(
+            f"'state' [L, B, HV, K, V] must have no empty dimension (got {tuple(state.shape)})"
+        )
+    inputs = checks.tensor("inputs", inputs, 4)
+    S, C = inputs.shape[2], inputs.shape[3]
+    checks.shape("inputs", inputs, (L, B, S, C), "[L, B, S, C] with L, B from 'state'")
+    if S < 1:
+        raise KernelBoundsError("'inputs' must hold at least one token (got S=0)")
+    if inputs.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise KernelBoundsError(
+            f"'inputs' must be float16, bfloat16 or float32 (got {inputs.dtype})"
+        )
+    HK, rest = divmod(C - HV * V, 2 * K)
+    if rest != 0 or HK < 1 or HV % HK != 0:
+        raise KernelBoundsError(
+            f"'inputs' channels C={C} must be 2*HK*K + HV*V with HK a positive divisor of "
+            f"HV={HV}, for V={V}, K={K} from 'state' (got HK = (C - HV*V) / (2*K) = "
+            f"{(C - HV * V) / (2 * K):g})"
+        )
+    g = checks.tensor("g", g, 4)
+    checks.shape("g", g, (L, B, S, HV), "[L, B, S, HV]")
+    checks.dtype("g", g, torch.float32)
+    beta = checks.tensor("beta", beta, 4)
+    checks.shape("beta", beta, (L, B, S, HV), "[L, B, S, HV]")
+    checks.dtype("beta", beta, inputs.dtype)
+    captured = checks.tensor("captured", captured, 4)
+    Kc1 = captured.shape[2] - S
+    checks.shape("captured", captured, (L, B, captured.shape[2], C), "[L, B, Kc-1+S, C]")
+    if Kc1 < 1:
+        raise KernelBoundsError(
+            f"'captured' must have Kc-1+S rows with Kc >= 2 and S={S} from 'inputs' "
+            f"(got {captured.shape[2]})"
+        )
+    conv_rows = checks.tensor("conv_rows", conv_rows, 4)
+    checks.shape("conv_rows", conv_rows, (L, B, Kc1, C), "[L, B, Kc-1, C] from 'captured'")
+    checks.dtype("conv_rows", conv_rows, captured.dtype)
+    n = _commit_count(commit_n, S)
+    if snapshot is not None:
+        snapshot = checks.tensor("snapshot", snapshot, 5)
+        checks.shape("snapshot", snapshot, (L, B, HV, K, V), "'state'.shape [L, B, HV, K, V]")
+        checks.dtype("snapshot", snapshot, torch.float32)
+    if out is not None:
+        out = checks.tensor("out", out, 5)
+        checks.shape("out", out, (L, B, HV, K, V), "'state'.shape [L, B, HV, K, V]")
+        checks.dtype("out", out, torch.float32)
+        if out.data_ptr() == state.data_ptr() and out.stride() == state.stride():
+            out = None  # the same elements as ``state``: in place
+    named: dict[str, torch.Tensor | None] = {
+        "state": state, "inputs": inputs, "g": g, "beta": beta, "conv_rows": conv_rows,
+        "captured": captured, "commit_n": n if isinstance(n, torch.Tensor) else None,
+        "out": out, "snapshot": snapshot,
+    }
+    device = checks.same_device(named)
+    for name in ("out", "snapshot", "conv_rows"):  # the outputs, each apart from the rest
+        written = named[name]
+        if written is not None:
+            checks.disjoint(name, written, {o: t for o, t in named.items() if o != name})
+
+    if not checks.use_triton(backend, device):
+        gdn_recompute_reference(
+            state, inputs, g, beta, conv_rows, captured, n, out=out, snapshot=snapshot,
+            use_qk_l2norm=use_qk_l2norm,
+        )
+        return
+    if K > MAX_TRITON_K:
+        raise KernelBoundsError(
+            f"'state' head dim K must be <= {MAX_TRITON_K} for Triton (got {K})"
+        )
+    for name, t in (("inputs", inputs), ("g", g), ("beta", beta)):
+        if t.stride(3) != 1 and t.shape[3] > 1:
+            raise KernelBoundsError(
+                f"'{name}' must have a unit-stride last dimension for Triton "
+                f"(got strides {t.stride()})"
+            )
+    for name, t in (("conv_rows", conv_rows), ("captured", captured)):
+        if t.stride()[2:] != (C, 1) and t[0, 0].numel() > 1:
+            raise KernelBoundsError(
+                f"'{name}' must be contiguous after its [L, B] dims for Triton "
+                f"(strides {t.stride()})"
+            )
+    from dflash.kernels.gdn_triton import launch_gdn_recompute
+
+    launch_gdn_recompute(
+        state, inputs, g, beta, conv_rows, captured, n,
+        out=state if out is None else out, snapshot=snapshot, head_k=HK,
+        use_qk_l2norm=use_qk_l2norm,
     )

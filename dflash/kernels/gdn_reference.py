@@ -1,4 +1,5 @@
-"""The gated delta rule with checkpoint capture, as plain torch loops (the reference).
+"""The gated delta rule with checkpoint capture, and its recompute, as plain torch loops
+(the reference).
 
 Per value head ``h`` (key head ``h // (HV // HK)``) and token ``t``, with the state
 ``S`` of shape ``[K, V]`` (flash-linear-attention's ``fused_recurrent_gated_delta_rule``):
@@ -14,6 +15,8 @@ Token ``t`` starts from the state after its parent token (a chain: token ``t-1``
 and the root of a tree: ``initial_state``). Arithmetic runs in ``initial_state``'s dtype
 (float32 in use, float64 when a test passes float64 states), one token at a time, so a
 checkpoint equals the state reached by running the same tokens one call at a time.
+:func:`gdn_recompute_reference` re-runs the first ``n`` tokens of a verify from the
+pre-verify state with the same per-token operations (a ``recompute`` rollback).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def gdn_verify_reference(
     g: torch.Tensor,             # [B, T, HV] log decay
     beta: torch.Tensor,          # [B, T, HV]
     initial_state: torch.Tensor, # [B, HV, K, V]
-    checkpoints: torch.Tensor,   # [B, S, HV, K, V], S >= T
+    checkpoints: torch.Tensor | None,  # [B, S, HV, K, V], S >= T; None: no states kept
     geometry: object,
     *,
     scale: float | None = None,
@@ -56,14 +59,16 @@ def gdn_verify_reference(
     qf, kf, vf = q.to(dt), k.to(dt), v.to(dt)
     gf, bf = g.to(dt), beta.to(dt)
     if use_qk_l2norm:
-        qf = qf / torch.sqrt((qf * qf).sum(-1, keepdim=True) + 1e-6)
-        kf = kf / torch.sqrt((kf * kf).sum(-1, keepdim=True) + 1e-6)
+        qf, kf = _l2norm(qf), _l2norm(kf)
     qf = qf * scale
     group = HV // HK
     qf = qf.repeat_interleave(group, dim=2)  # [B, T, HV, K]
     kf = kf.repeat_interleave(group, dim=2)
 
     with torch.no_grad():  # like the kernel, the reference records nothing for autograd
+        if checkpoints is None:  # the states are computed in scratch and dropped
+            slots = _scratch(T, q.shape[0] * HV, K, vf.shape[3], dt, init.device)
+            return _output(_recurrence(qf, kf, vf, gf, bf, init, parents, slots), v, out)
         slots, in_place = _state_slots(checkpoints, T, final_state_only, dt)
         o = _recurrence(qf, kf, vf, gf, bf, init, parents, slots)
         if not in_place:  # computed in scratch: copy the states out
@@ -71,10 +76,75 @@ def gdn_verify_reference(
                 checkpoints[:, 0] = slots[-1].view(init.shape)
             else:
                 checkpoints[:, :T] = torch.stack(slots).view(T, *init.shape).transpose(0, 1)
+    return _output(o, v, out)
+
+
+def gdn_recompute_reference(
+    state: torch.Tensor,      # [L, B, HV, K, V] the pre-verify states
+    inputs: torch.Tensor,     # [L, B, S, C] q | k | v per token, C = 2*HK*K + HV*V
+    g: torch.Tensor,          # [L, B, S, HV] log decay
+    beta: torch.Tensor,       # [L, B, S, HV]
+    conv_rows: torch.Tensor,  # [L, B, Kc-1, C] out
+    captured: torch.Tensor,   # [L, B, Kc-1+S, C]
+    commit_n: int | torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,       # [L, B, HV, K, V]; None: ``state`` in place
+    snapshot: torch.Tensor | None = None,  # [L, B, HV, K, V]
+    use_qk_l2norm: bool = True,
+) -> None:
+    """Reference twin of :func:`dflash.kernels.gdn_recompute` (no bounds checks; a tensor
+    ``commit_n`` is read here and clamped to ``1 .. S`` like the kernel clamps it).
+
+    Each layer runs :func:`gdn_verify_reference`'s per-token operations on the same
+    ``[B*HV, ...]`` shapes, in ``state``'s dtype, so the state it reaches is that
+    reference's checkpoint slot ``n-1`` for the same inputs, bit for bit.
+    """
+    L, B, HV, K, V = state.shape
+    S, C = inputs.shape[2], inputs.shape[3]
+    HK = (C - HV * V) // (2 * K)
+    n = commit_n if isinstance(commit_n, int) else min(max(int(commit_n.reshape(())), 1), S)
+    dt = state.dtype
+    target = state if out is None else out
+    with torch.no_grad():
+        for l in range(L):
+            init = state[l].clone()  # read the whole state before writing: out may be state
+            if snapshot is not None:
+                snapshot[l].copy_(init)
+            x = inputs[l, :, :n]  # [B, n, C]
+            kf = x[..., HK * K : 2 * HK * K].reshape(B, n, HK, K).to(dt)
+            vf = x[..., 2 * HK * K :].reshape(B, n, HV, V).to(dt)
+            if use_qk_l2norm:
+                kf = _l2norm(kf)
+            kf = kf.repeat_interleave(HV // HK, dim=2)  # [B, n, HV, K]
+            slots = _scratch(n, B * HV, K, V, dt, init.device)
+            prev = init.reshape(B * HV, K, V)
+            steps = zip(
+                _tokens(kf, 1, K), _tokens(kf, K, 1), _tokens(vf, 1, V),
+                _tokens(g[l, :, :n].to(dt), 1, 1), _tokens(beta[l, :, :n].to(dt), 1, 1), slots,
+                strict=True,
+            )
+            for k_row, k_col, v_row, g_t, b_t, S_t in steps:
+                _step(prev, k_row, k_col, v_row, g_t, b_t, S_t)
+                prev = S_t
+            target[l].copy_(prev.view(B, HV, K, V))
+        conv_rows.copy_(captured[:, :, n : n + conv_rows.shape[2]])
+
+
+def _output(o: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``o`` in v's dtype: into ``out`` when given, else a new tensor."""
     if out is None:
         return o.to(v.dtype)
     out.copy_(o)
     return out
+
+
+def _scratch(
+    rows: int, n: int, K: int, V: int, dt: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    """``rows`` contiguous ``[n, K, V]`` scratch states."""
+    if rows == 0:
+        return []
+    return list(torch.empty(rows, n, K, V, dtype=dt, device=device).unbind(0))
 
 
 def _state_slots(
@@ -94,9 +164,7 @@ def _state_slots(
     if in_place and not final_state_only:
         return [slot[t].view(HV, K, V) for t in range(T)], True
     rows = T - 1 if in_place else T  # a decode's one state needs no scratch at all
-    scratch = [] if rows == 0 else list(
-        torch.empty(rows, B * HV, K, V, dtype=dt, device=checkpoints.device).unbind(0)
-    )
+    scratch = _scratch(rows, B * HV, K, V, dt, checkpoints.device)
     if in_place:
         scratch.append(slot[0].view(HV, K, V))
     return scratch, in_place
@@ -119,22 +187,43 @@ def _recurrence(
     n = B * HV
     o = torch.empty(T, n, 1, V, dtype=init.dtype, device=init.device)
 
-    def tokens(x: torch.Tensor, *shape: int) -> tuple[torch.Tensor, ...]:  # T x [n, ...]
-        return x.transpose(0, 1).reshape(T, n, *shape).unbind(0)
-
     # Every per-token operation below sees [B*HV, ...] tensors whatever T is, so a token's
     # state and output are the bits a T = 1 call gives for the same inputs.
     steps = zip(
-        tokens(qf, 1, K), tokens(kf, 1, K), tokens(kf, K, 1), tokens(vf, 1, V),
-        tokens(gf, 1, 1), tokens(bf, 1, 1), slots, o.unbind(0),
+        _tokens(qf, 1, K), _tokens(kf, 1, K), _tokens(kf, K, 1), _tokens(vf, 1, V),
+        _tokens(gf, 1, 1), _tokens(bf, 1, 1), slots, o.unbind(0),
         strict=True,
     )
     start = init.reshape(n, K, V)
     for t, (q_row, k_row, k_col, v_row, g_t, b_t, S, o_t) in enumerate(steps):
-        torch.mul(start if parents[t] < 0 else slots[parents[t]], torch.exp(g_t), out=S)
-        kv = torch.bmm(k_row, S)                             # S^T k: [n, 1, V]
-        u = torch.sub(v_row, kv, out=kv).mul_(b_t)           # beta (v - S^T k)
-        S.baddbmm_(k_col, u)                                 # S + k u^T
+        _step(start if parents[t] < 0 else slots[parents[t]], k_row, k_col, v_row, g_t, b_t, S)
         torch.bmm(q_row, S, out=o_t)                         # S^T q
     out = o.view(T, B, HV, V).transpose(0, 1)
     return out if B == 1 else out.contiguous()
+
+
+def _tokens(x: torch.Tensor, *shape: int) -> tuple[torch.Tensor, ...]:
+    """``x [B, T, HV, ...]`` as ``T`` tensors ``[B*HV, *shape]``, one per token."""
+    B, T, HV = x.shape[:3]
+    return x.transpose(0, 1).reshape(T, B * HV, *shape).unbind(0)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """``x / sqrt(|x|^2 + 1e-6)`` along the last dimension."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _step(
+    prev: torch.Tensor,   # [n, K, V] the state before the token
+    k_row: torch.Tensor,  # [n, 1, K] normalised key
+    k_col: torch.Tensor,  # [n, K, 1] the same key
+    v_row: torch.Tensor,  # [n, 1, V]
+    g_t: torch.Tensor,    # [n, 1, 1]
+    b_t: torch.Tensor,    # [n, 1, 1]
+    S: torch.Tensor,      # [n, K, V] receives the state after the token (may not be prev)
+) -> None:
+    """One token of the gated delta rule for ``n = B*HV`` heads (verify and recompute)."""
+    torch.mul(prev, torch.exp(g_t), out=S)
+    kv = torch.bmm(k_row, S)                                 # S^T k: [n, 1, V]
+    u = torch.sub(v_row, kv, out=kv).mul_(b_t)               # beta (v - S^T k)
+    S.baddbmm_(k_col, u)                                     # S + k u^T

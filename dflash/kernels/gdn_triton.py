@@ -11,7 +11,13 @@ Alias safety: a program reads its whole initial tile, then passes a CTA barrier,
 writes anything; it only ever writes its own tile, so ``initial_state`` may be a slot of
 ``checkpoints`` (slot remap) or ``checkpoints`` may be ``initial_state.unsqueeze(1)``
 (in-place decode). Tree mode reloads a parent slot this same program wrote earlier, after
-a barrier, so it is race-free.
+a barrier, so it is race-free. Slot step -1 stores no state at all (a verify whose
+rollback recomputes).
+
+:func:`gdn_recompute_kernel` re-runs the recurrence of a verify's first ``n`` tokens from
+the pre-verify state, for every layer of a shard in one launch, with the verify's tile
+shape, warps and per-token helper (:func:`_gated_delta_step`): the state it reaches is the
+verify's checkpoint slot ``n-1``, bit for bit.
 """
 
 from __future__ import annotations
@@ -31,6 +37,29 @@ def _constant(cache: dict[torch.device, torch.Tensor], device: torch.device,
     if got is None:
         got = cache.setdefault(device, torch.full((1,), -1, dtype=dtype, device=device))
     return got
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def _l2norm(b_x, USE_QK_L2NORM: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton blocks are untyped
+    """``b_x / sqrt(|b_x|^2 + 1e-6)`` over a q or k head block (masked lanes hold 0), if enabled."""
+    if USE_QK_L2NORM:
+        b_x = b_x / tl.sqrt(tl.sum(b_x * b_x) + 1e-6)
+    return b_x
+
+
+@triton.jit
+def _gated_delta_step(b_h, b_k, b_v, b_g, b_beta):  # type: ignore[no-untyped-def]  # Triton blocks are untyped
+    """One token of the gated delta rule on a ``[BK, BV]`` float32 state tile.
+
+    ``b_k`` (``[BK]``, normalised by :func:`_l2norm`), ``b_v`` (``[BV]``), ``b_g``,
+    ``b_beta`` (scalars) are float32. Returns the new tile. :func:`gdn_verify_kernel` and
+    :func:`gdn_recompute_kernel` both call it, so a recomputed state is the same
+    arithmetic, bit for bit, as a verify's checkpoint (same block sizes and warps).
+    """
+    b_h *= tl.exp(b_g)
+    b_u = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))   # beta (v - S^T k): [BV]
+    b_h += b_k[:, None] * b_u[None, :]
+    return b_h
 
 
 @triton.jit(do_not_specialize=["T", "slot_step", "has_snapshot", "is_tree", "bank_slots"])  # type: ignore[untyped-decorator]  # triton ships no types
@@ -101,19 +130,15 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
                 # the parent's slot was written by this program earlier in this loop
                 tl.debug_barrier()
                 b_h = tl.load(ckpt + parent.to(tl.int64) * s_ck_s + o_ck, mask=m_h, other=0)
-        if USE_QK_L2NORM:
-            b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
-            b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
+        b_q = _l2norm(b_q, USE_QK_L2NORM)
+        b_k = _l2norm(b_k, USE_QK_L2NORM)
         b_q = b_q * scale
-
-        b_h *= tl.exp(b_g)
-        b_u = b_beta * (b_v - tl.sum(b_h * b_k[:, None], 0))   # beta (v - S^T k): [BV]
-        b_h += b_k[:, None] * b_u[None, :]
+        b_h = _gated_delta_step(b_h, b_k, b_v, b_g, b_beta)
         b_o = tl.sum(b_h * b_q[:, None], 0)                    # S^T q: [BV]
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
 
-        # slot_step 1: slot t after every token; slot_step 0: slot 0 after the last token
-        if (slot_step != 0) | (t == T - 1):
+        # slot_step 1: slot t after every token; 0: slot 0 after the last token; -1: none
+        if (slot_step > 0) | ((slot_step == 0) & (t == T - 1)):
             p_slot = ckpt + (t * slot_step).to(tl.int64) * s_ck_s + o_ck
             if STORE_HINT == 1:
                 tl.store(p_slot, b_h, mask=m_h, cache_modifier=".cs")
@@ -154,7 +179,8 @@ def default_config(K: int, V: int) -> tuple[int, int]:
 
 def launch_gdn_verify(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    initial_state: torch.Tensor, checkpoints: torch.Tensor, parents: tuple[int, ...] | None,
+    initial_state: torch.Tensor, checkpoints: torch.Tensor | None,
+    parents: tuple[int, ...] | None,
     *, scale: float, use_qk_l2norm: bool, final_state_only: bool,
     snapshot: torch.Tensor | None, slot_bank: torch.Tensor | None = None,
     live_slot: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -163,7 +189,8 @@ def launch_gdn_verify(
     """Launch :func:`gdn_verify_kernel` on validated inputs; returns ``o`` in v's dtype.
 
     ``out`` (validated: contiguous ``[B, T, HV, V]`` in v's dtype) receives ``o``; ``None``
-    allocates it.
+    allocates it. ``checkpoints=None`` (a chain, not ``final_state_only``) stores no state:
+    slot step -1, with ``initial_state`` standing in as the (never written) slot pointer.
     """
     B, T, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -177,6 +204,9 @@ def launch_gdn_verify(
         p_parents = _constant(_DUMMY_PARENTS, q.device, torch.int32)
     else:
         p_parents = torch.tensor(parents, dtype=torch.int32).to(q.device, non_blocking=True)
+    slot_step = 0 if final_state_only else 1
+    if checkpoints is None:  # no state stored: any valid pointer and strides will do
+        checkpoints, slot_step = initial_state.unsqueeze(1), -1
     snap = initial_state if snapshot is None else snapshot
     bank = checkpoints if slot_bank is None else slot_bank
     live = _constant(_NO_SLOT, q.device, torch.int64) if live_slot is None else live_slot
@@ -184,7 +214,7 @@ def launch_gdn_verify(
     gdn_verify_kernel[grid](
         q, k, v, g, beta, o,
         initial_state, checkpoints, snap, p_parents, bank, live,
-        scale, T, 0 if final_state_only else 1, 0 if snapshot is None else 1,
+        scale, T, slot_step, 0 if snapshot is None else 1,
         0 if parents is None else 1, bank.shape[1],
         *initial_state.stride(), *bank.stride(), *checkpoints.stride(), *snap.stride(),
         HK=HK, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
@@ -192,3 +222,128 @@ def launch_gdn_verify(
         READ_LIVE=0 if live_slot is None else 1, num_warps=warps,
     )
     return o
+
+
+@triton.jit(do_not_specialize=["commit", "S", "has_snapshot"])  # type: ignore[untyped-decorator]  # triton ships no types
+def gdn_recompute_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
+    h0, out, snap, x, g, beta,         # [L,B,HV,K,V] x3, x [L,B,S,C] (q|k|v), g/beta [L,B,S,HV]
+    rows, cap, commit_ptr,             # [L,B,Kc-1,C], [L,B,Kc-1+S,C], int64 [1]
+    commit, S, has_snapshot, B, N_CONV, NC_CHUNKS, n_state_programs,
+    s_h0_l, s_h0_b, s_h0_h, s_h0_k, s_h0_v,
+    s_out_l, s_out_b, s_out_h, s_out_k, s_out_v,
+    s_sn_l, s_sn_b, s_sn_h, s_sn_k, s_sn_v,
+    s_x_l, s_x_b, s_x_t, s_g_l, s_g_b, s_g_t, s_be_l, s_be_b, s_be_t,
+    s_rw_l, s_rw_b, s_cp_l, s_cp_b, s_cp_t,
+    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
+    COMMIT_ON_DEVICE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    # n accepted tokens: read on the device and clamped to 1 .. S (a compile-time branch)
+    if COMMIT_ON_DEVICE:  # noqa: SIM108 - a constexpr if, not an expression, for Triton
+        n = tl.minimum(tl.maximum(tl.load(commit_ptr), 1), S)
+    else:
+        n = commit
+    # the two branches use distinct names: Triton merges same-named values across an if
+    if pid < n_state_programs:
+        # a state program: one (layer, batch x value head, value block) tile
+        NV = (V + BV - 1) // BV  # value blocks per head (constexpr)
+        i_v = pid % NV
+        i_lbh = pid // NV
+        i_l, i_bh = i_lbh // (B * HV), i_lbh % (B * HV)
+        i_b, i_hv = i_bh // HV, i_bh % HV
+        i_hk = i_hv // (HV // HK)
+
+        o_k = tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k = o_k < K
+        m_v = o_v < V
+        m_h = m_k[:, None] & m_v[None, :]
+
+        p_h0 = (h0 + i_l * s_h0_l + i_b * s_h0_b + i_hv * s_h0_h
+                + o_k[:, None] * s_h0_k + o_v[None, :] * s_h0_v)
+        # token 0's inputs: k and v are columns of the conv output row (q | k | v)
+        p_k = x + i_l * s_x_l + i_b * s_x_b + HK * K + i_hk * K + o_k
+        p_v = x + i_l * s_x_l + i_b * s_x_b + 2 * HK * K + i_hv * V + o_v
+        p_g = g + i_l * s_g_l + i_b * s_g_b + i_hv
+        p_beta = beta + i_l * s_be_l + i_b * s_be_b + i_hv
+
+        # token t's inputs are loaded during token t-1, as in gdn_verify_kernel
+        b_k = tl.load(p_k, mask=m_k, other=0).to(tl.float32)
+        b_v = tl.load(p_v, mask=m_v, other=0).to(tl.float32)
+        b_g = tl.load(p_g).to(tl.float32)
+        b_beta = tl.load(p_beta).to(tl.float32)
+        b_h = tl.load(p_h0, mask=m_h, other=0).to(tl.float32)
+        if has_snapshot != 0:
+            p_sn = (snap + i_l * s_sn_l + i_b * s_sn_b + i_hv * s_sn_h
+                    + o_k[:, None] * s_sn_k + o_v[None, :] * s_sn_v)
+            tl.store(p_sn, b_h, mask=m_h)
+        # every read of the state tile happens before its out tile is written (in place)
+        tl.debug_barrier()
+
+        t = n * 0  # a scalar of n's type, like the loop bound
+        while t < n:  # a while loop: the interpreter cannot range() over a runtime bound
+            b_k = _l2norm(b_k, USE_QK_L2NORM)
+            b_h = _gated_delta_step(b_h, b_k, b_v, b_g, b_beta)
+            p_k += s_x_t
+            p_v += s_x_t
+            p_g += s_g_t
+            p_beta += s_be_t
+            more = t + 1 < n
+            # full-block masks (see gdn_verify_kernel): no lane is read past token n-1
+            m_k_next = o_k < tl.where(more, K, 0)
+            m_v_next = o_v < tl.where(more, V, 0)
+            b_k = tl.load(p_k, mask=m_k_next, other=0).to(tl.float32)
+            b_v = tl.load(p_v, mask=m_v_next, other=0).to(tl.float32)
+            b_g = tl.load(p_g, mask=more, other=0).to(tl.float32)
+            b_beta = tl.load(p_beta, mask=more, other=0).to(tl.float32)
+            t += 1
+
+        p_out = (out + i_l * s_out_l + i_b * s_out_b + i_hv * s_out_h
+                 + o_k[:, None] * s_out_k + o_v[None, :] * s_out_v)
+        tl.store(p_out, b_h, mask=m_h)
+    else:
+        # a conv program: a BLOCK chunk of the Kc-1 rows n .. n+Kc-2 of one (layer, batch)
+        c_pid = pid - n_state_programs
+        c_lb, c_chunk = c_pid // NC_CHUNKS, c_pid % NC_CHUNKS
+        c_l, c_b = c_lb // B, c_lb % B
+        o_c = c_chunk * BLOCK + tl.arange(0, BLOCK)
+        m_c = o_c < N_CONV
+        p_rows = cap + c_l * s_cp_l + c_b * s_cp_b + n.to(tl.int64) * s_cp_t + o_c
+        b_rows = tl.load(p_rows, mask=m_c)
+        tl.store(rows + c_l * s_rw_l + c_b * s_rw_b + o_c, b_rows, mask=m_c)
+
+
+def launch_gdn_recompute(
+    state: torch.Tensor, inputs: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    conv_rows: torch.Tensor, captured: torch.Tensor, commit_n: int | torch.Tensor, *,
+    out: torch.Tensor, snapshot: torch.Tensor | None, head_k: int, use_qk_l2norm: bool,
+    block: int = 1024,
+) -> None:
+    """Launch :func:`gdn_recompute_kernel` on validated inputs (``inputs``, ``g``, ``beta``
+    with a unit-stride last dimension; ``conv_rows``, ``captured`` dense after ``[L, B]``):
+    ``L * B * HV * cdiv(V, BV)`` state programs, then ``L * B * cdiv((Kc-1) * C, block)``
+    conv-row programs, in one grid. ``commit_n`` a checked host int or a one-element int64
+    device tensor (clamped to ``1 .. S`` by the kernel)."""
+    L, B, HV, K, V = state.shape
+    S = inputs.shape[2]
+    BV, warps = default_config(K, V)  # the verify's tile and warps: the same reductions
+    n_state_programs = L * B * HV * triton.cdiv(V, BV)
+    n_conv = conv_rows[0, 0].numel()
+    nc_chunks = triton.cdiv(n_conv, block)
+    grid = (n_state_programs + L * B * nc_chunks,)
+    on_device = isinstance(commit_n, torch.Tensor)
+    snap = state if snapshot is None else snapshot
+    gdn_recompute_kernel[grid](
+        state, out, snap, inputs, g, beta, conv_rows, captured,
+        commit_n if on_device else state,
+        0 if on_device else commit_n, S, 0 if snapshot is None else 1, B, n_conv, nc_chunks,
+        n_state_programs,
+        *state.stride(), *out.stride(), *snap.stride(),
+        *inputs.stride()[:3], *g.stride()[:3], *beta.stride()[:3],
+        conv_rows.stride(0), conv_rows.stride(1),
+        captured.stride(0), captured.stride(1), captured.stride(2),
+        HK=head_k, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
+        USE_QK_L2NORM=use_qk_l2norm, COMMIT_ON_DEVICE=on_device, BLOCK=block,
+        num_warps=warps,
+    )

@@ -6,6 +6,19 @@
   ``rollback_restore`` launch restores them all.
 - :class:`ShardCaches` — one of each.
 
+What a verify captures depends on the pool's ``capture`` kind, chosen from the rollback
+mode (:func:`capture_kind`):
+
+- ``"states"`` (``replay``, ``checkpoint``, ``remap``): the F32 state after every token
+  (``checkpoints``) and the pre-verify state (``snapshot``, written by the verify);
+- ``"inputs"`` (``recompute``): what the recurrence consumes per token — the conv outputs
+  (``inputs``: q | k | v) and the gates (``g``, ``beta``) — and nothing per token of the
+  state: a rollback re-runs the gated delta rule for the accepted tokens from the live
+  state, which a verify only reads, and writes ``snapshot`` (the pre-verify state, for the
+  fail-closed path) in the same launch.
+
+Both capture the conv input rows (``captured``), from which a rollback takes the window.
+
 Where the live recurrent state is (``RecurrentPool.live_slot`` on the host, mirrored
 on the device by ``RecurrentPool.live``, which the kernels read):
 
@@ -45,9 +58,29 @@ import torch
 from torch import Tensor
 
 from dflash.errors import ExecutionError
-from dflash.kernels import rollback_restore
+from dflash.kernels import gdn_recompute, rollback_restore
+from dflash.kernels.checks import Backend
 from dflash.model.config import HybridConfig
 from dflash.model.layers import rotary_table
+
+#: what a verify captures per token: the states (``checkpoint``, ``remap``, ``replay``) or
+#: the recurrence's inputs (``recompute``); see the module docstring
+CaptureKind = Literal["states", "inputs"]
+
+#: the rollback mode that needs each capture kind (every other mode captures states)
+_INPUT_MODES = ("recompute",)
+
+
+#: how messages name each kind's capture storage
+_STORAGE_NAMES: dict[CaptureKind, str] = {
+    "states": "checkpoint storage", "inputs": "recompute input storage",
+}
+
+
+def capture_kind(mode: str) -> CaptureKind:
+    """The capture a rollback ``mode`` needs: ``"inputs"`` for ``recompute``, else ``"states"``."""
+    return "inputs" if mode in _INPUT_MODES else "states"
+
 
 #: lower-case phrases of allocation failures that torch reports as a plain RuntimeError:
 #: its CPU allocator ("DefaultCPUAllocator: can't allocate memory" on POSIX, "…: not
@@ -69,7 +102,8 @@ def is_out_of_memory(exc: BaseException) -> bool:
 def allocate_capture(
     what: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 ) -> Tensor:
-    """Allocate one capture buffer (``what``: ``checkpoints`` | ``captured`` | ``snapshot``).
+    """Allocate one capture buffer (``what``: ``checkpoints`` | ``inputs`` | ``g`` | ``beta``
+    | ``captured`` | ``snapshot``).
 
     The single allocation point of :class:`RecurrentPool`'s capture storage, so a test can
     replace it to simulate a device that cannot hold the storage.
@@ -92,6 +126,12 @@ class CacheError(ExecutionError):
     An execution-layer error: the caches refuse an operation sequence the verify/rollback
     state machine does not allow.
     """
+
+
+class NoSuchBufferError(CacheError, AttributeError):
+    """A capture buffer of the other capture kind was read (e.g. ``checkpoints`` of a pool
+    that captures the recurrence's inputs); an ``AttributeError`` too, so ``getattr`` with a
+    default and ``hasattr`` see it as absent."""
 
 
 class KVCache:
@@ -148,11 +188,38 @@ class KVCache:
         self.length = start + n
 
 
+class _KindBuffer:
+    """A capture buffer only one capture kind has (``checkpoints``; ``inputs``, ``g``,
+    ``beta``): reading it from a pool of the other kind raises :class:`NoSuchBufferError`
+    naming both; assigning replaces it (storage tests tamper with it)."""
+
+    def __init__(self, kind: CaptureKind) -> None:
+        self.kind = kind
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, pool: RecurrentPool, owner: type | None = None) -> Tensor:
+        got = pool._capture_buffers.get(self.name)
+        if got is None:
+            raise NoSuchBufferError(
+                f"a pool that captures {pool.capture} has no {self.name!r} buffer (only a "
+                f"pool that captures {self.kind} has)"
+            )
+        return got
+
+    def __set__(self, pool: RecurrentPool, value: Tensor) -> None:
+        pool._capture_buffers[self.name] = value
+
+
 class RecurrentPool:
     """Recurrent storage of the layers ``rec_layer_ids`` (``L`` of them), ``S = max_draft``.
 
-    ``state [L,B,HV,K,V] f32``, ``conv [L,B,Kc-1,C]``, ``checkpoints [L,B,S,HV,K,V] f32``,
-    ``captured [L,B,Kc-1+S,C]``, ``snapshot [L,B,HV,K,V] f32``. ``length`` counts the tokens
+    Always: ``state [L,B,HV,K,V] f32``, ``conv [L,B,Kc-1,C]``, ``captured [L,B,Kc-1+S,C]``,
+    ``snapshot [L,B,HV,K,V] f32``. With ``capture="states"``: ``checkpoints
+    [L,B,S,HV,K,V] f32``; with ``capture="inputs"``: ``inputs [L,B,S,C]``, ``g [L,B,S,HV]
+    f32``, ``beta [L,B,S,HV]`` (``checkpoints`` is None). ``length`` counts the tokens
     absorbed into the live state.
     """
 
@@ -169,23 +236,45 @@ class RecurrentPool:
         conv_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        capture: CaptureKind = "states",
+        kernel_backend: Backend = "auto",
     ) -> None:
         if max_draft <= 0:
             raise ValueError(f"'max_draft' must be > 0 (got {max_draft})")
+        if capture not in ("states", "inputs"):
+            raise ValueError(f"'capture' must be 'states' or 'inputs' (got {capture!r})")
         self.layer_ids = tuple(rec_layer_ids)
         self.max_draft = max_draft
         self.conv_kernel = conv_kernel
+        self.capture: CaptureKind = capture
+        #: the recurrence kernels of the model's forwards on this device: a recompute
+        #: rollback runs the same, so it computes the bits the verify computed
+        self.kernel_backend: Backend = kernel_backend
         n, f32 = len(self.layer_ids), torch.float32
         state_shape = (n, batch, num_v_heads, key_dim, value_dim)
         self.state = torch.zeros(state_shape, dtype=f32, device=device)
         self.conv = torch.zeros(n, batch, conv_kernel - 1, conv_dim, dtype=dtype, device=device)
-        slots = (batch, max_draft, num_v_heads, key_dim, value_dim)
-        rows = (batch, conv_kernel - 1 + max_draft, conv_dim)
+        # per layer: what the verify writes per token (name -> (shape, dtype))
+        rows = ((batch, conv_kernel - 1 + max_draft, conv_dim), dtype)
+        layouts: dict[str, tuple[tuple[int, ...], torch.dtype]]
+        if capture == "states":
+            layouts = {
+                "checkpoints": ((batch, max_draft, num_v_heads, key_dim, value_dim), f32),
+                "captured": rows,
+            }
+        else:
+            gates = (batch, max_draft, num_v_heads)
+            layouts = {
+                "inputs": ((batch, max_draft, conv_dim), dtype),
+                "g": (gates, f32),
+                "beta": (gates, dtype),
+                "captured": rows,
+            }
         #: why fast rollback cannot run on this pool (None: full capture storage)
         self.fast_unavailable_reason: str | None = None
-        self.checkpoints, self.captured = self._allocate_capture(
-            n, slots, rows, f32, dtype, device
-        )
+        buffers = self._allocate_capture(n, layouts, state_shape, device)
+        self.captured: Tensor = buffers.pop("captured")
+        self._capture_buffers: dict[str, Tensor] = buffers  # read through _KindBuffer
         try:
             self.snapshot = allocate_capture("snapshot", state_shape, f32, device)
         except Exception as exc:
@@ -212,44 +301,43 @@ class RecurrentPool:
     def _allocate_capture(
         self,
         n: int,
-        slots: tuple[int, ...],
-        rows: tuple[int, ...],
-        f32: torch.dtype,
-        dtype: torch.dtype,
+        layouts: dict[str, tuple[tuple[int, ...], torch.dtype]],
+        state_shape: tuple[int, ...],
         device: torch.device | str,
-    ) -> tuple[Tensor, Tensor]:
-        """Checkpoints ``[n, *slots]`` and captured rows ``[n, *rows]``; if they do not fit,
+    ) -> dict[str, Tensor]:
+        """The per-token capture buffers ``[n, *shape]`` of ``layouts``; if they do not fit,
         one layer's worth shared by all layers (``shared_capture``).
 
-        A verify writes its checkpoint slots and captured rows layer by layer; the replay
-        path never reads them back, so with the shared buffers every layer's verify
-        overwrites the previous layer's and only fast rollback is lost
-        (``fast_unavailable_reason`` says why). If even the shared buffers do not fit,
-        :class:`CaptureStorageError`.
+        A verify writes them layer by layer; the replay path never reads them back, so with
+        the shared buffers every layer's verify overwrites the previous layer's and only
+        fast rollback is lost (``fast_unavailable_reason`` says why). If even the shared
+        buffers do not fit, :class:`CaptureStorageError`.
         """
         self.shared_capture = False
         try:
-            return (
-                allocate_capture("checkpoints", (n, *slots), f32, device),
-                allocate_capture("captured", (n, *rows), dtype, device),
-            )
+            return {
+                name: allocate_capture(name, (n, *shape), dtype, device)
+                for name, (shape, dtype) in layouts.items()
+            }
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
-            itemsize = torch.empty(0, dtype=dtype).element_size()
-            snapshot = _numel(slots) // slots[1]  # one state per layer
-            need = n * (_numel(slots) * 4 + _numel(rows) * itemsize + snapshot * 4)
+            per_layer = sum(
+                _numel(shape) * torch.empty(0, dtype=dtype).element_size()
+                for shape, dtype in layouts.values()
+            )
+            need = n * per_layer + _numel(state_shape) * 4  # and the snapshot
             self.fast_unavailable_reason = (
-                f"checkpoint storage of {need} bytes could not be allocated on {device}: "
-                f"{_first_line(exc)}"
+                f"{_STORAGE_NAMES[self.capture]} of {need} bytes could not be allocated on "
+                f"{device}: {_first_line(exc)}"
             )
         shared = min(n, 1)
         try:
             self.shared_capture = True
-            return (
-                allocate_capture("checkpoints", (shared, *slots), f32, device),
-                allocate_capture("captured", (shared, *rows), dtype, device),
-            )
+            return {
+                name: allocate_capture(name, (shared, *shape), dtype, device)
+                for name, (shape, dtype) in layouts.items()
+            }
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -257,6 +345,20 @@ class RecurrentPool:
                 f"{self.fast_unavailable_reason}; the replay path's shared verify buffers "
                 f"could not be allocated either: {_first_line(exc)}"
             ) from None
+
+    def capture_buffers(self) -> dict[str, Tensor]:
+        """The per-token capture buffers of this pool's kind, by name (``captured`` last):
+        ``checkpoints`` or ``inputs``/``g``/``beta``, each ``[L, B, slots, ...]``, and
+        ``captured`` ``[L, B, Kc-1+S, C]``."""
+        names = (
+            ("checkpoints",) if self.capture == "states" else ("inputs", "g", "beta")
+        ) + ("captured",)
+        return {name: getattr(self, name) for name in names}
+
+    checkpoints = _KindBuffer("states")
+    inputs = _KindBuffer("inputs")
+    g = _KindBuffer("inputs")
+    beta = _KindBuffer("inputs")
 
     @property
     def length(self) -> int:
@@ -273,9 +375,15 @@ class RecurrentPool:
 
     @property
     def checkpoint_bytes(self) -> int:
-        """Exact bytes of the capture storage: checkpoints + captured + snapshot."""
-        parts = (self.checkpoints, self.captured, self.snapshot)
-        return sum(t.numel() * t.element_size() for t in parts)
+        """Exact bytes of the capture storage: the per-token buffers of this pool's kind
+        (:meth:`capture_buffers`) and the snapshot."""
+        return sum(self.capture_bytes.values())
+
+    @property
+    def capture_bytes(self) -> dict[str, int]:
+        """:attr:`checkpoint_bytes` by buffer name."""
+        parts = {**self.capture_buffers(), "snapshot": self.snapshot}
+        return {name: t.numel() * t.element_size() for name, t in parts.items()}
 
     @property
     def verified_layers(self) -> tuple[int, ...]:
@@ -290,23 +398,32 @@ class RecurrentPool:
         state's location from the host's ``live_slot``)."""
         i = self._index[layer]
         j = self.live_slot
-        if j is None:
+        if j is None or self.capture == "inputs":
             return self.state[i], self.conv[i]
         return self.checkpoints[i, :, j], self.conv[i]
 
-    def kernel_views(self, layer: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def kernel_views(self, layer: int) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
         """What a forward's kernels take for one layer: ``(state [B,HV,K,V], conv window
         [B,Kc-1,C], slot bank [B,S,HV,K,V], live [1])`` — home state and window, and the
-        slots the live state is read from when ``live >= 0`` (read on the device)."""
+        slots the live state is read from when ``live >= 0`` (read on the device). A pool
+        that captures inputs never remaps: no bank, no live index (``None, None``)."""
         i = self._index[layer]
+        if self.capture == "inputs":
+            return self.state[i], self.conv[i], None, None
         bank = self.checkpoints[0 if self.shared_capture else i]
         return self.state[i], self.conv[i], bank, self.live
 
-    def capture_views(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
-        """``(checkpoints [B,S,HV,K,V], captured [B,Kc-1+S,C], snapshot [B,HV,K,V])``."""
+    def capture_views(self, layer: int) -> LayerCapture:
+        """Where a verify of one layer writes (views): see :class:`LayerCapture`."""
         i = self._index[layer]
         j = 0 if self.shared_capture else i
-        return self.checkpoints[j], self.captured[j], self.snapshot[i]
+        if self.capture == "states":
+            return LayerCapture(
+                self.captured[j], checkpoints=self.checkpoints[j], snapshot=self.snapshot[i]
+            )
+        return LayerCapture(
+            self.captured[j], inputs=self.inputs[j], g=self.g[j], beta=self.beta[j]
+        )
 
     # -- verify bookkeeping (called by TargetModel.run_layers) -----------------------------
 
@@ -378,9 +495,17 @@ class RecurrentPool:
 
     # -- rollback: the device form, then the host mirrors ------------------------------------
 
-    def mark_device_rollback(self) -> None:
-        """The host checks of a fast rollback, run before :meth:`rollback_on_device`
-        (nothing changes when one fails), then the record that one is enqueued."""
+    def mark_device_rollback(self, mode: str) -> None:
+        """The host checks of a fast ``mode`` rollback, run before
+        :meth:`rollback_on_device` (nothing changes when one fails), then the record that
+        one is enqueued."""
+        if mode not in FAST_MODES:
+            raise CacheError(f"'mode' must be one of {', '.join(FAST_MODES)} (got {mode!r})")
+        if capture_kind(mode) != self.capture:
+            raise CacheError(
+                f"a {mode!r} rollback needs {capture_kind(mode)} capture storage; this pool "
+                f"captures {self.capture} (rebuild the storage for the mode)"
+            )
         if self.fast_unavailable_reason is not None:
             raise CacheError(
                 f"fast rollback is unavailable ({self.fast_unavailable_reason}); "
@@ -393,26 +518,55 @@ class RecurrentPool:
         if unwritten:
             raise CacheError(
                 f"the last verify did not run recurrent layers {unwritten} of this pool; "
-                "their checkpoint slots hold no draft states (use restore_pre_verify)"
+                "their capture storage holds nothing of it (use restore_pre_verify)"
             )
         v.stage = "enqueued"
 
     def rollback_on_device(self, mode: str, commit_n: Tensor) -> None:
-        """The device work of a ``mode`` rollback (``"checkpoint"`` or ``"remap"``) whose
-        accepted count ``commit_n`` (int64 ``[1]``) is still on the device: restore (or
-        remap) from slot ``commit_n-1`` and ``position += commit_n``. Capture-safe: no host
-        value, no synchronisation. :meth:`mark_device_rollback` first, :meth:`finish_rollback`
-        once the count has been read back."""
-        rows_only = mode == "remap"
-        rollback_restore(
-            self.state, self.conv, self.checkpoints, self.captured, commit_n,
-            rows_only=rows_only,
-        )
-        if rows_only:
-            torch.sub(commit_n, 1, out=self.live)
-        else:
+        """The device work of a ``mode`` rollback whose accepted count ``commit_n`` (int64
+        ``[1]``) is still on the device, then ``position += commit_n``: ``"checkpoint"``
+        restores slot ``commit_n-1``, ``"remap"`` points the live state at it, and
+        ``"recompute"`` saves the live (pre-verify) state into ``snapshot`` and re-runs the
+        gated delta rule over the captured inputs of tokens ``0 … commit_n-1`` — one launch
+        for every layer, on the verify's kernels (``kernel_backend``). Each also takes the
+        conv window from the captured rows. Capture-safe: no host value, no
+        synchronisation. :meth:`mark_device_rollback` first, :meth:`finish_rollback` once
+        the count has been read back."""
+        if mode == "recompute":
+            gdn_recompute(
+                self.state, self.inputs, self.g, self.beta, self.conv, self.captured,
+                commit_n, snapshot=self.snapshot, backend=self.kernel_backend,
+            )
             self.live.fill_(-1)
+        else:
+            rows_only = mode == "remap"
+            rollback_restore(
+                self.state, self.conv, self.checkpoints, self.captured, commit_n,
+                rows_only=rows_only,
+            )
+            if rows_only:
+                torch.sub(commit_n, 1, out=self.live)
+            else:
+                self.live.fill_(-1)
         self.position.add_(commit_n)
+
+    def recomputed_copy(self, commit_n: int) -> tuple[Tensor, Tensor]:
+        """What a ``recompute`` rollback of ``commit_n`` tokens would make the live states
+        and conv windows, as new tensors ``[L,B,HV,K,V]``, ``[L,B,Kc-1,C]`` computed by the
+        same kernel into scratch, the pool unchanged (the capture gate's self-test)."""
+        v = self.verify
+        if self.capture != "inputs":
+            raise CacheError("recomputed_copy needs a pool that captures inputs")
+        if v is None or v.stage != "open" or not v.complete:
+            raise CacheError("recomputed_copy needs a completed verify, not yet rolled back")
+        if isinstance(commit_n, bool) or not isinstance(commit_n, int) or not 1 <= commit_n <= v.n:
+            raise CacheError(f"'commit_n' must be in [1, verified slots={v.n}] (got {commit_n!r})")
+        state, conv = torch.empty_like(self.state), torch.empty_like(self.conv)
+        gdn_recompute(
+            self.state, self.inputs, self.g, self.beta, conv, self.captured, commit_n,
+            out=state, backend=self.kernel_backend,
+        )
+        return state, conv
 
     def finish_rollback(self, mode: str, commit_n: int) -> None:
         """Host mirrors of an enqueued device rollback, with the count read back; a count
@@ -433,18 +587,23 @@ class RecurrentPool:
         """Live state ← the state before the last verify, whatever its rollback did
         (the fail-closed path): home, ``length`` = the verify's start; idempotent.
 
-        Every layer the verify reached has its pre-verify state in ``snapshot``; a layer
-        it never reached (a verify that failed part-way) still holds it where it was (home,
-        or the slot a remap left it in). A verify leaves ``conv`` alone; once a rollback
-        was enqueued (every layer verified, whole capture storage) the pre-verify window
-        is taken back from the captured rows ``0 … Kc-2``.
+        Capturing states, every layer the verify reached has its pre-verify state in
+        ``snapshot``; a layer it never reached (a verify that failed part-way) still holds
+        it where it was (home, or the slot a remap left it in). Capturing inputs, a verify
+        writes no state: the live state is the pre-verify one until a rollback is enqueued,
+        which first saves it in ``snapshot``. A verify leaves ``conv`` alone; once a
+        rollback was enqueued (every layer verified, whole capture storage) the pre-verify
+        window is taken back from the captured rows ``0 … Kc-2``.
         """
         v = self.verify
         if v is None:
             raise CacheError("no verify to undo (restore_pre_verify needs a preceding verify)")
         if v.stage == "restored":
             return
-        if all(v.written):
+        if self.capture == "inputs":
+            if v.stage != "open":
+                self.state.copy_(self.snapshot)
+        elif all(v.written):
             self.state.copy_(self.snapshot)
         else:
             for i, written in enumerate(v.written):
@@ -465,6 +624,29 @@ class RecurrentPool:
         self._set_live(None)
         self._move_to(0)
         self.verify = None
+
+
+#: the rollback modes a pool runs on the device
+FAST_MODES = ("checkpoint", "remap", "recompute")
+
+
+@dataclass(frozen=True)
+class LayerCapture:
+    """Where a verify of one recurrent layer writes (views into its pool).
+
+    ``captured`` ``[B, Kc-1+S, C]``: the conv input rows (previous window, then the
+    tokens). Capturing states: ``checkpoints`` ``[B, S, HV, K, V]`` f32 (the state after
+    each token) and ``snapshot`` ``[B, HV, K, V]`` (the pre-verify state). Capturing
+    inputs: ``inputs`` ``[B, S, C]`` (the conv outputs q | k | v), ``g`` ``[B, S, HV]`` f32
+    and ``beta`` ``[B, S, HV]`` (the gates).
+    """
+
+    captured: Tensor
+    checkpoints: Tensor | None = None
+    snapshot: Tensor | None = None
+    inputs: Tensor | None = None
+    g: Tensor | None = None
+    beta: Tensor | None = None
 
 
 @dataclass
@@ -518,9 +700,13 @@ class ShardCaches:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         kv: KVCache | None = None,
+        capture: CaptureKind = "states",
+        kernel_backend: Backend = "auto",
     ) -> ShardCaches:
         """Caches for ``layer_ids`` of ``config`` (attention and recurrent ones split out);
-        ``kv``: keep this KV cache instead of allocating one (a capture-storage rebuild)."""
+        ``kv``: keep this KV cache instead of allocating one (a capture-storage rebuild);
+        ``capture``: what a verify captures, ``kernel_backend``: the model's recurrence
+        kernels on ``device`` (:class:`RecurrentPool`)."""
         ids = tuple(layer_ids)
         for layer in ids:
             if not 0 <= layer < config.num_hidden_layers:
@@ -543,7 +729,7 @@ class ShardCaches:
             rec, max_draft, batch=batch, num_v_heads=config.linear_num_value_heads,
             key_dim=config.linear_key_head_dim, value_dim=config.linear_value_head_dim,
             conv_kernel=config.linear_conv_kernel_dim, conv_dim=config.conv_dim,
-            dtype=dtype, device=device,
+            dtype=dtype, device=device, capture=capture, kernel_backend=kernel_backend,
         )
         return cls(kv, pool, rotary_table(config, max_len, dtype, device))
 

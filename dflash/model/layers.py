@@ -20,7 +20,7 @@ by plain and speculative decoding) may use any kernels: ``Ops(invariant=False)``
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,9 @@ from dflash.kernels import (
 from dflash.kernels.checks import use_triton
 from dflash.model.config import HybridConfig
 from dflash.model.tiles import PositionTiles
+
+if TYPE_CHECKING:  # caches.py imports this module (the rotary table)
+    from dflash.model.caches import LayerCapture
 
 KernelBackend = Literal["auto", "triton", "reference"]
 
@@ -476,7 +479,7 @@ class GatedDeltaNet(GroupedModule):
         state: Tensor,
         conv_rows: Tensor,
         geometry: ChainGeometry | None,
-        capture: tuple[Tensor, Tensor, Tensor] | None,
+        capture: LayerCapture | None,
         ops: Ops,
         remap: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
@@ -486,11 +489,12 @@ class GatedDeltaNet(GroupedModule):
         state and the live conv window (views into the pool); ``remap = (slot bank
         [B, S, HV, K, V], live [1] int64)``: when ``live >= 0`` (read on the device) the
         live state is ``bank[:, live]`` instead of ``state``. ``capture`` is None to advance
-        in place (prefill / decode / replay: the new state goes to ``state``), or
-        ``(checkpoints [B, S, HV, K, V], captured [B, Kc-1+S, C], snapshot [B, HV, K, V])``
-        for verify: the per-token states and conv inputs go there, the pre-verify state
-        into ``snapshot``, and the live state and ``conv_rows`` are only read
-        (``geometry`` is the validated chain).
+        in place (prefill / decode / replay: the new state goes to ``state``), or where a
+        verify writes (:class:`dflash.model.caches.LayerCapture`): the conv inputs always;
+        the per-token states and the pre-verify state (capturing states), or the conv
+        outputs and gates the recurrence consumed (capturing inputs: the conv and the gates
+        write there directly, and the recurrence writes no state). The live state and
+        ``conv_rows`` are only read (``geometry`` is the validated chain).
         """
         bank, live = remap if remap is not None else (None, None)
         b, t, _ = x.shape
@@ -498,15 +502,27 @@ class GatedDeltaNet(GroupedModule):
         backend = ops.backend
         mixed, z, b_in, a_in = ops.linear_group(self.in_proj, x)  # [B, T, C | V | HV | HV]
         z = z.view(b, t, self.num_v_heads, self.head_v_dim)
+        # the conv writes its outputs straight into the inputs capture (one [B, T, C] run
+        # whenever B = 1 or the verify fills every slot; copied there otherwise)
+        inputs = None if capture is None else capture.inputs
+        direct = inputs is not None and inputs[:, :t].is_contiguous()
         beta, g = ops.each_token_many(  # [B, T, HV]; g float32 (one launch on CUDA)
             lambda a, b_: gdn_gates(a, b_, self.A_log, self.dt_bias, backend=backend), a_in, b_in
         )
+        if capture is not None and capture.g is not None and capture.beta is not None:
+            capture.g[:, :t].copy_(g)  # what a recompute rollback re-runs
+            capture.beta[:, :t].copy_(beta)
         weight = self.conv1d.weight.squeeze(1)  # [C, Kc]
         if capture is None:  # in place: conv inputs go to scratch, the new window is its tail
             captured = mixed.new_empty(b, kc1 + t, mixed.shape[-1])
         else:
-            checkpoints, captured, snapshot = capture
-        mixed = causal_conv1d_capture(mixed, conv_rows, weight, None, captured, backend=backend)
+            captured = capture.captured
+        mixed = causal_conv1d_capture(
+            mixed, conv_rows, weight, None, captured,
+            out=inputs[:, :t] if inputs is not None and direct else None, backend=backend,
+        )
+        if inputs is not None and not direct:
+            inputs[:, :t].copy_(mixed)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(b, t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(b, t, self.num_k_heads, self.head_k_dim)
@@ -517,10 +533,10 @@ class GatedDeltaNet(GroupedModule):
                 q, k, v, g, beta, state, state.unsqueeze(1), None,
                 final_state_only=True, slot_bank=bank, live_slot=live, backend=backend,
             )
-        else:
+        else:  # states capture: every token's state and the pre-verify one; inputs: none
             o = gdn_verify(
-                q, k, v, g, beta, state, checkpoints, geometry,
-                snapshot=snapshot, slot_bank=bank, live_slot=live, backend=backend,
+                q, k, v, g, beta, state, capture.checkpoints, geometry,
+                snapshot=capture.snapshot, slot_bank=bank, live_slot=live, backend=backend,
             )
         o = ops.each_token(self.norm, o, z)  # [B, T, HV, V]
         return ops.linear(self.out_proj, o.reshape(b, t, self.value_dim))

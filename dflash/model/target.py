@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash.geometry import ChainGeometry, TreeGeometry
-from dflash.model.caches import CacheError, ShardCaches
+from dflash.model.caches import CacheError, CaptureKind, ShardCaches
 from dflash.model.config import HybridConfig
 from dflash.model.layers import (
     AttentionLayer,
@@ -135,13 +135,16 @@ class TargetModel(nn.Module):
         max_draft: int = 16,
         batch: int = 1,
         layer_ids: Sequence[int] | None = None,
+        capture: CaptureKind = "states",
     ) -> ShardCaches:
-        """Caches for ``layer_ids`` (default: all layers) on this model's device and dtype."""
+        """Caches for ``layer_ids`` (default: all layers) on this model's device and dtype,
+        capturing ``capture`` in a verify (:class:`dflash.model.caches.RecurrentPool`)."""
         weight = self.embed_tokens.weight
         ids = tuple(range(self.config.num_hidden_layers)) if layer_ids is None else tuple(layer_ids)
         return ShardCaches.for_layers(
             self.config, ids, max_len=max_len, max_draft=max_draft, batch=batch,
-            dtype=weight.dtype, device=weight.device,
+            dtype=weight.dtype, device=weight.device, capture=capture,
+            kernel_backend=self.backend_for(weight.device),
         )
 
     # -- forward --------------------------------------------------------------------------
@@ -239,7 +242,8 @@ class TargetModel(nn.Module):
             elif mode == "verify":
                 state, conv_rows, bank, live = pool.kernel_views(layer_id)
                 capture = pool.capture_views(layer_id)
-                x = layer.linear_attn(x, state, conv_rows, chain, capture, ops, (bank, live))
+                remap = None if bank is None or live is None else (bank, live)
+                x = layer.linear_attn(x, state, conv_rows, chain, capture, ops, remap)
                 if on_layer is not None:
                     on_layer(layer_id)
             else:  # the live state is home (begin_layers moved it there)
@@ -271,7 +275,7 @@ class TargetModel(nn.Module):
         """The kernels of a ``mode`` forward on ``device`` whose row 0 sits at ``start``
         (needed by invariant CPU forwards): M-invariant unless prefill."""
         invariant = mode != "prefill"
-        return Ops(invariant=invariant, backend=self._backend(device), device=device,
+        return Ops(invariant=invariant, backend=self.backend_for(device), device=device,
                    start=start if invariant else None)
 
     def logits(self, hidden: Tensor, mode: Mode, start: int | None = None) -> Tensor:
@@ -280,7 +284,9 @@ class TargetModel(nn.Module):
         ops = self.ops(mode, hidden.device, start)
         return ops.linear(self.lm_head, ops.each_token(self.norm, hidden))
 
-    def _backend(self, device: torch.device) -> KernelBackend:
+    def backend_for(self, device: torch.device) -> KernelBackend:
+        """The kernels of this model's forwards on ``device`` (the torch references on CPU
+        unless ``kernel_backend`` says otherwise); a recompute rollback runs the same."""
         if self.kernel_backend == "auto" and device.type == "cpu":
             return "reference"
         return self.kernel_backend

@@ -36,7 +36,7 @@ def _kept(tiny: TargetModel, **kw: Any) -> Harness:
                         max_new_tokens=12, block_size=4, greedy_tokens=12, **kw)
 
 
-@pytest.mark.parametrize("mode", ["checkpoint", "remap"])
+@pytest.mark.parametrize("mode", ["checkpoint", "remap", "recompute"])
 def test_repeats_share_one_engine_whose_gate_runs_once(
     tiny: TargetModel, mode: RollbackMode, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -159,7 +159,7 @@ def test_graphs_equal_eager_tokens_and_storage_in_every_mode(model: TargetModel)
 def test_graphs_are_captured_again_after_rebuild_storage(model: TargetModel) -> None:
     prompt = _prompt(model.config.vocab_size, 64, seed=5)
     oracle = reference_greedy(model, plan_shards(32, "cuda:0"), prompt, 80 + BLOCK)
-    for mode in ("checkpoint", "remap"):
+    for mode in ("checkpoint", "remap", "recompute"):
         engine = _engine(model, prompt, oracle, mode, graphs=True)
         out = [engine.prefill(prompt)]
         while len(out) < 32:
@@ -175,7 +175,7 @@ def test_graphs_are_captured_again_after_rebuild_storage(model: TargetModel) -> 
         assert engine.status is RollbackStatus.EFFECTIVE
 
 
-@pytest.mark.parametrize("mode", ["checkpoint", "remap"])
+@pytest.mark.parametrize("mode", ["checkpoint", "remap", "recompute"])
 @pytest.mark.parametrize("phase", [p for p in FaultPhase if p is not FaultPhase.DURING_RECOVERY])
 @torch.inference_mode()
 def test_fault_at_every_phase_with_graphs_emits_only_greedy_tokens(

@@ -12,6 +12,7 @@ from dflash.geometry import require_chain, require_tree
 from dflash.kernels import (
     causal_conv1d_capture,
     causal_conv1d_capture_reference,
+    gdn_recompute,
     gdn_verify,
     gdn_verify_reference,
     rollback_restore,
@@ -176,3 +177,48 @@ def test_agrees_with_fla_fused_recurrent(shape: str) -> None:
     )
     assert rel_rms(o, o_fla) <= 1e-2
     assert rel_rms(ckpt[:, T - 1], final_fla) <= 1e-4
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_recompute_equals_checkpoints_bit_exactly_in_one_graphed_launch(shape: str) -> None:
+    """``gdn_recompute`` over 4 layers at the real widths: for every accepted count, the
+    recomputed states are the verify's checkpoint slots bit for bit (the same per-token
+    arithmetic), the conv rows the captured window, the snapshot the pre-verify state —
+    with the count read on the device, replayed from one CUDA graph for every count."""
+    HV, L, S = SHAPES[shape], 4, T
+    c = 2 * HK * K + HV * V
+    layers = [gdn_inputs(HV, seed=40 + layer) for layer in range(L)]
+    ckpts = torch.full((L, 1, S, HV, K, V), NAN, device="cuda")
+    inputs = torch.full((L, 1, S, c), NAN, device="cuda", dtype=torch.bfloat16)
+    g = torch.full((L, 1, S, HV), NAN, device="cuda")
+    beta = torch.full((L, 1, S, HV), NAN, device="cuda", dtype=torch.bfloat16)
+    for layer, i in enumerate(layers):
+        i["beta"] = i["beta"].bfloat16()  # as the model's gates give it: in the model dtype
+        verify(i, ckpts[layer], chain(S))
+        inputs[layer, :, :, : HK * K] = i["q"].reshape(1, S, HK * K)
+        inputs[layer, :, :, HK * K : 2 * HK * K] = i["k"].reshape(1, S, HK * K)
+        inputs[layer, :, :, 2 * HK * K :] = i["v"].reshape(1, S, HV * V)
+        g[layer], beta[layer] = i["g"], i["beta"]
+    pre = torch.stack([i["initial_state"] for i in layers])  # [L, 1, HV, K, V]
+    captured = torch.randn(L, 1, KC - 1 + S, c, device="cuda").bfloat16()
+    state = torch.full_like(pre, NAN)
+    rows = torch.full((L, 1, KC - 1, c), NAN, device="cuda", dtype=torch.bfloat16)
+    snapshot = torch.full_like(pre, NAN)
+    count = torch.ones(1, dtype=torch.int64, device="cuda")
+
+    def rollback() -> None:
+        state.copy_(pre)
+        gdn_recompute(state, inputs, g, beta, rows, captured, count, snapshot=snapshot)
+
+    rollback()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rollback()
+    for n in range(1, S + 1):
+        count.fill_(n)
+        state.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(state, ckpts[:, :, n - 1]), f"{shape}: n={n}"
+        assert torch.equal(rows, captured[:, :, n : n + KC - 1]), f"{shape}: rows n={n}"
+        assert torch.equal(snapshot, pre)

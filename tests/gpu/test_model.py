@@ -47,7 +47,7 @@ BF16_CAPTURE_TOL = 5e-2  # captured states, bf16 batched vs sequential (GEMM ord
 def roll_back(pool: RecurrentPool, mode: str, commit_n: int) -> None:
     """A fast rollback as the engine runs it: the host checks, the device work on the
     count, the host mirrors once the count is known."""
-    pool.mark_device_rollback()
+    pool.mark_device_rollback(mode)
     pool.rollback_on_device(mode, torch.tensor([commit_n], device=pool.position.device))
     pool.finish_rollback(mode, commit_n)
 

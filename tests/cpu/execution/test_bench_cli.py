@@ -117,7 +117,8 @@ def test_missing_matplotlib_is_a_clear_message(
 
 def test_bad_mode_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*ARGS, "--b", "checkpoint,fast"]) == 2
-    assert "--b must be one of replay, checkpoint, remap (got 'fast')" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--b must be one of replay, checkpoint, remap, recompute (got 'fast')" in err
 
 
 def test_a_wrong_greedy_run_withholds_the_speedups(

@@ -20,6 +20,7 @@ from dflash.execution import (
 )
 from dflash.execution.capture_gate import ShardStorage
 from dflash.model import TargetModel
+from dflash.model.caches import CaptureKind
 from dflash.model.drafters import SyntheticDrafter
 
 T = 3  # verify slots; the pools hold S = 4, so slot 3 must stay untouched
@@ -28,14 +29,18 @@ T = 3  # verify slots; the pools hold S = 4, so slot 3 must stay untouched
 def _verify_with_gate(
     tiny: TargetModel,
     corrupt_during: Callable[[int, list[ShardStorage]], None] | None = None,
+    capture: CaptureKind = "states",
 ) -> tuple[CaptureGate, ShardedTarget, list[ShardStorage], dict[int, torch.Tensor]]:
-    target = ShardedTarget(tiny, plan_shards(6, "cpu,cpu", "3,3"), max_len=32, max_draft=4)
+    target = ShardedTarget(
+        tiny, plan_shards(6, "cpu,cpu", "3,3"), max_len=32, max_draft=4, capture=capture
+    )
     target.forward([1, 2, 3, 4, 5], "prefill", 0)
     gate = CaptureGate(requested=True, tolerance=1e-4)
     storages = target.storages()
     gate.arm(storages)
     for s in storages:
-        assert torch.isnan(s.pool.checkpoints).all()  # poisoned before the verify
+        for buffer in s.pool.capture_buffers().values():
+            assert torch.isnan(buffer).all()  # poisoned before the verify
 
     def after(k: int) -> None:
         if corrupt_during is not None:
@@ -243,3 +248,84 @@ def test_gate_is_sticky_and_resets_on_storage_rebuild(
     assert out[:24] == oracle[:24]
     # the cast: mypy would keep the status narrowed by the assert above across the steps
     assert cast(RollbackStatus, engine.status) is RollbackStatus.EFFECTIVE
+
+
+# -- the recompute mode's storage: the recurrence's inputs ---------------------------------
+
+
+def test_inputs_capture_clean_verify_passes_every_check(tiny: TargetModel) -> None:
+    gate, _, storages, taps = _verify_with_gate(tiny, capture="inputs")
+    assert gate.judge(storages, T, taps, (1, 4))
+    shards = gate.report.shards
+    assert all(e.ok and e.capture == "inputs" and e.checkpoint_dtype == "float32" for e in shards)
+
+
+@pytest.mark.parametrize(
+    ("tamper", "message"),
+    [
+        (lambda s: setattr(s[1].pool, "g", None), "capture storage missing (g)"),
+        (lambda s: setattr(s[0].pool, "g", s[0].pool.g.double()), "g must be float32"),
+        (lambda s: s[1].pool.inputs[0, :, 1].fill_(float("nan")), "first layer 3 inputs slot 1"),
+        (lambda s: s[0].pool.beta[1, :, 2].fill_(float("nan")), "first layer 1 beta slot 2"),
+        (lambda s: s[0].pool.g[0, :, T].zero_(), "layer 0: a g slot past the verify's 3"),
+        (
+            lambda s: setattr(s[0].pool, "inputs", s[0].pool.inputs[:, :, :, :5]),
+            "inputs shape (2, 1, 4, 5) does not match",
+        ),
+        (lambda s: setattr(s[0].pool, "beta", s[0].pool.beta[:, :, :2]), "beta holds 2 slots"),
+    ],
+)
+def test_gate_refuses_bad_input_evidence(
+    tiny: TargetModel, tamper: Callable[[list[ShardStorage]], None], message: str
+) -> None:
+    gate, _, storages, taps = _verify_with_gate(tiny, capture="inputs")
+    tamper(storages)
+    assert not gate.judge(storages, T, taps, (1, 4))
+    assert message in (gate.report.reason or ""), gate.report.reason
+
+
+def test_recompute_gate_validates_bitwise_and_rolls_back_fast(
+    tiny: TargetModel, greedy: Callable[[str, int], list[int]], prompts: dict[str, list[int]]
+) -> None:
+    oracle = greedy("digits", 24)
+    engine = _engine(tiny, oracle, prompts["digits"], "recompute")
+    assert engine.target.capture == "inputs"  # the engine gave the target the mode's storage
+    assert _decode(engine, prompts["digits"], 24) == oracle[:24]
+    report = engine.gate.report
+    assert report.verdict == "validated" and report.self_test is not None
+    assert report.self_test.max_abs_err == 0.0  # the recomputed state is the replayed one
+    assert engine.status is RollbackStatus.EFFECTIVE and engine.counts["fast"] > 0
+
+
+def test_recompute_self_test_catches_an_off_by_one_count(
+    tiny: TargetModel, greedy: Callable[[str, int], list[int]], prompts: dict[str, list[int]]
+) -> None:
+    oracle = greedy("digits", 16)
+    engine = _engine(tiny, oracle, prompts["digits"], "recompute")
+    original = CaptureGate.save_slot
+    engine.gate.save_slot = lambda shards, slot: original(  # type: ignore[method-assign]  # test double
+        shards, slot + 1 if slot == 0 else slot - 1
+    )
+    assert _decode(engine, prompts["digits"], 8) == oracle[:8]
+    report = engine.gate.report
+    assert report.verdict == "refused" and "numerical self-test" in (report.reason or "")
+    assert engine.counts["fast"] == 0
+
+
+def test_switching_to_recompute_rebuilds_the_storage_and_runs_the_gate_again(
+    tiny: TargetModel, greedy: Callable[[str, int], list[int]], prompts: dict[str, list[int]]
+) -> None:
+    oracle = greedy("digits", 40)
+    engine = _engine(tiny, oracle, prompts["digits"], "checkpoint")
+    out = [engine.prefill(prompts["digits"])]
+    while engine.counts["fast"] < 2:
+        out.extend(engine.step())
+    states_bytes = engine.target.checkpoint_bytes
+    engine.request_mode("recompute")
+    assert engine.target.capture == "inputs" and engine.target.checkpoint_bytes < states_bytes
+    assert engine.gate.report.verdict == "not_run"  # the new storage is judged afresh
+    fast = engine.counts["fast"]
+    while len(out) < 40:
+        out.extend(engine.step())
+    assert out[:40] == oracle[:40]
+    assert engine.gate.validated and engine.counts["fast"] > fast

@@ -41,7 +41,7 @@ def test_device_acceptance_equals_the_host_rule() -> None:
         assert 1 + k <= int(count) <= b
 
 
-@pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap"])
+@pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap", "recompute"])
 def test_device_position_follows_every_step(
     tiny: TargetModel,
     greedy: Callable[..., list[int]],
@@ -117,7 +117,7 @@ def _stand_in_capture(
     return replay, outputs
 
 
-@pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap"])
+@pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap", "recompute"])
 def test_graph_path_bookkeeping_on_cpu_stand_in(
     tiny: TargetModel,
     greedy: Callable[..., list[int]],
@@ -184,7 +184,7 @@ def test_a_count_disagreement_puts_the_enqueued_rollback_back(
 
     oracle = greedy("repeat", 24)
     drafter = SyntheticDrafter(prompts["repeat"] + oracle, 0.9, tiny.config.vocab_size, seed=2)
-    for mode in ("checkpoint", "remap"):
+    for mode in ("checkpoint", "remap", "recompute"):
         target = ShardedTarget(tiny, plan_shards(6, "cpu,cpu", "3,3"), max_len=64, max_draft=4)
         engine = SpecDecoder(target, drafter, block_size=4, policy=RollbackPolicy(mode=mode))
         engine.prefill(prompts["repeat"])

@@ -52,7 +52,7 @@ def _decode(engine: SpecDecoder, prompt: list[int], n: int) -> list[int]:
     return out[:n]
 
 
-@pytest.mark.parametrize("mode", ["checkpoint", "remap"])
+@pytest.mark.parametrize("mode", ["checkpoint", "remap", "recompute"])
 @pytest.mark.parametrize("phase", [p for p in FaultPhase if p is not FaultPhase.DURING_RECOVERY])
 def test_fault_at_every_phase_emits_only_greedy_tokens(
     tiny: TargetModel,

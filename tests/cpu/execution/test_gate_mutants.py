@@ -173,11 +173,11 @@ def test_rearming_discards_an_aborted_verify() -> None:
 
 def test_a_malformed_state_shape_is_a_programming_error() -> None:
     """ShardStorage is built by the engine with a 4-d state shape; any other is misuse and
-    raises (zip(strict=True)) instead of comparing a truncated shape."""
+    raises instead of comparing a truncated shape."""
     gate = CaptureGate(requested=True, tolerance=1e-4)
     shards = [ShardStorage(**{**two_shards()[0].__dict__, "state_shape": (B, HV, K)})]
     run_verify(gate, shards)
-    with pytest.raises(ValueError, match="zip"):
+    with pytest.raises(ValueError, match=r"state_shape \[B, HV, K, V\]"):
         gate.judge(shards, T, {}, ())
 
 
@@ -193,7 +193,7 @@ def refusal(tamper: Any, **kwargs: Any) -> tuple[str, Any]:
 
 def test_missing_storage() -> None:
     reason, ev = refusal(lambda s: setattr(s[1].pool, "checkpoints", torch.empty(0)))
-    assert reason == "shard 1: capture storage missing (checkpoints or captured conv rows)"
+    assert reason == "shard 1: capture storage missing (checkpoints)"
     assert not ev[1].storage_present and ev[1].checkpoint_dtype is None and ev[0].ok
     reason, ev = refusal(lambda s: setattr(s[0].pool, "captured", None))
     assert reason.startswith("shard 0: capture storage missing") and not ev[0].storage_present
@@ -251,15 +251,15 @@ def test_layer_ownership_and_run_record() -> None:
     (lambda s: setattr(s[0].pool, "checkpoints", s[0].pool.checkpoints[:1]),
      "checkpoints shape (1, 1, 4, 1, 2, 2) does not match (2, 1, None, 1, 2, 2) (None: slots)"),
     (lambda s: setattr(s[0].pool, "checkpoints", s[0].pool.checkpoints[:, :, :2]),
-     "checkpoints hold 2 slots, the verify needs 3"),
+     "checkpoints holds 2 slots, the verify needs 3"),
     (lambda s: setattr(s[0].pool, "captured", s[0].pool.captured[0]),
-     "captured shape (1, 6, 3) does not cover (2, 1, 5, 3)"),
+     "captured shape (1, 6, 3) does not match (2, 1, None, 3) (None: slots)"),
     (lambda s: setattr(s[0].pool, "captured", s[0].pool.captured[:1]),
-     "captured shape (1, 1, 6, 3) does not cover (2, 1, 5, 3)"),
+     "captured shape (1, 1, 6, 3) does not match (2, 1, None, 3) (None: slots)"),
     (lambda s: setattr(s[0].pool, "captured", s[0].pool.captured[:, :, :, :2]),
-     "captured shape (2, 1, 6, 2) does not cover (2, 1, 5, 3)"),
+     "captured shape (2, 1, 6, 2) does not match (2, 1, None, 3) (None: slots)"),
     (lambda s: setattr(s[0].pool, "captured", s[0].pool.captured[:, :, :4]),
-     "captured shape (2, 1, 4, 3) does not cover (2, 1, 5, 3)"),
+     "captured holds 4 rows, the verify needs 5"),
 ])
 def test_wrong_shapes(tamper: Any, message: str) -> None:
     reason, ev = refusal(tamper)

@@ -11,13 +11,13 @@ from dflash.execution.policy import DEFAULT_MODE, ENV_VAR, parse_mode
 
 
 def test_modes_and_environment_variable() -> None:
-    assert ROLLBACK_MODES == ("replay", "checkpoint", "remap")
+    assert ROLLBACK_MODES == ("replay", "checkpoint", "remap", "recompute")
     assert ENV_VAR == "DFLASH_ROLLBACK"
     assert [s.value for s in RollbackStatus] == ["off", "requested", "effective", "poisoned"]
     assert str(RollbackStatus.EFFECTIVE.value) == "effective"
 
 
-@pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap"])
+@pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap", "recompute"])
 def test_parse_mode_normalises_case_and_spaces(mode: str) -> None:
     assert parse_mode(mode, source="x") == mode
     assert parse_mode(f"  {mode.upper()}\t", source="x") == mode
@@ -27,7 +27,8 @@ def test_parse_mode_normalises_case_and_spaces(mode: str) -> None:
 def test_parse_mode_names_the_source_and_value(bad: str) -> None:
     with pytest.raises(RollbackConfigError) as err:
         parse_mode(bad, source="the knob")
-    assert str(err.value) == f"the knob must be one of replay, checkpoint, remap (got {bad!r})"
+    modes = "replay, checkpoint, remap, recompute"
+    assert str(err.value) == f"the knob must be one of {modes} (got {bad!r})"
 
 
 def test_parse_mode_refuses_non_strings_without_crashing() -> None:

@@ -30,7 +30,7 @@ from dflash.execution.engine import chain_of
 from dflash.execution.errors import ContextLengthError, ExecutionError
 from dflash.execution.run import generate, positions_needed
 from dflash.model import TargetModel
-from dflash.model.caches import CacheError, CaptureStorageError
+from dflash.model.caches import CacheError, CaptureKind, CaptureStorageError
 from dflash.model.drafters import SyntheticDrafter
 from dflash.model.drafters.prompt_lookup import PromptLookupDrafter
 
@@ -64,8 +64,23 @@ def full_checkpoints(what: str, shape: tuple[int, ...]) -> bool:
     return what == "checkpoints" and shape[0] > 1
 
 
-def _target(tiny: TargetModel) -> ShardedTarget:
-    return ShardedTarget(tiny, plan_shards(6, "cpu,cpu", "3,3"), max_len=64, max_draft=4)
+def full_inputs(what: str, shape: tuple[int, ...]) -> bool:
+    """Refuse the per-layer recurrence inputs (more than one layer), allow the rest."""
+    return what == "inputs" and shape[0] > 1
+
+
+#: per fast mode: what its target captures, the buffer refused, how the message names it
+STORAGE: dict[str, tuple[CaptureKind, Callable[[str, tuple[int, ...]], bool], str]] = {
+    "checkpoint": ("states", full_checkpoints, "checkpoint storage"),
+    "remap": ("states", full_checkpoints, "checkpoint storage"),
+    "recompute": ("inputs", full_inputs, "recompute input storage"),
+}
+
+
+def _target(tiny: TargetModel, capture: CaptureKind = "states") -> ShardedTarget:
+    return ShardedTarget(
+        tiny, plan_shards(6, "cpu,cpu", "3,3"), max_len=64, max_draft=4, capture=capture
+    )
 
 
 def _engine(
@@ -90,7 +105,7 @@ OOM_ERRORS = [
 
 
 @pytest.mark.parametrize("error", OOM_ERRORS, ids=["torch-oom", "runtime-oom", "memory-error"])
-@pytest.mark.parametrize("mode", ["checkpoint", "remap"])
+@pytest.mark.parametrize("mode", ["checkpoint", "remap", "recompute"])
 def test_capture_storage_that_does_not_fit_leaves_fast_requested_on_replay(
     tiny: TargetModel,
     greedy: Callable[[str, int], list[int]],
@@ -99,10 +114,11 @@ def test_capture_storage_that_does_not_fit_leaves_fast_requested_on_replay(
     error: Exception,
 ) -> None:
     oracle = greedy("digits", N + 4)
-    whole = _target(tiny)
+    capture, refuse, storage = STORAGE[mode]
+    whole = _target(tiny, capture)
     need = [s.caches.checkpoint_bytes for s in whole.shards]  # what full storage takes
-    with failing_allocation(monkeypatch, full_checkpoints, error):
-        target = _target(tiny)
+    with failing_allocation(monkeypatch, refuse, error):
+        target = _target(tiny, capture)
     engine = _engine(tiny, target, oracle, mode)
     assert engine.status is RollbackStatus.REQUESTED
     assert _decode(engine, N) == oracle[:N]
@@ -112,7 +128,7 @@ def test_capture_storage_that_does_not_fit_leaves_fast_requested_on_replay(
     reason = engine.fast_unavailable_reason
     assert reason is not None
     for k, n in enumerate(need):
-        assert f"shard {k}: checkpoint storage of {n} bytes could not be allocated on cpu" in reason
+        assert f"shard {k}: {storage} of {n} bytes could not be allocated on cpu" in reason
     assert type(error).__name__ in reason
     assert target.checkpoint_bytes < whole.checkpoint_bytes  # only the shared buffers
     for shard in target.shards:  # the fast paths refuse outright
@@ -129,7 +145,7 @@ def test_shared_buffers_refuse_the_fast_restores(
     for shard in target.shards:
         pool = shard.caches.pool
         with pytest.raises(CacheError, match="fast rollback is unavailable"):
-            pool.mark_device_rollback()
+            pool.mark_device_rollback("checkpoint")
         pool.restore_pre_verify()  # the replay path's way back still works
         assert pool.length == len(PROMPT)
 

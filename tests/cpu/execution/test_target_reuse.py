@@ -35,7 +35,7 @@ def tiny() -> TargetModel:
     return TargetModel.tiny_default(seed=2)
 
 
-@pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap"])
+@pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap", "recompute"])
 def test_a_kept_target_gives_the_fresh_tokens(
     tiny: TargetModel, mode: RollbackMode, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -164,7 +164,7 @@ def tiny() -> TargetModel:
     return TargetModel.tiny_default(seed=5)
 
 
-@pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap"])
+@pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap", "recompute"])
 def test_cpu_steps_verify_tile_aligned_windows_losslessly(
     tiny: TargetModel, mode: RollbackMode
 ) -> None:

@@ -1,5 +1,5 @@
 """Stateful property test: any sequence of decode / verify + rollback (checkpoint, remap,
-snapshot + replay, abort, a fast rollback undone) keeps the caches equal to plain
+recompute, snapshot + replay, abort, a fast rollback undone) keeps the caches equal to plain
 one-token-at-a-time decoding.
 
 The in-memory model is a second set of caches that only ever sees ``decode`` of the
@@ -10,7 +10,7 @@ forwards run on M-invariant kernels).
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import ClassVar, TypedDict
 
 import torch
 from hypothesis import settings
@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from dflash.geometry import require_chain
 from dflash.model import RecurrentPool, TargetModel
+from dflash.model.caches import CaptureKind
 
 MODEL = TargetModel.tiny_default(seed=5)
 VOCAB = MODEL.config.vocab_size
@@ -44,15 +45,19 @@ def _ids(tokens: list[int]) -> torch.Tensor:
 def roll_back(pool: RecurrentPool, mode: str, commit_n: int) -> None:
     """A fast rollback as the engine runs it: the host checks, the device work on the
     count, the host mirrors once the count is known."""
-    pool.mark_device_rollback()
+    pool.mark_device_rollback(mode)
     pool.rollback_on_device(mode, torch.tensor([commit_n], device=pool.position.device))
     pool.finish_rollback(mode, commit_n)
 
 
 class CachesMatchSequentialDecode(RuleBasedStateMachine):
+    #: what the verify captures, and the fast rollback modes it serves
+    CAPTURE: CaptureKind = "states"
+    FAST: ClassVar[dict[str, str]] = {"checkpoint": "checkpoint", "remap": "remap"}
+
     @initialize(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6))
     def prefill(self, prompt: list[int]) -> None:
-        self.caches = MODEL.new_caches(max_len=MAX_LEN, max_draft=MAX_DRAFT)
+        self.caches = MODEL.new_caches(max_len=MAX_LEN, max_draft=MAX_DRAFT, capture=self.CAPTURE)
         self.oracle = MODEL.new_caches(max_len=MAX_LEN, max_draft=1)
         with torch.inference_mode():
             MODEL(_ids(prompt), self.caches, "prefill")
@@ -91,10 +96,10 @@ class CachesMatchSequentialDecode(RuleBasedStateMachine):
             geometry = require_chain(list(range(-1, len(draft) - 1)))
             logits, _ = MODEL(_ids(draft), self.caches, "verify", geometry=geometry)
             if path in ("checkpoint", "remap"):
-                roll_back(pool, path, commit_n)
+                roll_back(pool, self.FAST[path], commit_n)
             else:
                 if path.startswith("undo-"):  # a fast rollback, then the way back
-                    roll_back(pool, path[len("undo-") :], commit_n)
+                    roll_back(pool, self.FAST[path[len("undo-") :]], commit_n)
                 pool.restore_pre_verify()
                 self.caches.kv.truncate(start)
                 if path == "replay":
@@ -125,3 +130,17 @@ CachesMatchSequentialDecode.TestCase.settings = settings(
     max_examples=15, stateful_step_count=8, deadline=None
 )
 TestCachesMatchSequentialDecode = CachesMatchSequentialDecode.TestCase
+
+
+class InputCapturingCachesMatchSequentialDecode(CachesMatchSequentialDecode):
+    """The same, with caches that capture the recurrence's inputs: every fast rollback is a
+    ``recompute``."""
+
+    CAPTURE: CaptureKind = "inputs"
+    FAST: ClassVar[dict[str, str]] = {"checkpoint": "recompute", "remap": "recompute"}
+
+
+InputCapturingCachesMatchSequentialDecode.TestCase.settings = settings(
+    max_examples=15, stateful_step_count=8, deadline=None
+)
+TestInputCapturingCachesMatchSequentialDecode = InputCapturingCachesMatchSequentialDecode.TestCase

@@ -15,6 +15,7 @@ import torch
 from dflash.geometry import require_chain
 from dflash.kernels.checks import INTERPRET
 from dflash.model import CacheError, HybridConfig, RecurrentPool, ShardCaches, TargetModel
+from dflash.model.caches import CaptureKind, NoSuchBufferError, capture_kind
 from dflash.model.layers import Ops
 
 torch.set_num_threads(1)  # tiny matrices: one thread is faster and immune to machine load
@@ -33,8 +34,8 @@ def _ids(tokens: list[int]) -> torch.Tensor:
     return torch.tensor([tokens])
 
 
-def _prefilled(model: TargetModel) -> ShardCaches:
-    caches = model.new_caches(max_len=64, max_draft=8)
+def _prefilled(model: TargetModel, capture: CaptureKind = "states") -> ShardCaches:
+    caches = model.new_caches(max_len=64, max_draft=8, capture=capture)
     model(_ids(PROMPT), caches, "prefill")
     return caches
 
@@ -209,7 +210,7 @@ def _verify(model: TargetModel, caches: ShardCaches, draft: list[int]) -> torch.
 def roll_back(pool: RecurrentPool, mode: str, commit_n: int) -> None:
     """A fast rollback as the engine runs it: the host checks, the device work on the
     count, the host mirrors once the count is known."""
-    pool.mark_device_rollback()
+    pool.mark_device_rollback(mode)
     pool.rollback_on_device(mode, torch.tensor([commit_n], device=pool.position.device))
     pool.finish_rollback(mode, commit_n)
 
@@ -218,7 +219,7 @@ def _rollback(
     model: TargetModel, caches: ShardCaches, path: str, commit_n: int, draft: list[int]
 ) -> None:
     start = caches.pool.length
-    if path in ("checkpoint", "remap"):
+    if path in ("checkpoint", "remap", "recompute"):
         roll_back(caches.pool, path, commit_n)
     else:  # legacy: snapshot + replay of the accepted tokens
         caches.pool.restore_pre_verify()
@@ -227,12 +228,12 @@ def _rollback(
     caches.kv.truncate(start + commit_n)
 
 
-@pytest.mark.parametrize("path", ["checkpoint", "remap", "replay"])
+@pytest.mark.parametrize("path", ["checkpoint", "remap", "recompute", "replay"])
 @torch.inference_mode()
 def test_rollback_then_continue_matches_sequential(model: TargetModel, path: str) -> None:
     """Two verify/rollback rounds (commit 3 then 2), then decode: same logits as sequential."""
     second = [77, 1, 2, 3]
-    caches = _prefilled(model)
+    caches = _prefilled(model, capture_kind(path))
     _verify(model, caches, DRAFT)
     _rollback(model, caches, path, 3, DRAFT)
     assert caches.length == len(PROMPT) + 3
@@ -277,7 +278,7 @@ def test_misuse_is_rejected_before_any_change(model: TargetModel) -> None:
     with pytest.raises(CacheError, match="exceeds 'max_draft'=8"):
         _verify(model, caches, list(range(9)))
     with pytest.raises(CacheError, match="no completed verify"):
-        caches.pool.mark_device_rollback()
+        caches.pool.mark_device_rollback("checkpoint")
     with pytest.raises(CacheError, match="no verify to undo"):
         caches.pool.restore_pre_verify()
     _verify(model, caches, DRAFT)
@@ -285,9 +286,9 @@ def test_misuse_is_rejected_before_any_change(model: TargetModel) -> None:
         model(_ids([1]), caches, "decode")
     with pytest.raises(CacheError, match="without an enqueued device rollback"):
         caches.pool.finish_rollback("checkpoint", 2)
-    caches.pool.mark_device_rollback()
+    caches.pool.mark_device_rollback("checkpoint")
     with pytest.raises(CacheError, match="no completed verify"):  # one rollback per verify
-        caches.pool.mark_device_rollback()
+        caches.pool.mark_device_rollback("checkpoint")
     with pytest.raises(CacheError, match=r"must be in \[1, verified slots=6\] \(got 7\)"):
         caches.pool.finish_rollback("checkpoint", 7)
     with pytest.raises(CacheError, match=r"\(got 0\)"):
@@ -310,7 +311,7 @@ def test_partial_verify_cannot_be_restored_from_checkpoints(model: TargetModel) 
     model.run_layers(hidden, [0, 1, 2], caches, len(PROMPT), "verify", chain)  # not 3..5
     assert caches.pool.verified_layers == (0, 1)
     with pytest.raises(CacheError, match=r"did not run recurrent layers \[3, 4\]"):
-        caches.pool.mark_device_rollback()
+        caches.pool.mark_device_rollback("checkpoint")
     caches.pool.restore_pre_verify()
     caches.kv.truncate(len(PROMPT))
     logits, _ = model(_ids([9]), caches, "decode")
@@ -386,3 +387,123 @@ def test_triton_path_verify_rows_are_bitwise_the_decode_rows() -> None:
         assert torch.equal(logits[s], want[s]), f"logits row {s}"
         for i in range(len(caches.pool.layer_ids)):
             assert torch.equal(caches.pool.checkpoints[i, :, s], states[s][i][0])
+
+
+# -- recompute: the verify captures the recurrence's inputs, the rollback re-runs it --------
+
+
+@torch.inference_mode()
+def test_recompute_rollback_is_bitwise_the_decode_state(typed_model: TargetModel) -> None:
+    """After a verify of 17 tokens, the state a recompute rollback of ``n`` tokens gives
+    (into scratch, and then live) is the one-token decoding state after ``n`` tokens, bit
+    for bit, and the verify wrote no per-token state."""
+    model = typed_model
+    _, _, want_states = _decode_rows(model, LONG_DRAFT, ())
+    t = len(LONG_DRAFT)
+    caches = model.new_caches(max_len=64, max_draft=t, capture="inputs")
+    model(_ids(PROMPT), caches, "prefill")
+    pool = caches.pool
+    assert pool.checkpoints is None and pool.capture == "inputs"
+    for buffer in pool.capture_buffers().values():
+        buffer.fill_(float("nan"))  # an unwritten input cannot pass
+    pool.snapshot.fill_(float("nan"))
+    before = pool.state.clone()
+    logits = _verify(model, caches, LONG_DRAFT)
+    assert torch.isnan(pool.snapshot).all()  # the verify writes no state at all
+    assert torch.equal(pool.state, before)
+    for n in (1, 2, 9, t):
+        state, conv = pool.recomputed_copy(n)
+        for i in range(len(pool.layer_ids)):
+            want_state, want_conv = want_states[n - 1][i]
+            assert torch.equal(state[i], want_state), f"n={n} layer {i}"
+            assert torch.equal(conv[i], want_conv), f"n={n} conv {i}"
+    assert torch.equal(pool.state, before)  # recomputed_copy leaves the pool as it is
+    roll_back(pool, "recompute", 5)
+    caches.kv.truncate(len(PROMPT) + 5)
+    assert torch.equal(pool.snapshot, before)  # the pre-verify state, for the way back
+    for i in range(len(pool.layer_ids)):
+        state, conv = pool.live_views(pool.layer_ids[i])
+        assert torch.equal(state, want_states[4][i][0]) and torch.equal(conv, want_states[4][i][1])
+    decoded, _ = model(_ids([LONG_DRAFT[5]]), caches, "decode")
+    assert torch.isfinite(logits).all() and torch.isfinite(decoded).all()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the Triton path on CPU needs TRITON_INTERPRET=1")
+@torch.inference_mode()
+def test_triton_path_recompute_is_bitwise_the_decode_state() -> None:
+    """On the Triton kernels (interpreter): the recompute kernel reproduces the verify
+    kernel's per-token states bit for bit."""
+    triton_model = TargetModel.tiny_default(seed=3)
+    triton_model.kernel_backend = "triton"
+    draft = DRAFT[:5]
+    _, _, states = _decode_rows(triton_model, draft, ())
+    caches = _prefilled(triton_model, "inputs")
+    assert caches.pool.kernel_backend == "triton"
+    _verify(triton_model, caches, draft)
+    roll_back(caches.pool, "recompute", 3)
+    for i, layer in enumerate(caches.pool.layer_ids):
+        state, conv = caches.pool.live_views(layer)
+        assert torch.equal(state, states[2][i][0]) and torch.equal(conv, states[2][i][1])
+
+
+@torch.inference_mode()
+def test_a_rollback_needs_the_storage_of_its_mode(model: TargetModel) -> None:
+    cases: tuple[tuple[CaptureKind, str], ...] = (
+        ("states", "recompute"), ("inputs", "checkpoint"), ("inputs", "remap"),
+    )
+    for capture, wrong in cases:
+        caches = _prefilled(model, capture)
+        _verify(model, caches, DRAFT)
+        with pytest.raises(CacheError, match=f"a '{wrong}' rollback needs"):
+            caches.pool.mark_device_rollback(wrong)
+        with pytest.raises(CacheError, match="'mode' must be one of"):
+            caches.pool.mark_device_rollback("replay")
+        caches.pool.restore_pre_verify()  # nothing was changed: the way back works
+        assert caches.pool.length == len(PROMPT)
+    with pytest.raises(CacheError, match="needs a pool that captures inputs"):
+        _prefilled(model).pool.recomputed_copy(1)
+    with pytest.raises(NoSuchBufferError, match="captures inputs has no 'checkpoints' buffer"):
+        _ = _prefilled(model, "inputs").pool.checkpoints
+    assert getattr(_prefilled(model).pool, "g", None) is None  # absent, to getattr too
+
+
+@pytest.mark.parametrize("stage", ["open", "enqueued", "rolled"])
+@torch.inference_mode()
+def test_recompute_restore_pre_verify_at_every_stage(model: TargetModel, stage: str) -> None:
+    """The fail-closed way back from a recompute rollback at any stage gives the
+    pre-verify state and window, bit for bit."""
+    caches = _prefilled(model, "inputs")
+    pool = caches.pool
+    before = _live(caches)
+    _verify(model, caches, DRAFT)
+    if stage != "open":
+        pool.mark_device_rollback("recompute")
+        pool.rollback_on_device("recompute", torch.tensor([4]))
+        if stage == "rolled":
+            pool.finish_rollback("recompute", 4)
+        assert not torch.equal(pool.state[0], before[0][0])  # it did change the state
+    pool.restore_pre_verify()
+    caches.kv.truncate(len(PROMPT))
+    assert pool.length == len(PROMPT) and pool.position.tolist() == [len(PROMPT)]
+    for (s0, c0), (s1, c1) in zip(before, _live(caches), strict=True):
+        assert torch.equal(s0, s1) and torch.equal(c0, c1)
+
+
+def test_recompute_capture_bytes_formula() -> None:
+    """An inputs-capturing pool holds the conv outputs and gates per token, the conv rows
+    and the snapshot: a fraction of the checkpoint slots' bytes."""
+    cfg = HybridConfig.tiny_default()
+    states = ShardCaches.for_layers(cfg, range(0, 4), max_len=32, max_draft=5, batch=2)
+    inputs = ShardCaches.for_layers(
+        cfg, range(0, 4), max_len=32, max_draft=5, batch=2, capture="inputs"
+    )
+    L = 3
+    hv, k, v = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    kc, c = cfg.linear_conv_kernel_dim, cfg.conv_dim
+    expected = {
+        "inputs": 4 * L * 2 * 5 * c, "g": 4 * L * 2 * 5 * hv, "beta": 4 * L * 2 * 5 * hv,
+        "captured": 4 * L * 2 * (kc - 1 + 5) * c, "snapshot": 4 * L * 2 * hv * k * v,
+    }
+    assert inputs.pool.capture_bytes == expected
+    assert inputs.checkpoint_bytes == sum(expected.values()) < states.checkpoint_bytes
+    assert set(states.pool.capture_bytes) == {"checkpoints", "captured", "snapshot"}

@@ -51,7 +51,7 @@ from dflash.model import TargetModel, greedy_generate
 from dflash.model.config import HybridConfig
 from dflash.model.drafters import Drafter, make_drafter
 
-MODES = ("replay", "checkpoint", "remap")
+MODES = ("replay", "checkpoint", "remap", "recompute")
 DRAFTERS = ("synthetic", "prompt-lookup", "dflash")
 PATHS = ("fast", "replay", "replay_after_failure")
 FAULT_PHASES = tuple(FaultPhase)

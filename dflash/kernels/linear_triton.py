@@ -1,20 +1,34 @@
 """Triton kernel: skinny GEMM ``y = x @ w.T + b`` whose rows do not depend on M.
 
-Decode and verify forwards multiply a handful of rows (M = 1 … 64) by large weights, so
-the work is a stream over the weight. The reduction order of every output element is fixed
-by ``(N, K)`` alone:
+Decode and verify forwards multiply a handful of rows (M = 1 … 128) by large weights, so
+the work is a stream over the weight, and each weight byte should leave HBM once per call.
+The reduction order of every output element is fixed by ``(N, K)`` alone:
 
-- rows travel in FIXED 16-row tiles (masked; one grid row of tiles per 16 rows): a
-  ``[BLOCK_N, BLOCK_K] x [BLOCK_K, 16]`` product per step, the weight tile on the MMA's
-  large side, the rows on its 16-wide side. An output element depends on its own row of x
-  and the weight only — never on the other rows of the tile, nor on M;
+- rows travel in FIXED 16-row tiles (masked): a ``[BLOCK_N, BLOCK_K] x [BLOCK_K, 16]``
+  product per tile and K step, the weight tile on the MMA's large side, the rows on its
+  16-wide side. An output element depends on its own row of x and the weight only —
+  never on the other rows of the tile, nor on M;
+- one program owns one ``(row group, N tile, K split)``: a row group is ``M_TILES``
+  consecutive row tiles (``M_TILES`` = the next power of two of ``cdiv(M, 16)``, at most
+  :data:`MAX_M_TILES`, so up to 128 rows share one program; more rows add row groups
+  along grid axis 0). Each K step loads the weight tile ONCE and multiplies it with every
+  row tile of the group in turn — ``M_TILES`` separate 16-wide products by the same
+  :func:`mma` call, each into the tile's own float32 accumulator ``[BLOCK_N, 16]`` (the
+  accumulators are separate values, unrolled at compile time). A tile's accumulator sees
+  exactly the products and K order it would see alone; tiles past M load zeros and are
+  not stored;
 - K is walked in ascending ``BLOCK_K`` blocks; ``BLOCK_N``, ``BLOCK_K`` and the split-K
   count come from :func:`linear_config` ``(N, K, dtype)``, never from M;
 - with split-K, each split writes its float32 partial sums to a workspace and a second
   pass adds the splits in ascending order (then the bias) and rounds once — no atomics.
 
-``M`` is a runtime argument that Triton never specialises (``do_not_specialize``), so a
-1-row and a 16-row call run the same binary (17 … 64 rows add row tiles to the grid).
+``M`` is a runtime argument that Triton never specialises (``do_not_specialize``).
+``M_TILES`` is a compile-time constant, so 1, 2, 4 and 8 tiles per program are up to four
+binaries; their per-tile code is the same (the same 16-wide MMA over the same K blocks,
+the same epilogue), only repeated, so a row's bits do not depend on how many tiles share
+its program nor on its tile's position there. The pipeline depth (``num_stages``) shrinks
+for wide groups (:func:`linear_config`) to keep shared memory in budget; it changes when
+loads are issued, not what is summed.
 
 Under the Triton interpreter (CPU tests) the tile products are computed by :func:`mma`'s
 emulation, whose per-element summation order does not depend on a row's position; the
@@ -33,11 +47,17 @@ from dflash.kernels.checks import INTERPRET
 
 #: rows per tile: the smallest MMA width, fixed so a row's tile layout never depends on M
 BLOCK_M = 16
+#: most row tiles one program multiplies by each weight tile it loads (128 rows)
+MAX_M_TILES = 8
 #: programs the split-K rule aims for: two per SM of a 132-SM H200. A constant (not read
 #: from the device) so the split count is a function of the shape only.
 TARGET_PROGRAMS = 264
 #: fewest K blocks a split must walk: fewer leaves the software pipeline mostly idle
 MIN_K_BLOCKS = 4
+#: shared memory one program's pipeline may fill: two programs per 228 KB H200 SM
+STAGE_BYTES = 112 * 1024
+#: fewest pipeline stages (one load in flight while one block is multiplied)
+MIN_STAGES = 2
 #: output elements per program of the split-K reduction pass
 BLOCK_REDUCE = 512
 
@@ -53,21 +73,54 @@ class LinearConfig:
     num_stages: int
 
 
-def linear_config(N: int, K: int, dtype: torch.dtype) -> LinearConfig:
-    """The configuration for an ``[N, K]`` weight (depends on ``N``, ``K``, dtype only).
+@dataclass(frozen=True)
+class LinearLaunch:
+    """What :func:`launch_linear` launches for one call: the configuration, the row tiles
+    per program, the K extent of a split, the split count actually launched (at most
+    ``config.split_k``: no split is left empty) and the grid ``(row groups, N tiles,
+    splits)``."""
+
+    config: LinearConfig
+    m_tiles: int
+    k_per_split: int
+    split: int
+    grid: tuple[int, int, int]
+
+
+def m_tiles_for(M: int) -> int:
+    """Row tiles per program for ``M`` rows: the next power of two of ``cdiv(M, 16)``,
+    at most :data:`MAX_M_TILES` (1 for ``M <= 16``, 8 from 113 rows on)."""
+    if M < 1:
+        raise ValueError(f"'M' must be >= 1 row (got {M})")
+    return min(MAX_M_TILES, int(triton.next_power_of_2(triton.cdiv(M, BLOCK_M))))
+
+
+def linear_config(N: int, K: int, dtype: torch.dtype, m_tiles: int = 1) -> LinearConfig:
+    """The configuration for an ``[N, K]`` weight and ``m_tiles`` row tiles per program.
+
+    Tiles and the split-K count depend on ``N``, ``K`` and dtype only (they fix the
+    reduction order); ``m_tiles`` sets the pipeline depth alone.
 
     - ``BLOCK_K = 128`` for 16-bit weights (256-byte rows per load, 16 KB tiles with
       ``BLOCK_N = 64``), 64 for float32 (the same bytes);
     - ``BLOCK_N = 64`` (the Hopper warp-group MMA height), smaller only for ``N < 64``;
-    - split-K doubles while the doubled grid of one 16-row tile stays within
+    - split-K doubles while the doubled grid of one row group stays within
       :data:`TARGET_PROGRAMS` programs and each split keeps at least
       :data:`MIN_K_BLOCKS` K blocks. At the 9B shapes: split 2 for N = 8192 (256
       programs), 4 for N = 4096 with K = 4096 or 12288 (256), 8 for N = 1024 and
       N = 32 (the K-block floor), 1 for N = 12288 (192) and the LM head (3880);
-    - 4 warps, 4 pipeline stages (3 for float32): 64 KB of weight in flight per program;
-      for sm_90 the 16-bit kernel compiles to a warp-group MMA (64 x 16 x 16) fed by
-      asynchronous copies, 80 KB of shared memory, so two programs fit on an SM.
+    - 4 warps. Pipeline stages: 4 for 16-bit weights, 3 for float32, fewer when a stage
+      (one weight tile plus ``m_tiles`` row tiles) would push the pipeline past
+      :data:`STAGE_BYTES`, never fewer than :data:`MIN_STAGES`. 16-bit, ``BLOCK_N = 64``:
+      a stage is 20, 24, 32, 48 KB for 1, 2, 4, 8 tiles, so 4, 4, 3, 2 stages (80, 96,
+      96, 96 KB); the accumulators take 8 float32 registers per thread per tile. For
+      sm_90 the 16-bit kernel compiles to warp-group MMAs (64 x 16 x 16) fed by
+      asynchronous copies, and two programs fit on an SM.
     """
+    if m_tiles < 1 or m_tiles > MAX_M_TILES or m_tiles & (m_tiles - 1):
+        raise ValueError(
+            f"'m_tiles' must be a power of two in 1 … {MAX_M_TILES} (got {m_tiles})"
+        )
     block_k = 64 if dtype == torch.float32 else 128
     block_n = 64 if N >= 64 else max(16, triton.next_power_of_2(N))
     n_tiles = triton.cdiv(N, block_n)
@@ -75,8 +128,28 @@ def linear_config(N: int, K: int, dtype: torch.dtype) -> LinearConfig:
     split = 1
     while n_tiles * 2 * split <= TARGET_PROGRAMS and k_blocks // (2 * split) >= MIN_K_BLOCKS:
         split *= 2
-    return LinearConfig(block_n, block_k, split, num_warps=4,
-                        num_stages=3 if dtype == torch.float32 else 4)
+    stage = (block_n + m_tiles * BLOCK_M) * block_k * dtype.itemsize
+    stages = max(MIN_STAGES, min(3 if dtype == torch.float32 else 4, STAGE_BYTES // stage))
+    return LinearConfig(block_n, block_k, split, num_warps=4, num_stages=stages)
+
+
+def linear_launch(
+    M: int, N: int, K: int, dtype: torch.dtype, config: LinearConfig | None = None
+) -> LinearLaunch:
+    """The launch of an ``M``-row call on an ``[N, K]`` weight.
+
+    ``config`` overrides :func:`linear_config` (benchmark sweeps only: another config is
+    another reduction order); its ``num_stages`` is then used as given. The grid has
+    ``cdiv(N, block_n) * split`` programs per row group and one row group up to 128 rows,
+    so the weight is read once per call.
+    """
+    tiles = m_tiles_for(M)
+    cfg = config or linear_config(N, K, dtype, tiles)
+    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(K, k_per_split)   # never an empty split
+    groups = triton.cdiv(triton.cdiv(M, BLOCK_M), tiles)
+    grid = (groups, triton.cdiv(N, cfg.block_n), split)
+    return LinearLaunch(cfg, tiles, k_per_split, split, grid)
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
@@ -98,34 +171,28 @@ def mma(a, b, acc, F32: tl.constexpr, EMULATE: tl.constexpr):  # type: ignore[no
     return r
 
 
-@triton.jit(do_not_specialize=["M"])  # type: ignore[untyped-decorator]  # triton ships no types
-def linear_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
-    x, w, b, y, ws,          # x [M, K] (row stride s_xm), w [N, K] (s_wn), b [N], y [M, N] (s_ym)
-    M, N, K, s_xm, s_wn, s_ym,   # ws [SPLIT_K, M, N] float32 partials (SPLIT_K > 1)
-    K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def row_tile_dot(  # type: ignore[no-untyped-def]  # Triton values are untyped
+    b_acc, b_w, x, o_k, m_k, i_t, M, s_xm,
+    BLOCK_M: tl.constexpr, F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    i_m = tl.program_id(0).to(tl.int64)   # row tiles vary fastest: they share weight tiles
-    i_n = tl.program_id(1).to(tl.int64)
-    i_s = tl.program_id(2).to(tl.int64)
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_m = o_m < M
-    m_n = o_n < N
-    k0 = i_s * K_PER_SPLIT
+    """``b_acc + b_w @ x[rows of tile i_t, o_k].T``: one row tile's K step (rows past M
+    load zeros). ``b_acc [BLOCK_N, BLOCK_M]`` is the tile's output, transposed."""
+    o_m = i_t * BLOCK_M + tl.arange(0, BLOCK_M)
+    p_x = x + o_m[None, :] * s_xm + o_k[:, None]
+    b_x = tl.load(p_x, mask=m_k[:, None] & (o_m < M)[None, :], other=0)   # [BLOCK_K, BLOCK_M]
+    return mma(b_w, b_x, b_acc, F32_DOT, EMULATE)
 
-    b_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)   # y tile, transposed
-    for kk in range(0, K_PER_SPLIT, BLOCK_K):
-        o_k = k0 + kk + tl.arange(0, BLOCK_K)
-        m_k = o_k < K
-        p_w = w + o_n[:, None] * s_wn + o_k[None, :]
-        p_x = x + o_m[None, :] * s_xm + o_k[:, None]
-        b_w = tl.load(p_w, mask=m_n[:, None] & m_k[None, :], other=0)   # [BLOCK_N, BLOCK_K]
-        b_x = tl.load(p_x, mask=m_k[:, None] & m_m[None, :], other=0)   # [BLOCK_K, BLOCK_M]
-        b_acc = mma(b_w, b_x, b_acc, F32_DOT, EMULATE)
 
-    m_y = m_n[:, None] & m_m[None, :]
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def row_tile_store(  # type: ignore[no-untyped-def]  # Triton values are untyped
+    b_acc, i_t, o_n, m_n, b, y, ws, i_s, M, N, s_ym,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Row tile ``i_t``'s result: (+ bias, rounded) into y, or its float32 partial sums
+    into split ``i_s`` of the workspace. Rows past M are not stored."""
+    o_m = i_t * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_y = m_n[:, None] & (o_m < M)[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             b_acc += tl.load(b + o_n, mask=m_n, other=0).to(tl.float32)[:, None]
@@ -134,6 +201,81 @@ def linear_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untype
     else:
         p_ws = ws + (i_s * M + o_m[None, :]) * N + o_n[:, None]
         tl.store(p_ws, b_acc, mask=m_y)
+
+
+@triton.jit(do_not_specialize=["M"])  # type: ignore[untyped-decorator]  # triton ships no types
+def linear_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
+    x, w, b, y, ws,          # x [M, K] (row stride s_xm), w [N, K] (s_wn), b [N], y [M, N] (s_ym)
+    M, N, K, s_xm, s_wn, s_ym,   # ws [SPLIT_K, M, N] float32 partials (SPLIT_K > 1)
+    K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    M_TILES: tl.constexpr, F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
+):
+    i_g = tl.program_id(0).to(tl.int64)   # row group: tiles i_g * M_TILES + 0 … M_TILES - 1
+    i_n = tl.program_id(1).to(tl.int64)
+    i_s = tl.program_id(2).to(tl.int64)
+    t0 = i_g * M_TILES
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    k0 = i_s * K_PER_SPLIT
+
+    # one accumulator per row tile (y tile, transposed); Triton has no lists of tensors,
+    # so the tiles are unrolled by compile-time conditions on M_TILES (1, 2, 4 or 8)
+    b_acc0 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if M_TILES > 1:
+        b_acc1 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if M_TILES > 2:
+        b_acc2 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        b_acc3 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if M_TILES > 4:
+        b_acc4 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        b_acc5 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        b_acc6 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        b_acc7 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for kk in range(0, K_PER_SPLIT, BLOCK_K):
+        o_k = k0 + kk + tl.arange(0, BLOCK_K)
+        m_k = o_k < K
+        p_w = w + o_n[:, None] * s_wn + o_k[None, :]
+        b_w = tl.load(p_w, mask=m_n[:, None] & m_k[None, :], other=0)   # [BLOCK_N, BLOCK_K]
+        # the one weight tile times each row tile in turn: the same 16-wide product
+        b_acc0 = row_tile_dot(b_acc0, b_w, x, o_k, m_k, t0, M, s_xm,
+                              BLOCK_M, F32_DOT, EMULATE)
+        if M_TILES > 1:
+            b_acc1 = row_tile_dot(b_acc1, b_w, x, o_k, m_k, t0 + 1, M, s_xm,
+                                  BLOCK_M, F32_DOT, EMULATE)
+        if M_TILES > 2:
+            b_acc2 = row_tile_dot(b_acc2, b_w, x, o_k, m_k, t0 + 2, M, s_xm,
+                                  BLOCK_M, F32_DOT, EMULATE)
+            b_acc3 = row_tile_dot(b_acc3, b_w, x, o_k, m_k, t0 + 3, M, s_xm,
+                                  BLOCK_M, F32_DOT, EMULATE)
+        if M_TILES > 4:
+            b_acc4 = row_tile_dot(b_acc4, b_w, x, o_k, m_k, t0 + 4, M, s_xm,
+                                  BLOCK_M, F32_DOT, EMULATE)
+            b_acc5 = row_tile_dot(b_acc5, b_w, x, o_k, m_k, t0 + 5, M, s_xm,
+                                  BLOCK_M, F32_DOT, EMULATE)
+            b_acc6 = row_tile_dot(b_acc6, b_w, x, o_k, m_k, t0 + 6, M, s_xm,
+                                  BLOCK_M, F32_DOT, EMULATE)
+            b_acc7 = row_tile_dot(b_acc7, b_w, x, o_k, m_k, t0 + 7, M, s_xm,
+                                  BLOCK_M, F32_DOT, EMULATE)
+
+    row_tile_store(b_acc0, t0, o_n, m_n, b, y, ws, i_s, M, N, s_ym, SPLIT_K, HAS_BIAS, BLOCK_M)
+    if M_TILES > 1:
+        row_tile_store(b_acc1, t0 + 1, o_n, m_n, b, y, ws, i_s, M, N, s_ym,
+                       SPLIT_K, HAS_BIAS, BLOCK_M)
+    if M_TILES > 2:
+        row_tile_store(b_acc2, t0 + 2, o_n, m_n, b, y, ws, i_s, M, N, s_ym,
+                       SPLIT_K, HAS_BIAS, BLOCK_M)
+        row_tile_store(b_acc3, t0 + 3, o_n, m_n, b, y, ws, i_s, M, N, s_ym,
+                       SPLIT_K, HAS_BIAS, BLOCK_M)
+    if M_TILES > 4:
+        row_tile_store(b_acc4, t0 + 4, o_n, m_n, b, y, ws, i_s, M, N, s_ym,
+                       SPLIT_K, HAS_BIAS, BLOCK_M)
+        row_tile_store(b_acc5, t0 + 5, o_n, m_n, b, y, ws, i_s, M, N, s_ym,
+                       SPLIT_K, HAS_BIAS, BLOCK_M)
+        row_tile_store(b_acc6, t0 + 6, o_n, m_n, b, y, ws, i_s, M, N, s_ym,
+                       SPLIT_K, HAS_BIAS, BLOCK_M)
+        row_tile_store(b_acc7, t0 + 7, o_n, m_n, b, y, ws, i_s, M, N, s_ym,
+                       SPLIT_K, HAS_BIAS, BLOCK_M)
 
 
 @triton.jit(do_not_specialize=["M"])  # type: ignore[untyped-decorator]  # triton ships no types
@@ -173,17 +315,15 @@ def launch_linear(
     y2 = out.view(-1, N)
     if M == 0:
         return out
-    cfg = config or linear_config(N, K, x.dtype)
-    k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(K, k_per_split)   # never an empty split
+    plan = linear_launch(M, N, K, x.dtype, config)
+    cfg, split = plan.config, plan.split
     ws = (torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1
           else y2)
     b = weight if bias is None else bias
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, cfg.block_n), split)
-    linear_kernel[grid](
+    linear_kernel[plan.grid](
         x2, weight, b, y2, ws, M, N, K, x2.stride(0), weight.stride(0), y2.stride(0),
-        K_PER_SPLIT=k_per_split, SPLIT_K=split, HAS_BIAS=bias is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=BLOCK_M,
+        K_PER_SPLIT=plan.k_per_split, SPLIT_K=split, HAS_BIAS=bias is not None,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=BLOCK_M, M_TILES=plan.m_tiles,
         F32_DOT=x.dtype == torch.float32, EMULATE=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -533,10 +533,11 @@ class RecurrentPool:
         synchronisation. :meth:`mark_device_rollback` first, :meth:`finish_rollback` once
         the count has been read back."""
         if mode == "recompute":
-            gdn_recompute(
-                self.state, self.inputs, self.g, self.beta, self.conv, self.captured,
-                commit_n, snapshot=self.snapshot, backend=self.kernel_backend,
-            )
+            if self.layer_ids:  # a shard without recurrent layers has nothing to re-run
+                gdn_recompute(
+                    self.state, self.inputs, self.g, self.beta, self.conv, self.captured,
+                    commit_n, snapshot=self.snapshot, backend=self.kernel_backend,
+                )
             self.live.fill_(-1)
         else:
             rows_only = mode == "remap"
@@ -562,10 +563,11 @@ class RecurrentPool:
         if isinstance(commit_n, bool) or not isinstance(commit_n, int) or not 1 <= commit_n <= v.n:
             raise CacheError(f"'commit_n' must be in [1, verified slots={v.n}] (got {commit_n!r})")
         state, conv = torch.empty_like(self.state), torch.empty_like(self.conv)
-        gdn_recompute(
-            self.state, self.inputs, self.g, self.beta, conv, self.captured, commit_n,
-            out=state, backend=self.kernel_backend,
-        )
+        if self.layer_ids:
+            gdn_recompute(
+                self.state, self.inputs, self.g, self.beta, conv, self.captured, commit_n,
+                out=state, backend=self.kernel_backend,
+            )
         return state, conv
 
     def finish_rollback(self, mode: str, commit_n: int) -> None:

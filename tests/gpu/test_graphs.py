@@ -102,8 +102,10 @@ def _storage(engine: SpecDecoder) -> list[tuple[str, torch.Tensor]]:
         kv, pool = s.caches.kv, s.caches.pool
         for name in ("k", "v"):
             out.append((f"shard {s.index} kv.{name}", getattr(kv, name)))
-        for name in ("state", "conv", "checkpoints", "captured", "snapshot", "position", "live"):
+        for name in ("state", "conv", "snapshot", "position", "live"):
             out.append((f"shard {s.index} pool.{name}", getattr(pool, name)))
+        for name, buffer in pool.capture_buffers().items():  # this mode's capture kind
+            out.append((f"shard {s.index} pool.{name}", buffer))
     return out
 
 

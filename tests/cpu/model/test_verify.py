@@ -507,3 +507,22 @@ def test_recompute_capture_bytes_formula() -> None:
     assert inputs.pool.capture_bytes == expected
     assert inputs.checkpoint_bytes == sum(expected.values()) < states.checkpoint_bytes
     assert set(states.pool.capture_bytes) == {"checkpoints", "captured", "snapshot"}
+
+
+@torch.inference_mode()
+def test_recompute_on_a_shard_without_recurrent_layers(model: TargetModel) -> None:
+    """A shard holding only attention layers has an empty pool: its recompute rollback (and
+    the gate's recomputed copy) run no kernel and move only the position."""
+    attn = [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"][:1]
+    caches = model.new_caches(max_len=32, max_draft=8, layer_ids=attn, capture="inputs")
+    pool = caches.pool
+    assert pool.layer_ids == ()
+    hidden = model.embed_tokens(_ids(PROMPT))
+    model.run_layers(hidden, attn, caches, 0, "prefill")
+    chain = require_chain(list(range(-1, 2)))
+    model.run_layers(model.embed_tokens(_ids(DRAFT[:3])), attn, caches, len(PROMPT), "verify",
+                     chain)
+    state, conv = pool.recomputed_copy(2)
+    assert state.numel() == 0 and conv.numel() == 0
+    roll_back(pool, "recompute", 2)
+    assert pool.length == len(PROMPT) + 2 and pool.position.tolist() == [len(PROMPT) + 2]

@@ -80,6 +80,18 @@ def test_plain_decoding_is_the_parity_oracle(llm: LLM, first: dflash.GenerationR
     assert result.text == first.text and result.stop_reason == "max_new_tokens"
 
 
+def test_recompute_rollback_from_the_library(first: dflash.GenerationResult) -> None:
+    """``rollback="recompute"``: the same tokens, the recurrence's inputs as its capture
+    storage (a fraction of the checkpoint bytes), fast rollback effective."""
+    result = dflash.load(rollback="recompute").generate(PROMPT, max_new_tokens=N)
+    assert result.tokens == first.tokens
+    assert result.rollback.requested == "recompute"
+    assert result.rollback.status is RollbackStatus.EFFECTIVE and result.rollback.fast > 0
+    assert set(result.capture_bytes) == {"inputs", "g", "beta", "captured", "snapshot"}
+    assert result.checkpoint_bytes == sum(result.capture_bytes.values())
+    assert result.checkpoint_bytes < first.checkpoint_bytes / 2
+
+
 def test_stream_pieces_concatenate_to_the_text(pieces: list[str]) -> None:
     assert len([p for p in pieces if p]) > 1  # streamed as committed, not in one piece
     assert all(pieces)

@@ -7,9 +7,15 @@ import pytest
 import torch
 from kernels_support import NAN, needs_interpreter, rel_rms
 
-from dflash.kernels import linear, linear_reference
+from dflash.kernels import linear, linear_reference, linear_triton
 from dflash.kernels.checks import Backend
-from dflash.kernels.linear_triton import LinearConfig, launch_linear, linear_config
+from dflash.kernels.linear_triton import (
+    LinearConfig,
+    launch_linear,
+    linear_config,
+    linear_launch,
+    m_tiles_for,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -74,6 +80,112 @@ def test_split_k_rows_do_not_depend_on_M() -> None:
         for i in range(M):
             assert torch.equal(got[i], alone[i]), f"M={M} row {i}"
     assert rel_rms(got, linear_reference(x.double(), w.double(), b.double())) <= 1e-6
+
+
+#: row counts around every boundary of the wide kernel: 1, 2, 4, 8 tiles per program
+#: (16, 32, 64, 128 rows) and a second row group (129, 200)
+WIDE_M = (1, 15, 16, 17, 31, 33, 64, 65, 100, 128, 129, 200)
+
+
+def test_row_tiles_per_program_and_pipeline_depth() -> None:
+    """M sets the tiles per program only; the stage count shrinks for wide programs and
+    the tiles and split-K count (the reduction order) never move."""
+    assert [m_tiles_for(M) for M in WIDE_M] == [1, 1, 1, 2, 2, 4, 4, 8, 8, 8, 8, 8]
+    for dtype, stages in ((torch.bfloat16, [4, 4, 3, 2]), (torch.float16, [4, 4, 3, 2]),
+                          (torch.float32, [3, 3, 3, 2])):
+        cfgs = [linear_config(4096, 12288, dtype, t) for t in (1, 2, 4, 8)]
+        assert [c.num_stages for c in cfgs] == stages
+        assert len({(c.block_n, c.block_k, c.split_k, c.num_warps) for c in cfgs}) == 1
+    with pytest.raises(ValueError, match="'m_tiles' must be a power of two in 1 … 8"):
+        linear_config(64, 64, torch.float32, 3)
+    with pytest.raises(ValueError, match="'M' must be >= 1 row"):
+        m_tiles_for(0)
+
+
+class _GridRecorder:
+    """Stands in for ``linear_kernel``: records each launch grid, then launches."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel = kernel
+        self.grids: list[tuple[int, ...]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> object:
+        self.grids.append(tuple(grid))
+        return self.kernel[grid]  # type: ignore[index]  # a Triton kernel, untyped
+
+
+@needs_interpreter
+def test_one_program_per_weight_tile_up_to_128_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to 128 rows, the launch has one row group: ``cdiv(N, BLOCK_N) * split``
+    programs, each reading its weight slice once; 129 rows take two groups."""
+    N, K = 70, 600
+    cfg = linear_config(N, K, torch.float32)
+    assert cfg.block_n == 64 and cfg.split_k == 2
+    recorder = _GridRecorder(linear_triton.linear_kernel)
+    monkeypatch.setattr(linear_triton, "linear_kernel", recorder)
+    x, w, _ = _inputs(129, N, K, torch.float32, seed=10)
+    for M, groups in ((1, 1), (17, 1), (128, 1), (129, 2)):
+        recorder.grids.clear()
+        linear(x[:M], w, backend="triton")
+        assert recorder.grids == [(groups, 2, 2)], f"M={M}"
+        assert linear_launch(M, N, K, torch.float32).grid == (groups, 2, 2)
+    assert linear_launch(64, 12288, 4096, torch.bfloat16).grid == (1, 192, 1)
+    assert linear_launch(128, 4096, 12288, torch.bfloat16).grid == (1, 64, 4)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    ("dtype", "split", "bias"),
+    [(torch.float32, 1, True), (torch.float32, 3, False), (torch.bfloat16, 1, False),
+     (torch.bfloat16, 3, True), (torch.float16, 1, True), (torch.float16, 3, False)],
+)
+def test_wide_rows_do_not_depend_on_M(dtype: torch.dtype, split: int, bias: bool) -> None:
+    """Rows of an M-row call, taken at the front and at the back of 200 rows, are
+    bitwise the same rows of the 200-row call, for M across every tile and row-group
+    boundary (1, 2, 4, 8 tiles per program; a second group from 129 rows), so a row does
+    not depend on M nor on its tile's place in its program. Outputs NaN-poisoned. Each
+    dtype runs with split-K on and off, each split setting with and without bias."""
+    cfg = LinearConfig(block_n=16, block_k=16, split_k=split, num_warps=4, num_stages=1)
+    x, w, b = _inputs(200, 20, 48, dtype, seed=11 + split)
+    bb = b if bias else None
+    full = launch_linear(x, w, bb, torch.full((200, 20), NAN, dtype=dtype), cfg)
+    want = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert rel_rms(full, want) <= TOL[dtype]
+    for M in WIDE_M:
+        for first in {0, 200 - M}:
+            out = torch.full((M, 20), NAN, dtype=dtype)
+            got = launch_linear(x[first : first + M], w, bb, out, cfg)
+            assert torch.equal(got, full[first : first + M]), f"M={M} rows {first}.."
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_rows_with_the_default_config(dtype: torch.dtype) -> None:
+    """Through :func:`linear` with the shape's own config (split 2 or 4), rows of 1-,
+    65- and 129-row calls are bitwise the rows of the 200-row call."""
+    x, w, b = _inputs(200, 20, 1100, dtype, seed=12)
+    assert linear_config(20, 1100, dtype).split_k > 1
+    full = linear(x, w, b, backend="triton")
+    for M in (1, 65, 129):
+        for first in {0, 200 - M}:
+            got = linear(x[first : first + M], w, b, backend="triton")
+            assert torch.equal(got, full[first : first + M]), f"M={M} rows {first}.."
+
+
+@needs_interpreter
+@pytest.mark.parametrize("split", [1, 3])
+def test_wide_call_into_a_column_slice(split: int) -> None:
+    """A 100-row call (8 tiles, 4 of them partly or wholly past M) into a column slice
+    of a wider buffer: every element written, the other columns untouched."""
+    cfg = LinearConfig(block_n=16, block_k=16, split_k=split, num_warps=4, num_stages=1)
+    x, w, b = _inputs(100, 20, 48, torch.float32, seed=13)
+    buf = torch.full((100, 31), NAN)
+    out = buf[:, 4:24]
+    got = launch_linear(x, w, b, out, cfg)
+    assert got is out and torch.isfinite(out).all()
+    assert torch.isnan(buf[:, :4]).all() and torch.isnan(buf[:, 24:]).all()
+    assert torch.equal(out, launch_linear(x, w, b, None, cfg))
+    assert rel_rms(out, x.double() @ w.double().T + b.double()) <= 1e-6
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

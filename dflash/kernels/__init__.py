@@ -5,7 +5,10 @@
 - :func:`gdn_recompute`: the ``recompute`` rollback: re-run the accepted tokens of a verify
   from the pre-verify state (all layers of a shard, one launch), bit-identical to the
   verify's checkpoint slot.
-- :func:`causal_conv1d_capture`: depthwise causal conv1d + SiLU that captures its inputs.
+- :func:`causal_conv1d_capture`: depthwise causal conv1d + SiLU that captures its inputs
+  (a chain, or a draft tree's nodes through a :func:`tree_paths` table).
+- :func:`tree_paths` / :func:`tree_paths_into`: the root-to-node path table of a validated
+  geometry, for tree-aware kernels (``_into``: a static buffer for CUDA graphs).
 - :func:`rollback_restore`: live state and conv window <- slot ``commit_n - 1`` for all
   recurrent layers of a shard in one launch (``rows_only``: the conv rows alone, for a
   remap whose state stays in its slot).
@@ -36,6 +39,7 @@ from dflash.kernels.rmsnorm import rms_norm
 from dflash.kernels.rmsnorm_reference import rms_norm_reference
 from dflash.kernels.rollback import RollbackBoundsError, rollback_restore
 from dflash.kernels.rollback_reference import rollback_restore_reference
+from dflash.kernels.tree_paths import tree_paths, tree_paths_into
 
 __all__ = [
     "RollbackBoundsError",
@@ -55,4 +59,6 @@ __all__ = [
     "rms_norm_reference",
     "rollback_restore",
     "rollback_restore_reference",
+    "tree_paths",
+    "tree_paths_into",
 ]

@@ -18,9 +18,17 @@ def causal_conv1d_capture(
     *,
     activation: str | None = "silu",
     out: torch.Tensor | None = None,
+    paths: torch.Tensor | None = None,
     backend: checks.Backend = "auto",
 ) -> torch.Tensor:
     """Causal depthwise conv1d over ``T`` tokens, capturing ``concat(conv_rows, x)``.
+
+    Without ``paths`` the tokens are a chain: token ``t`` convolves the ``Kc-1`` rows
+    before it in ``concat(conv_rows, x)``. With ``paths`` they are the nodes of a draft
+    tree: token ``t`` convolves the end of ``concat(conv_rows, x[path_t])``, ``path_t``
+    being its root-to-node slots, so its window holds its nearest ancestors and then, when
+    ``depth(t) < Kc-1``, the newest rows of ``conv_rows``: bit for bit the chain result
+    over ``x[path_t]`` (the window plain decoding along that path would see).
 
     Args:
         x: ``[B, T, C]`` new inputs.
@@ -34,6 +42,11 @@ def causal_conv1d_capture(
         activation: ``"silu"`` or ``None``.
         out: ``None`` (allocated) or a contiguous ``[B, T, C]`` tensor in x's dtype on the
             inputs' device, sharing no memory with any other argument; receives ``y``.
+        paths: ``None`` (a chain) or the int32 ``[T, T]`` table of
+            :func:`~dflash.kernels.tree_paths` on the inputs' device (any strides; needs
+            ``B == 1``). Triton never reads it on the host (CUDA-graph capturable; a
+            malformed table gives unspecified rows but every read stays in bounds); the
+            reference validates its contents. ``captured`` is filled by slot either way.
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see ``gdn_verify``).
 
     Returns:
@@ -41,8 +54,9 @@ def causal_conv1d_capture(
 
     Raises:
         TypeError: an argument is not a tensor.
-        KernelBoundsError: shapes, dtypes, devices, ``activation`` or ``out`` are wrong, or
-            ``T > S`` (a ``ValueError``).
+        KernelBoundsError: shapes, dtypes, devices, ``activation``, ``out`` or ``paths``
+            (dtype, shape, device, ``B > 1``; contents on the reference backend) are
+            wrong, or ``T > S`` (a ``ValueError``).
     """
     x = checks.tensor("x", x, 3)
     B, T, C = x.shape
@@ -73,20 +87,39 @@ def causal_conv1d_capture(
         )
     if activation not in ("silu", None):
         raise KernelBoundsError(f"'activation' must be 'silu' or None (got {activation!r})")
+    if paths is not None:
+        paths = _checked_paths(paths, B, T)
     inputs: dict[str, torch.Tensor | None] = {
         "x": x, "conv_rows": conv_rows, "weight": weight, "bias": bias, "captured": captured,
+        "paths": paths,
     }
     if out is not None:
         out = checks.output("out", out, (B, T, C), x.dtype, "x.shape [B, T, C]")
         checks.disjoint("out", out, inputs)
     device = checks.same_device({**inputs, "out": out})
+    if paths is not None:
+        checks.disjoint("captured", captured, {"paths": paths})
 
     if not checks.use_triton(backend, device):
         return causal_conv1d_capture_reference(
-            x, conv_rows, weight, bias, captured, activation=activation, out=out
+            x, conv_rows, weight, bias, captured, activation=activation, out=out, paths=paths
         )
     from dflash.kernels.conv_triton import launch_causal_conv1d_capture
 
     return launch_causal_conv1d_capture(
-        x, conv_rows, weight, bias, captured, activation=activation, out=out
+        x, conv_rows, weight, bias, captured, activation=activation, out=out, paths=paths
     )
+
+
+def _checked_paths(paths: object, B: int, T: int) -> torch.Tensor:
+    """The ``paths`` table's type, dtype, shape and batch rule (never its contents)."""
+    if not isinstance(paths, torch.Tensor):
+        raise TypeError(f"'paths' must be a torch.Tensor or None (got {type(paths).__name__})")
+    if paths.dtype != torch.int32:
+        raise KernelBoundsError(f"'paths' must be torch.int32 (got {paths.dtype})")
+    checks.shape("paths", paths, (T, T), "[T, T] with T from x")
+    if B != 1:
+        raise KernelBoundsError(
+            f"'paths' needs batch size B=1 (one draft tree per call; got B={B})"
+        )
+    return paths

@@ -6,6 +6,14 @@ One program per (batch, channel block) covers all ``T`` tokens, in three phases:
 2. write ``captured[:, : Kc-1+T] = concat(conv_rows, x)``, then a CTA barrier;
 3. compute ``y`` from ``captured``, which now holds the whole input window.
 
+With a tree's path table (``HAS_PATHS``, ``B == 1``), phase 3 gathers token ``t``'s window
+through the table instead of reading rows ``t .. t+Kc-1``: tap ``j`` reads entry
+``i = depth(t) + j`` of ``concat(conv_rows, x[path_t])``, i.e. captured row ``i`` while
+``i < Kc-1`` and row ``Kc-1 + paths[t, i-(Kc-1)]`` after it. ``depth(t)`` is counted from
+the table on the device (its non-negative entries in columns ``0..t``), so nothing is read
+on the host. Table entries are masked to their valid ranges, so a malformed table cannot
+read out of bounds.
+
 Phase 1 finishes before any write, and a program only touches its own channels, so
 ``conv_rows`` may be a view of ``captured`` itself (slot remap). The barrier after phase 2
 makes this program's writes visible to all of its threads before phase 3 reads them.
@@ -20,11 +28,11 @@ import triton.language as tl
 
 @triton.jit(do_not_specialize=["T"])  # type: ignore[untyped-decorator]  # triton ships no types
 def causal_conv1d_capture_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
-    x, rows, w, bias, cap, y,          # [B,T,C], [B,Kc-1,C], [C,Kc], [C], [B,Kc-1+S,C], [B,T,C]
-    T, C,
-    s_x_b, s_x_t, s_r_b, s_r_t, s_r_c, s_w_c, s_w_k, s_c_b, s_c_t, s_y_b, s_y_t,
-    KC: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    x, rows, w, bias, cap, y, paths,   # [B,T,C], [B,Kc-1,C], [C,Kc], [C], [B,Kc-1+S,C], [B,T,C],
+    T, C,                              # [T,T] int32 (HAS_PATHS only)
+    s_x_b, s_x_t, s_r_b, s_r_t, s_r_c, s_w_c, s_w_k, s_c_b, s_c_t, s_y_b, s_y_t, s_p_t, s_p_d,
+    KC: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_PATHS: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1).to(tl.int64)
@@ -50,17 +58,40 @@ def causal_conv1d_capture_kernel(  # type: ignore[no-untyped-def]  # Triton poin
         t0 += BT
     tl.debug_barrier()
 
-    # 3. y[t] = act(bias + sum_j w[:, j] * captured[t + j])
+    # 3. y[t] = act(bias + sum_j w[:, j] * captured[row(t, j)]), row(t, j) = t + j for a
+    #    chain, the row of entry depth(t) + j of token t's history for a tree
     b_bias = tl.zeros([BC], dtype=tl.float32)
     if HAS_BIAS:
         b_bias = tl.load(bias + o_c, mask=m_c, other=0).to(tl.float32)
+    o_d = tl.arange(0, BD)
     t0 = T * 0  # an int32 scalar, like the loop bound
     while t0 < T:
-        m_xt = ((t0 + o_t) < T)[:, None] & m_c[None, :]
+        m_t = (t0 + o_t) < T
+        m_xt = m_t[:, None] & m_c[None, :]
+        if HAS_PATHS:
+            # depth(t) + 1 = the non-negative entries of row t; they lie in columns 0..t
+            p_row = paths + (t0 + o_t).to(tl.int64) * s_p_t  # [BT]
+            b_n = tl.zeros([BT], dtype=tl.int32)
+            d0 = T * 0
+            while d0 < t0 + BT:
+                m_d = m_t[:, None] & ((d0 + o_d)[None, :] <= (t0 + o_t)[:, None])
+                b_p = tl.load(p_row[:, None] + (d0 + o_d)[None, :] * s_p_d, mask=m_d, other=-1)
+                b_n += tl.sum((b_p >= 0).to(tl.int32), axis=1)
+                d0 += BD
+            b_depth = b_n - 1
         acc = tl.zeros([BT, BC], dtype=tl.float32) + b_bias[None, :]
         for j in tl.static_range(KC):
             b_wj = tl.load(w + o_c * s_w_c + j * s_w_k, mask=m_c, other=0).to(tl.float32)
-            b_in = tl.load(p_cap + (t0 + o_t + j)[:, None] * s_c_t, mask=m_xt, other=0)
+            if HAS_PATHS:
+                i = b_depth + j  # entry of concat(conv_rows, x[path_t]); [BT]
+                m_x = m_t & (i >= KC - 1) & (i < KC - 1 + T)
+                b_slot = tl.load(p_row + (i - (KC - 1)) * s_p_d, mask=m_x, other=0)
+                b_row = tl.where(i < KC - 1, i, KC - 1 + b_slot)
+                m_in = m_t & (b_row >= 0) & (b_row < KC - 1 + T)
+                b_in = tl.load(p_cap + b_row.to(tl.int64)[:, None] * s_c_t,
+                               mask=m_in[:, None] & m_c[None, :], other=0)
+            else:
+                b_in = tl.load(p_cap + (t0 + o_t + j)[:, None] * s_c_t, mask=m_xt, other=0)
             acc += b_wj[None, :] * b_in.to(tl.float32)
         if SILU:
             acc = acc * tl.sigmoid(acc)
@@ -72,12 +103,12 @@ def causal_conv1d_capture_kernel(  # type: ignore[no-untyped-def]  # Triton poin
 def launch_causal_conv1d_capture(
     x: torch.Tensor, conv_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     captured: torch.Tensor, *, activation: str | None, out: torch.Tensor | None = None,
-    block_c: int = 128,
+    paths: torch.Tensor | None = None, block_c: int = 128,
 ) -> torch.Tensor:
     """Launch :func:`causal_conv1d_capture_kernel` on validated inputs; returns ``y``.
 
     ``out`` (validated: contiguous ``[B, T, C]`` in x's dtype) receives ``y``; ``None``
-    allocates it.
+    allocates it. ``paths`` (validated: int32 ``[T, T]``, ``B == 1``) makes it a tree call.
     """
     B, T, C = x.shape
     Kc = weight.shape[1]
@@ -86,11 +117,13 @@ def launch_causal_conv1d_capture(
     BC = min(block_c, triton.next_power_of_2(C))
     grid = (B, triton.cdiv(C, BC))
     causal_conv1d_capture_kernel[grid](
-        x, conv_rows, weight, bias, captured, y,
+        x, conv_rows, weight, bias, captured, y, paths,
         T, C,
         x.stride(0), x.stride(1), *conv_rows.stride(), *weight.stride(),
         captured.stride(0), captured.stride(1), y.stride(0), y.stride(1),
-        KC=Kc, BW=triton.next_power_of_2(max(Kc - 1, 1)), BT=16, BC=BC,
-        HAS_BIAS=bias is not None, SILU=activation == "silu", num_warps=4,
+        *(paths.stride() if paths is not None else (0, 0)),
+        KC=Kc, BW=triton.next_power_of_2(max(Kc - 1, 1)), BT=16, BC=BC, BD=32,
+        HAS_BIAS=bias is not None, SILU=activation == "silu", HAS_PATHS=paths is not None,
+        num_warps=4,
     )
     return y

@@ -7,8 +7,14 @@ import torch
 from kernels_support import NAN, needs_interpreter, rel_rms
 
 from dflash.errors import KernelBoundsError
-from dflash.kernels import causal_conv1d_capture, causal_conv1d_capture_reference
-from dflash.kernels.checks import Backend
+from dflash.geometry import require_chain, require_tree
+from dflash.kernels import (
+    causal_conv1d_capture,
+    causal_conv1d_capture_reference,
+    tree_paths,
+    tree_paths_into,
+)
+from dflash.kernels.checks import INTERPRET, Backend
 
 
 def conv_inputs(B: int, T: int, C: int, Kc: int, dtype: torch.dtype, bias: bool,
@@ -165,3 +171,173 @@ def test_bad_arguments_are_named() -> None:
         with pytest.raises(error, match=match):
             run(i, cap, out=out)
     assert torch.isnan(cap).all(), "a refused call writes nothing"
+
+
+# Draft trees for paths=: depths below and above Kc-1, siblings at several levels.
+TREES = {
+    "chain": (-1, 0, 1, 2, 3, 4),
+    "star": (-1, 0, 0, 0, 0, 0),
+    "deep": (-1, 0, 1, 2, 3, 4, 1, 6, 0, 8, 2, 10),  # depths 0..5, branches at 0, 1, 2
+    # 41 nodes (several token blocks), paths longer than one block of table columns
+    "long": (*range(-1, 35), 33, 10, 36, 0, 37),
+}
+BACKENDS = [pytest.param("triton", marks=needs_interpreter), "reference"]
+
+
+def root_path(parents: tuple[int, ...], t: int) -> list[int]:
+    """Slots root..t, walked up the parent array (independent of tree_paths)."""
+    path = [t]
+    while parents[path[-1]] != -1:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+# (tree, Kc, C, dtype, bias, activation)
+TREE_CASES = [
+    ("deep", 4, 37, torch.float32, True, "silu"),
+    ("deep", 2, 5, torch.bfloat16, False, None),
+    ("deep", 3, 133, torch.bfloat16, True, "silu"),  # two channel blocks, the second partial
+    ("star", 3, 37, torch.bfloat16, True, "silu"),
+    ("chain", 4, 9, torch.float32, True, "silu"),
+    ("long", 4, 9, torch.float32, True, "silu"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("tree", "Kc", "C", "dtype", "bias", "act"), TREE_CASES)
+def test_tree_node_equals_decoding_along_its_path(
+    backend: Backend, tree: str, Kc: int, C: int, dtype: torch.dtype, bias: bool,
+    act: str | None,
+) -> None:
+    """Row t of a tree call is the last row of a chain call over x[path_t] (the window
+    plain decoding along that path sees), bit for bit; the capture is by slot."""
+    parents = TREES[tree]
+    T = len(parents)
+    i = conv_inputs(1, T, C, Kc, dtype, bias, seed=Kc * C)
+    x = i["x"]
+    assert x is not None
+    captured = torch.full((1, Kc - 1 + T + 1, C), NAN, dtype=dtype)
+    y = run(i, captured, activation=act, paths=tree_paths(require_tree(parents), "cpu"),
+            backend=backend)
+    for t in range(T):
+        path = root_path(parents, t)
+        step_cap = torch.full((1, Kc - 1 + len(path), C), NAN, dtype=dtype)
+        y_path = run({**i, "x": x[:, path]}, step_cap, activation=act, backend=backend)
+        assert torch.equal(y[0, t], y_path[0, -1]), f"node {t} (path {path})"
+    chain_cap = torch.full_like(captured, NAN)
+    run(i, chain_cap, activation=act, backend=backend)
+    assert torch.equal(captured[:, : Kc - 1 + T], chain_cap[:, : Kc - 1 + T]), "by slot"
+    assert torch.isnan(captured[:, Kc - 1 + T :].float()).all(), "rows past T untouched"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("Kc", [2, 4])
+def test_chain_paths_equal_no_paths(backend: Backend, Kc: int) -> None:
+    T, C = 7, 19
+    i = conv_inputs(1, T, C, Kc, torch.bfloat16, True, seed=Kc)
+    chain = tuple(range(-1, T - 1))
+    cap_a = torch.full((1, Kc - 1 + T, C), NAN, dtype=torch.bfloat16)
+    cap_b = torch.full_like(cap_a, NAN)
+    y_plain = run(i, cap_a, backend=backend)
+    for geometry in (require_chain(chain), require_tree(chain)):
+        y_paths = run(i, cap_b, paths=tree_paths(geometry, "cpu"), backend=backend)
+        assert torch.equal(y_paths, y_plain) and torch.equal(cap_b, cap_a)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tree_from_a_static_buffer_and_remapped_rows(backend: Backend) -> None:
+    """paths as a [T, T] view of a [Tmax, Tmax] buffer (CUDA-graph style), and conv_rows
+    a view of captured itself: the same result as a fresh table and separate rows."""
+    parents, Kc, C = TREES["deep"], 4, 24
+    T = len(parents)
+    geometry = require_tree(parents)
+    buf = torch.full((16, 16), 5, dtype=torch.int32)
+    tree_paths_into(geometry, buf)
+    i = conv_inputs(1, T, C, Kc, torch.float32, True, seed=11)
+    rows = i["conv_rows"]
+    assert rows is not None
+    bank = torch.full((1, Kc - 1 + T, C), NAN)
+    bank[:, 2 : 2 + Kc - 1] = rows
+    bank_copy = bank.clone()
+    y_fresh = run({**i, "conv_rows": bank[:, 2 : 2 + Kc - 1].clone()}, bank_copy,
+                  paths=tree_paths(geometry, "cpu"), backend=backend)
+    y_view = run({**i, "conv_rows": bank[:, 2 : 2 + Kc - 1]}, bank, paths=buf[:T, :T],
+                 backend=backend)
+    assert torch.equal(y_view, y_fresh) and torch.equal(bank, bank_copy)
+
+
+@needs_interpreter
+def test_triton_tree_matches_float64_reference() -> None:
+    parents, Kc, C = TREES["long"], 3, 21
+    T = len(parents)
+    paths = tree_paths(require_tree(parents), "cpu")
+    i = conv_inputs(1, T, C, Kc, torch.float32, True, seed=5)
+    y = run(i, torch.full((1, Kc - 1 + T, C), NAN), paths=paths, backend="triton")
+    i64 = {n: (None if t is None else t.double()) for n, t in i.items()}
+    y_ref = run(i64, torch.full((1, Kc - 1 + T, C), NAN, dtype=torch.float64), paths=paths,
+                backend="reference")
+    assert rel_rms(y, y_ref) <= 1e-6
+
+
+def test_bad_paths_are_refused_before_any_write() -> None:
+    parents = TREES["deep"]
+    T, C, Kc = len(parents), 8, 3
+    i = conv_inputs(1, T, C, Kc, torch.float32, True, seed=0)
+    good = tree_paths(require_tree(parents), "cpu")
+    cap = torch.full((1, Kc - 1 + T, C), NAN)
+    out = torch.full((1, T, C), NAN)
+    x, rows = i["x"], i["conv_rows"]
+    assert x is not None and rows is not None
+    backends: list[Backend] = ["reference", "triton"] if INTERPRET else ["reference"]
+    cases: list[tuple[dict[str, object], object, type[Exception], str]] = [
+        ({}, good.tolist(), TypeError, "'paths' must be a torch.Tensor or None .*got list"),
+        ({}, good.long(), KernelBoundsError, "'paths' must be torch.int32 .*torch.int64"),
+        ({}, good[:, :-1], KernelBoundsError, "'paths' must have shape \\[T, T\\]"),
+        ({}, good.to("meta"), KernelBoundsError, "'paths' is on meta"),
+        ({"x": x.expand(2, T, C), "conv_rows": rows.expand(2, Kc - 1, C)}, good,
+         KernelBoundsError, "'paths' needs batch size B=1 .*B=2"),
+    ]
+    for backend in backends:
+        for change, paths, error, match in cases:
+            b_cap = cap if "x" not in change else torch.full((2, Kc - 1 + T, C), NAN)
+            b_out = out if "x" not in change else torch.full((2, T, C), NAN)
+            with pytest.raises(error, match=match):
+                run({**i, **change}, b_cap, out=b_out, paths=paths,  # type: ignore[dict-item]  # bad values on purpose
+                    backend=backend)
+            assert torch.isnan(b_cap).all() and torch.isnan(b_out).all(), "nothing written"
+
+
+def malformed(edit: dict[tuple[int, int], int]) -> torch.Tensor:
+    table = tree_paths(require_tree(TREES["deep"]), "cpu")
+    for (t, d), v in edit.items():
+        table[t, d] = v
+    return table
+
+
+# (edit to the deep tree's table, the row the message names)
+MALFORMED = [
+    ({(0, 0): 1}, 0),                    # root row must be [0, -1, ...]
+    ({(0, 1): 0}, 0),
+    ({(3, 0): 1}, 3),                    # a path must start at the root
+    ({(3, 3): -1}, 3),                   # a path must end at its own slot
+    ({(3, 3): 4}, 3),
+    ({(4, 2): -1}, 4),                   # no hole inside a path
+    ({(7, 1): 8}, 7),                    # a prefix that is not the parent's path
+    ({(2, 1): 5, (2, 2): 2}, 2),         # a forward slot
+    ({(1, 1): -1, (1, 0): -1}, 1),       # an empty row
+    ({(5, 5): 5, (5, 4): -3}, 5),        # entries below -1
+    ({(9, 3): 4}, 9),                    # entries after the path must be -1
+]
+
+
+@pytest.mark.parametrize(("edit", "row"), MALFORMED)
+def test_reference_refuses_malformed_table_naming_the_row(
+    edit: dict[tuple[int, int], int], row: int
+) -> None:
+    T, C, Kc = len(TREES["deep"]), 8, 3
+    i = conv_inputs(1, T, C, Kc, torch.float32, True, seed=0)
+    cap = torch.full((1, Kc - 1 + T, C), NAN)
+    out = torch.full((1, T, C), NAN)
+    with pytest.raises(KernelBoundsError, match=f"'paths' row {row} must be a root-to-node path"):
+        run(i, cap, out=out, paths=malformed(edit), backend="reference")
+    assert torch.isnan(cap).all() and torch.isnan(out).all(), "nothing written"

@@ -1,0 +1,100 @@
+"""The root-to-node path table of a validated draft geometry, for tree-aware kernels.
+
+``paths[t, d]`` is the slot of node ``t``'s ancestor at depth ``d`` for ``d <= depth(t)``
+(so ``paths[t, 0] == 0`` and ``paths[t, depth(t)] == t``) and ``-1`` past it. A chain of
+``T`` slots gives ``paths[t, d] = d`` for ``d <= t``. Kernels gather a node's history
+through this table (e.g. :func:`~dflash.kernels.causal_conv1d_capture`'s ``paths=``).
+
+Only :class:`~dflash.geometry.ChainGeometry` / :class:`~dflash.geometry.TreeGeometry` are
+accepted, and only the validators build those, so a table made here always describes a
+validated tree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash.errors import KernelBoundsError
+from dflash.geometry import ChainGeometry, TreeGeometry
+
+
+def tree_paths(geometry: ChainGeometry | TreeGeometry, device: torch.device | str) -> torch.Tensor:
+    """The ``[T, T]`` int32 path table of ``geometry`` (``T = n_actual``) on ``device``.
+
+    Raises:
+        TypeError: ``geometry`` is not a validated geometry, or ``device`` is not a
+            ``torch.device`` / ``str``.
+        KernelBoundsError: ``device`` names no device.
+    """
+    T = _checked(geometry).n_actual
+    table = _host_table(geometry, T)
+    return table.to(_device(device))
+
+
+def tree_paths_into(geometry: ChainGeometry | TreeGeometry, out: torch.Tensor) -> torch.Tensor:
+    """Fill ``out`` (int32 ``[Tmax, Tmax]``, ``Tmax >= n_actual``) with the path table in
+    its top-left ``[T, T]`` block and ``-1`` elsewhere, in one host-to-device copy
+    (non-blocking from pinned memory on CUDA), so a CUDA graph replaying with ``out`` as a
+    static buffer sees the new table. Returns ``out``.
+
+    Raises:
+        TypeError: ``geometry`` is not a validated geometry or ``out`` is not a tensor.
+        KernelBoundsError: ``out`` is not int32, not square 2-D, or smaller than ``T``.
+    """
+    T = _checked(geometry).n_actual
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"'out' must be a torch.Tensor (got {type(out).__name__})")
+    if out.dtype != torch.int32:
+        raise KernelBoundsError(f"'out' must be torch.int32 (got {out.dtype})")
+    if out.ndim != 2 or out.shape[0] != out.shape[1]:
+        raise KernelBoundsError(
+            f"'out' must be a square [Tmax, Tmax] tensor (got shape {tuple(out.shape)})"
+        )
+    Tmax = out.shape[0]
+    if Tmax < T:
+        raise KernelBoundsError(
+            f"'out' holds Tmax={Tmax} slots but the geometry has n_actual={T}"
+        )
+    pinned = out.device.type == "cuda"
+    host = torch.full((Tmax, Tmax), -1, dtype=torch.int32, pin_memory=pinned)
+    host[:T, :T] = _host_table(geometry, T)
+    # A pinned source block is held by torch's host allocator until the copy has run.
+    out.copy_(host, non_blocking=pinned)
+    return out
+
+
+def _checked(geometry: object) -> ChainGeometry | TreeGeometry:
+    if not isinstance(geometry, (ChainGeometry, TreeGeometry)):
+        raise TypeError(
+            "'geometry' must be a validated ChainGeometry or TreeGeometry (from "
+            f"validate_chain / validate_tree; got {type(geometry).__name__})"
+        )
+    return geometry
+
+
+def _device(device: object) -> torch.device:
+    if not isinstance(device, (torch.device, str)):
+        raise TypeError(f"'device' must be a torch.device or str (got {type(device).__name__})")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise KernelBoundsError(f"'device' names no device (got {device!r})") from None
+
+
+def _host_table(geometry: ChainGeometry | TreeGeometry, T: int) -> torch.Tensor:
+    """The ``[T, T]`` int32 table on the CPU."""
+    slot = torch.arange(T, dtype=torch.int64)
+    if isinstance(geometry, ChainGeometry):
+        d = slot[None, :]
+        return torch.where(d <= slot[:, None], d, -1).to(torch.int32)
+    table = torch.full((T, T), -1, dtype=torch.int64)
+    parents = torch.tensor((0, *geometry.parents[1:]), dtype=torch.int64)  # root -> itself
+    depth = torch.tensor(geometry.depth, dtype=torch.int64)
+    # Walk every node up one edge per step: after k steps `ancestor[t]` sits at depth
+    # depth[t] - k, which is the column it fills (nodes shallower than k are done).
+    ancestor = slot.clone()
+    for k in range(int(depth.max()) + 1):
+        live = depth >= k
+        table[slot[live], depth[live] - k] = ancestor[live]
+        ancestor = parents[ancestor]
+    return table.to(torch.int32)

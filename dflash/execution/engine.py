@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor
@@ -48,9 +48,10 @@ from dflash.execution.policy import RollbackPolicy, RollbackStatus, parse_mode
 from dflash.execution.rollback import Lifecycle, Rollback, RollbackPath
 from dflash.execution.shards import ShardedTarget, device_ids
 from dflash.execution.window import VerifyWindow, WindowChoice, make_window
-from dflash.geometry import ChainGeometry, require_chain
+from dflash.geometry import ChainGeometry, TreeGeometry, require_chain, require_tree
 from dflash.model.caches import capture_kind
 from dflash.model.drafters import DeviceDrafter, Drafter
+from dflash.model.drafters.trees import DraftTree, TreeDrafter, accept_tree
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class StepRecord:
     status_before: RollbackStatus
     forwards: int  # target forwards this step (verify + replays; the gate step has one more)
     failure: str | None = None
+    nodes: int = 0  # slots verified (a chain: len(draft); a tree: its nodes, draft its path)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,7 @@ class Verified:
     commit_n: int
     taps: dict[int, Tensor]
     status_before: RollbackStatus
+    nodes: int = 0  # slots verified; a tree's ``d`` / ``t`` are its accepted path's
 
     @property
     def emitted(self) -> list[int]:
@@ -93,10 +96,10 @@ def chain_of(n: int) -> ChainGeometry:
 @dataclass(frozen=True)
 class Draft:
     """What a verify runs on: ``tokens`` ``d`` ``[T]`` (``d[0]`` the pending token) and
-    their validated geometry (a chain of ``T`` slots; trees come next)."""
+    their validated geometry (a chain of ``T`` slots, or a tree of ``T`` nodes)."""
 
     tokens: list[int]
-    geometry: ChainGeometry
+    geometry: ChainGeometry | TreeGeometry
 
 
 def greedy_acceptance(logits: Tensor, draft: Tensor) -> tuple[Tensor, Tensor]:
@@ -158,9 +161,11 @@ class SpecDecoder:
         policy: RollbackPolicy | None = None,
         faults: FaultInjector | None = None,
         verify_window: WindowChoice = "auto",
+        tree_budget: int | None = None,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
             raise ValueError(f"'block_size' must be an int >= 2 (got {block_size!r})")
+        self.tree_budget = _check_tree_budget(tree_budget, target, drafter, policy)
         if block_size > target.max_draft:
             raise ValueError(
                 f"'block_size'={block_size} exceeds the checkpoint slots "
@@ -260,6 +265,8 @@ class SpecDecoder:
         self._forwards_before = self.target_forwards
         if self.policy.fast and self.gate.pending and self.fast_unavailable_reason is None:
             return self._gate_step()
+        if self.tree_budget is not None:
+            return self._tree_step()
         step = len(self.records)
         guesses, confidence = self.drafts.take(list(self.context), self.last)  # [B-1]
         T = self.window.size(self.committed, self.block_size, confidence)  # 1 … B
@@ -300,6 +307,71 @@ class SpecDecoder:
         if saved is not None:
             self.gate.self_test(self.target.storages(), v.commit_n - 1, saved, step)
         return self._commit("replay", None)
+
+    def _tree_step(self) -> list[int]:
+        """A tree step: the drafter's tree of at most ``tree_budget`` nodes, validated, then
+        one verify; the accepted path is the deepest node whose path the target's greedy
+        tokens confirm (read back once); the rollback restores (or remaps) that node's
+        state, takes the conv window along its path and compacts its K/V rows, or, until
+        the status is ``effective``, replays the path."""
+        step = len(self.records)
+        drafter = cast(TreeDrafter, self.drafter)
+        assert self.tree_budget is not None
+        tree = drafter.draft_tree(
+            list(self.context), self.last, self.tree_budget, self.block_size - 1
+        )
+        draft = self._tree_draft(tree)
+        status_before = self.status
+        logits, taps, _ = self._verify(draft)
+        t = logits.argmax(-1).tolist()  # [T]: the target's token after each node's path
+        _, path = accept_tree(tree, t)  # the deepest confirmed node: path[-1]
+        d = [tree.tokens[s] for s in path]
+        self._pending = Verified(
+            d, [t[s] for s in path], len(path), taps, status_before, nodes=len(tree)
+        )
+        if status_before is RollbackStatus.EFFECTIVE:
+            how, failure = self.rollback.path_fast(d, self.committed, len(tree), path, step)
+        else:
+            self.rollback.replay(d, self.committed, len(path))
+            how, failure = "replay", None
+        return self._commit(how, failure)
+
+    def _tree_draft(self, tree: DraftTree) -> Draft:
+        """The drafter's tree checked (root = the pending token, token ids, size, depth,
+        KV capacity) and validated by :func:`require_tree` before any kernel runs."""
+        label = self.drafter.label
+        if not isinstance(tree, DraftTree):
+            raise ExecutionError(f"drafter {label!r} returned {type(tree).__name__}, not a tree")
+        vocab = self.target.model.config.vocab_size
+        bad = [s for s, tok in enumerate(tree.tokens) if not 0 <= tok < vocab]
+        if tree.tokens[0] != self.last or bad:
+            raise ExecutionError(
+                f"drafter {label!r} returned a tree rooted at {tree.tokens[0]} (pending "
+                f"{self.last}) or with token ids outside [0, {vocab}) at slots {bad}"
+            )
+        assert self.tree_budget is not None
+        if len(tree) > self.tree_budget:
+            raise ExecutionError(
+                f"drafter {label!r} returned {len(tree)} nodes, over tree_budget="
+                f"{self.tree_budget}"
+            )
+        try:
+            geometry = require_tree(tree.parents)
+        except Exception as exc:
+            raise ExecutionError(f"drafter {label!r} returned a malformed tree: {exc}") from None
+        if max(geometry.depth) > self.block_size - 1:
+            raise ExecutionError(
+                f"drafter {label!r} returned a tree {max(geometry.depth)} deep, over "
+                f"block_size - 1 = {self.block_size - 1}"
+            )
+        if self.committed + len(tree) > self.target.max_len:
+            raise ExecutionError(
+                f"KV cache capacity exhausted: a verify of {len(tree)} nodes at position "
+                f"{self.committed} needs {self.committed + len(tree)} positions, the caches "
+                f"hold max_len={self.target.max_len}"
+            )
+        self.target.require_position(self.committed, what="before verify")
+        return Draft(list(tree.tokens), geometry)
 
     def _draft(self, guesses: list[int], window: int) -> Draft:
         """``[last, *guesses[:window-1]]``, checked to fit the caches and validated as a
@@ -366,7 +438,7 @@ class SpecDecoder:
         self.records.append(
             StepRecord(
                 step, tuple(v.d), v.commit_n, tuple(v.emitted), path, v.status_before,
-                forwards, failure,
+                forwards, failure, v.nodes or len(v.d),
             )
         )
         self._paths[path] += 1
@@ -401,6 +473,11 @@ class SpecDecoder:
         """
         self.rollback.require_clean("request_mode")
         new = RollbackPolicy(mode=parse_mode(mode, source="'mode'"))
+        if self.tree_budget is not None and new.mode == "recompute":
+            raise ExecutionError(
+                "rollback 'recompute' walks chains only: it cannot serve tree_budget="
+                f"{self.tree_budget}"
+            )
         if self._capture_for(new.mode):
             self.rollback.life.move("rebuild")
             self.gate.reset()
@@ -425,3 +502,28 @@ class SpecDecoder:
         self.rollback.life.move("rebuild")
         self.target.rebuild_storage()
         self.gate.reset()
+
+
+def _check_tree_budget(
+    budget: object, target: ShardedTarget, drafter: Drafter, policy: RollbackPolicy | None
+) -> int | None:
+    """``tree_budget`` checked against the target, drafter and rollback mode (None: chains)."""
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 2:
+        raise ValueError(f"'tree_budget' must be None or an int >= 2 (got {budget!r})")
+    if budget > target.max_draft:
+        raise ValueError(
+            f"'tree_budget'={budget} exceeds the capture slots max_draft={target.max_draft} "
+            "the target was built with"
+        )
+    if not isinstance(drafter, TreeDrafter) or drafter.tap_layers:
+        raise ValueError(
+            f"'tree_budget' needs a drafter that proposes trees on the host (got "
+            f"{getattr(drafter, 'label', type(drafter).__name__)!r})"
+        )
+    if policy is not None and policy.mode == "recompute":
+        raise ValueError(
+            f"rollback 'recompute' walks chains only: it cannot serve tree_budget={budget}"
+        )
+    return budget

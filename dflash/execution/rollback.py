@@ -172,6 +172,41 @@ class Rollback:
         self.recover(d, committed, commit_n, step, failure)
         return "replay_after_failure", failure
 
+    def path_fast(
+        self, d: Sequence[int], committed: int, window: int, path: Sequence[int], step: int
+    ) -> tuple[RollbackPath, str | None]:
+        """The fast rollback of a tree verify (``window`` slots) to its accepted ``path``,
+        known on the host after the read-back: every shard's state and conv window from
+        the path (``RecurrentPool.rollback_path``) and its K/V rows compacted
+        (``KVCache.compact``). ``d`` holds the path's tokens (what a fallback replays). A
+        failure falls back to the legacy path, poisoning first once a shard may have
+        changed, exactly as :meth:`finish_fast` does."""
+        changed = False
+        try:
+            self.faults.fire(FaultPhase.BEFORE_RESTORE, step)
+            self.target.require_position(committed, kv_extra=window, what="before restore")
+            for shard in self.target.shards:
+                if shard.index > 0:
+                    self.faults.fire(FaultPhase.MID_RESTORE, step, shard.index)
+                changed = True
+                with shard.on_device():
+                    shard.caches.pool.rollback_path(self.mode, path)
+                shard.compact_kv(committed, path)
+                if shard.index == 0:
+                    self.faults.fire(FaultPhase.KV_TRUNCATE, step)
+            self.faults.fire(FaultPhase.AFTER_RESTORE, step)
+            self.life.move("rollback")
+            return "fast", None
+        except ShardPositionError:
+            raise
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        if changed:
+            self.life.move("fail")
+            self.poison_events += 1
+        self.recover(d, committed, len(path), step, failure)
+        return "replay_after_failure", failure
+
     def undo_enqueued(self) -> None:
         """Every shard back to its pre-verify state after an enqueued rollback that will not
         be finished; the step then stays ``VERIFIED`` until it is recovered."""

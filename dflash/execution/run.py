@@ -297,7 +297,7 @@ def generate(
     records = before.steps(engine)
     steps = len(records)
     forwards = before.forwards(engine)
-    drafted = sum(len(r.draft) - 1 for r in records)  # the verified guesses
+    drafted = sum(r.nodes - 1 for r in records)  # the verified guesses (a tree: its nodes)
     accepted = sum(r.accept_n - 1 for r in records)
     decode_s = t2 - t1
     effective = [r for r in records if r.status_before is RollbackStatus.EFFECTIVE]

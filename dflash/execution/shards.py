@@ -20,7 +20,7 @@ from dflash.errors import param
 from dflash.execution.capture_gate import ShardStorage
 from dflash.execution.errors import LayerSplitError, ShardPositionError, WeightsMovedError
 from dflash.execution.graphs import ShardCompute, ShardGraphs, ShardOutput, graphs_supported
-from dflash.geometry import ChainGeometry
+from dflash.geometry import ChainGeometry, TreeGeometry
 from dflash.model import KVCache, ShardCaches, TargetModel
 from dflash.model.caches import CaptureKind
 from dflash.model.layers import fuse_linear_groups_
@@ -138,6 +138,12 @@ class Shard:
         if self.device.type == "cuda":
             return torch.cuda.device(self.device)
         return nullcontext()
+
+    def compact_kv(self, start: int, path: Sequence[int]) -> None:
+        """After a tree verify at ``start``: the accepted ``path``'s K/V rows moved to
+        consecutive positions (``KVCache.compact``; nothing without attention layers)."""
+        if self.caches.kv.layer_ids:
+            self.caches.kv.compact(start, path)
 
     def truncate_kv(self, n: int) -> None:
         """Keep the first ``n`` KV positions (a shard without attention layers has none)."""
@@ -336,7 +342,7 @@ class ShardedTarget:
         mode: Mode,
         start: int,
         *,
-        geometry: ChainGeometry | None = None,
+        geometry: ChainGeometry | TreeGeometry | None = None,
         taps: Sequence[int] = (),
         after_shard: Callable[[int], None] | None = None,
     ) -> tuple[Tensor, dict[int, Tensor]]:
@@ -365,7 +371,7 @@ class ShardedTarget:
         ids: Sequence[int] | Tensor,
         mode: Mode,
         start: int,
-        geometry: ChainGeometry | None,
+        geometry: ChainGeometry | TreeGeometry | None,
         taps: Sequence[int],
         after_shard: Callable[[int], None] | None,
         logits: bool,
@@ -386,7 +392,11 @@ class ShardedTarget:
         if mode == "prefill":  # a new generation: the weights may have changed since the last
             self._check_weights()
         hidden_size = self.model.config.hidden_size
-        graphed = self.graphs is not None and mode != "prefill"
+        # a tree's node positions and paths are built per tree: trees run eagerly for now
+        graphed = (
+            self.graphs is not None and mode != "prefill"
+            and not isinstance(geometry, TreeGeometry)
+        )
         tapped: dict[int, Tensor] = {}
         out_logits: Tensor | None = None
         for shard in self.shards:
@@ -413,7 +423,7 @@ class ShardedTarget:
         self,
         shard: Shard,
         mode: Mode,
-        geometry: ChainGeometry | None,
+        geometry: ChainGeometry | TreeGeometry | None,
         taps: Sequence[int],
         logits: bool,
         start: int,
@@ -430,7 +440,10 @@ class ShardedTarget:
             hidden, got = model.compute_layers(
                 hidden, layers, caches, mode, geometry, taps, on_layer
             )
-            head = model.logits(hidden, mode, start) if last and logits else None  # [1, T, V]
+            offsets = geometry.depth if isinstance(geometry, TreeGeometry) else None
+            head = (  # [1, T, V]
+                model.logits(hidden, mode, start, offsets) if last and logits else None
+            )
             return hidden, head, got
 
         return compute

@@ -23,6 +23,23 @@ heads): programs whose split starts past the tile's last visible key exit at onc
 Keys at or past ``start + t_last + 1`` (and past ``S_max``) are never loaded, so
 unwritten cache rows may hold anything.
 
+Tree verify (``TREE``, ``paths`` an int32 ``[T, T]`` table, ``B == 1``): row ``t`` is
+draft node ``t`` at position ``start + depth(t)`` (its count of non-negative ``paths``
+entries minus one, read on the device) and walks a LOGICAL key sequence: logical key ``j``
+is cache row ``j`` for ``j < start`` and cache row ``start + paths[t, j - start]`` from
+``start`` on, up to ``start + depth(t)``. Blocks and splits are cut by the logical index
+exactly as a chain cuts the absolute one. A block wholly below ``start`` is the same for
+every row and is loaded once for the tile; a block that reaches ``start`` is gathered once
+per node of the tile (masked loads through the table), and each such pass updates only
+that node's rows (the others see no key of it and stay unchanged, as above). So each row
+loads, in each block, exactly the keys and values a ``T = 1`` chain call at
+``start + depth(t)`` loads from the cache plain decoding would hold (the path's keys at
+contiguous rows), in the same columns, and its reduction (scores, online softmax, the
+combine over the splits ``0 .. (start + depth(t)) // SPLIT_KEYS``) is that call's, bit
+for bit. Gathered rows outside ``0 .. S_max - 1`` are never loaded, whatever the table
+holds. With ``TREE`` off the tree code is compiled out: a chain runs the arithmetic it
+always ran.
+
 Tile products go through :func:`dflash.kernels.linear_triton.mma` (``tl.dot`` on the GPU,
 a row-order-independent emulation under the interpreter).
 """
@@ -47,15 +64,54 @@ NEG_INF = tl.constexpr(float("-inf"))
 LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["T", "s_qb", "s_yb"])  # type: ignore[untyped-decorator]  # triton ships no types
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def softmax_block(  # type: ignore[no-untyped-def]  # Triton values are untyped
+    b_q, b_k, b_v, visible, b_m, b_l, b_o, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """One key block of the online softmax: keys/values ``b_k, b_v [BLOCK_N, BD]``,
+    ``visible [BLOCK_M, BLOCK_N]``; returns the updated ``(b_m, b_l, b_o)``. A row that sees
+    no key of the block keeps its state exactly (``p = 0``, rescale factor exactly 1)."""
+    b_s = mma(b_q, tl.trans(b_k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
+              F32_DOT, EMULATE)
+    b_s = tl.where(visible, b_s * qk_scale, NEG_INF)
+    b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+    # all-masked so far: subtract 0, not -inf (exp2(-inf - -inf) would be NaN)
+    b_m_use = tl.where(b_m_new == NEG_INF, 0.0, b_m_new)
+    # a block that does not raise the max rescales by exactly 1
+    b_alpha = tl.where(b_m_new == b_m, 1.0, tl.math.exp2(b_m - b_m_use))
+    b_p = tl.math.exp2(b_s - b_m_use[:, None])
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    b_o = mma(b_p.to(b_v.dtype), b_v, b_o * b_alpha[:, None], F32_DOT, EMULATE)
+    return b_m_new, b_l, b_o
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def node_depth(paths, s_pt, o_t, m_t, T, R: tl.constexpr, BLOCK_P: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton values are untyped
+    """Depth of the nodes ``o_t`` (an ``[R]`` tensor of slots; rows with ``m_t`` false read
+    as depth -1): each node's count of non-negative ``paths`` entries minus one, read in
+    chunks of ``BLOCK_P`` columns (``T`` is not specialised; rows ``s_pt`` apart)."""
+    n_anc = tl.zeros([R], dtype=tl.int64)
+    d0 = T * 0   # an int32 scalar, like the loop bound
+    while d0 < T:   # a while loop: the interpreter cannot range() over a runtime bound
+        o_p = d0 + tl.arange(0, BLOCK_P)
+        b_e = tl.load(paths + o_t[:, None] * s_pt + o_p[None, :],
+                      mask=m_t[:, None] & (o_p < T)[None, :], other=-1)
+        n_anc += tl.sum((b_e >= 0).to(tl.int64), 1)
+        d0 += BLOCK_P
+    return n_anc - 1
+
+
+@triton.jit(do_not_specialize=["T", "s_qb", "s_yb", "s_pt"])  # type: ignore[untyped-decorator]  # triton ships no types
 def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
-    q, k, v, start, ws_m, ws_l, ws_o, y,     # q [B,T,H,D]; k, v [B,HKV,S,D]; start [B]
+    q, k, v, start, paths, ws_m, ws_l, ws_o, y,  # q [B,T,H,D]; k, v [B,HKV,S,D]; start [B]
     qk_scale,                                # softmax scale * log2(e)
-    T, S_max,
+    T, S_max, s_pt,                          # s_pt: the row stride of paths [T, T]
     s_qb, s_qt, s_qh, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, s_yb, s_yt, s_yh,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr,
-    F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
+    TREE: tl.constexpr, F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
 ):
     G = H // HKV
     i_s = tl.program_id(0).to(tl.int64)
@@ -68,10 +124,16 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers a
     m_r = o_r < G * T
     o_t = o_r // G
     o_h = i_hk * G + o_r % G
-    pos = st + o_t                                   # absolute position of each row
+    t_first = (i_r * BLOCK_M) // G
     t_last = (tl.minimum(i_r * BLOCK_M + BLOCK_M, G * T) - 1) // G
+    if TREE:   # node t sits at start + depth(t) (paths [T, T], B == 1)
+        pos = st + node_depth(paths, s_pt, o_t, m_r, T, BLOCK_M, BLOCK_M)
+        p_last = tl.max(tl.where(m_r, pos, -1), 0)   # the tile's last visible key
+    else:
+        pos = st + o_t                               # absolute position of each row
+        p_last = st + t_last
     k_lo = i_s * SPLIT
-    k_hi = tl.minimum(tl.minimum(k_lo + SPLIT, st + t_last + 1), S_max)
+    k_hi = tl.minimum(tl.minimum(k_lo + SPLIT, p_last + 1), S_max)
     if k_lo < k_hi:   # else no row of this tile sees a key of this split: nothing to do
         o_d = tl.arange(0, BD)
         m_d = o_d < D
@@ -85,23 +147,46 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers a
         # a fixed trip count (blocks past k_hi load nothing and are neutral, see above)
         for j in range(0, SPLIT // BLOCK_N):
             o_n = k_lo + j * BLOCK_N + tl.arange(0, BLOCK_N)
-            m_kv = (o_n < k_hi)[:, None] & m_d[None, :]
-            b_k = tl.load(p_k0 + o_n[:, None] * s_ks, mask=m_kv, other=0)   # [BLOCK_N, BD]
-            b_v = tl.load(p_v0 + o_n[:, None] * s_vs, mask=m_kv, other=0)
-            b_s = mma(b_q, tl.trans(b_k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
-                      F32_DOT, EMULATE)
-            visible = o_n[None, :] <= pos[:, None]
-            b_s = tl.where(visible, b_s * qk_scale, NEG_INF)
-            b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-            # all-masked so far: subtract 0, not -inf (exp2(-inf - -inf) would be NaN)
-            b_m_use = tl.where(b_m_new == NEG_INF, 0.0, b_m_new)
-            # a block that does not raise the max rescales by exactly 1
-            b_alpha = tl.where(b_m_new == b_m, 1.0, tl.math.exp2(b_m - b_m_use))
-            b_p = tl.math.exp2(b_s - b_m_use[:, None])
-            b_l = b_l * b_alpha + tl.sum(b_p, 1)
-            b_o = mma(b_p.to(b_v.dtype), b_v, b_o * b_alpha[:, None], F32_DOT, EMULATE)
-            b_m = b_m_new
+            if TREE:
+                if k_lo + j * BLOCK_N + BLOCK_N <= st:
+                    # committed keys only: logical = physical, one tile for every row
+                    m_kv = (o_n < k_hi)[:, None] & m_d[None, :]
+                    b_k = tl.load(p_k0 + o_n[:, None] * s_ks, mask=m_kv, other=0)
+                    b_v = tl.load(p_v0 + o_n[:, None] * s_vs, mask=m_kv, other=0)
+                    b_m, b_l, b_o = softmax_block(
+                        b_q, b_k, b_v, o_n[None, :] <= pos[:, None], b_m, b_l, b_o,
+                        qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+                elif k_lo + j * BLOCK_N < k_hi:
+                    # the block reaches the draft: each node of the tile gathers its own
+                    # logical keys (its path's slots from start on) and updates its rows;
+                    # the tile's other rows see no key of that pass and stay unchanged
+                    o_a = o_n - st                       # depth of logical key n's node
+                    m_a = (o_a >= 0) & (o_a < T)
+                    u = t_first
+                    while u <= t_last:   # the interpreter cannot range() a runtime bound
+                        slot = tl.load(paths + u * s_pt + o_a, mask=m_a, other=-1)
+                        src = tl.where(o_a < 0, o_n, st + slot)   # physical cache row
+                        m_n = ((o_a < 0) | (slot >= 0)) & (src >= 0) & (src < S_max)
+                        m_n = m_n & (o_n < S_max)
+                        m_kv = m_n[:, None] & m_d[None, :]
+                        b_k = tl.load(p_k0 + src[:, None] * s_ks, mask=m_kv, other=0)
+                        b_v = tl.load(p_v0 + src[:, None] * s_vs, mask=m_kv, other=0)
+                        visible = ((o_t == u) & m_r)[:, None] & m_n[None, :]
+                        visible = visible & (o_n[None, :] <= pos[:, None])
+                        b_m, b_l, b_o = softmax_block(
+                            b_q, b_k, b_v, visible, b_m, b_l, b_o,
+                            qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+                        u += 1
+            else:
+                m_kv = (o_n < k_hi)[:, None] & m_d[None, :]
+                b_k = tl.load(p_k0 + o_n[:, None] * s_ks, mask=m_kv, other=0)   # [BLOCK_N, BD]
+                b_v = tl.load(p_v0 + o_n[:, None] * s_vs, mask=m_kv, other=0)
+                b_m, b_l, b_o = softmax_block(
+                    b_q, b_k, b_v, o_n[None, :] <= pos[:, None], b_m, b_l, b_o,
+                    qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
         if NS == 1:   # one split: normalise and write the output directly
+            if TREE:   # the tile's padding rows saw no key (l = 0); they are not stored
+                b_l = tl.where(m_r, b_l, 1.0)
             p_y = y + i_b * s_yb + o_t[:, None] * s_yt + o_h[:, None] * s_yh + o_d[None, :]
             b_y = b_o / b_l[:, None]
             tl.store(p_y, b_y.to(y.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
@@ -113,17 +198,22 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers a
             tl.store(p_o, b_o, mask=m_r[:, None] & m_d[None, :])
 
 
-@triton.jit(do_not_specialize=["T", "s_yb"])  # type: ignore[untyped-decorator]  # triton ships no types
+@triton.jit(do_not_specialize=["T", "s_yb", "s_pt"])  # type: ignore[untyped-decorator]  # triton ships no types
 def attention_combine_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
-    start, ws_m, ws_l, ws_o, y, T, s_yb, s_yt, s_yh,
+    start, paths, ws_m, ws_l, ws_o, y, T, s_pt, s_yb, s_yt, s_yh,
     H: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, SPLIT: tl.constexpr,
-    BS: tl.constexpr, BD: tl.constexpr,
+    BS: tl.constexpr, BD: tl.constexpr, TREE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)              # (b * T + t) * H + h
     i_h = row % H
     i_t = (row // H) % T
     i_b = row // (H * T)
-    pos = tl.load(start + i_b).to(tl.int64) + i_t
+    if TREE:   # node i_t sits at start + depth(i_t)
+        o_one = tl.zeros([1], dtype=tl.int64) + i_t
+        n_dep = tl.sum(node_depth(paths, s_pt, o_one, o_one >= 0, T, 1, 16), 0)
+        pos = tl.load(start + i_b).to(tl.int64) + n_dep
+    else:
+        pos = tl.load(start + i_b).to(tl.int64) + i_t
     n_valid = tl.minimum(pos // SPLIT + 1, NS)       # splits holding a key <= pos
     o_s = tl.arange(0, BS)
     # finite: split 0 holds key 0 <= pos
@@ -147,13 +237,17 @@ def attention_combine_kernel(  # type: ignore[no-untyped-def]  # Triton pointers
 def launch_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
     scale: float, out: torch.Tensor | None, *, num_warps: int = 4, num_stages: int = 2,
-    split_keys: int = SPLIT_KEYS, block_n: int = BLOCK_N,
+    split_keys: int = SPLIT_KEYS, block_n: int = BLOCK_N, paths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch both passes on validated inputs; returns ``out`` (``[B, T, H, D]``).
 
     ``split_keys`` / ``block_n`` override :data:`SPLIT_KEYS` / :data:`BLOCK_N` (tests of
     the split boundaries at small sizes, benchmark sweeps); ``block_n`` must divide
     ``split_keys``. Results are M-invariant for any fixed pair, not across pairs.
+    ``paths`` (int32 ``[T, T]`` with unit column stride, ``B == 1``, validated by the
+    caller): a tree verify;
+    ``None``: a chain (the ``TREE=False`` specialisation, whose arithmetic the tree code
+    leaves untouched). The table's contents are read on the device only.
     """
     if split_keys % block_n != 0:
         raise ValueError(f"'block_n'={block_n} must divide 'split_keys'={split_keys}")
@@ -172,21 +266,26 @@ def launch_decode_attention(
     else:
         ws_m = ws_l = ws_o = out
     grid = (NS, B * HKV, triton.cdiv(G * T, BLOCK_M))
+    tree = paths is not None
+    # a chain passes `start` for the table it never reads (a valid pointer of a fixed type)
+    table = paths if paths is not None else start
+    s_pt = paths.stride(0) if paths is not None else 0
     attention_split_kernel[grid](
-        q, k_cache, v_cache, start, ws_m, ws_l, ws_o, out,
-        scale * LOG2E, T, S_max,
+        q, k_cache, v_cache, start, table, ws_m, ws_l, ws_o, out,
+        scale * LOG2E, T, S_max, s_pt,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         H=H, HKV=HKV, D=D, NS=NS, SPLIT=split_keys, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BD=BD, F32_DOT=q.dtype == torch.float32, EMULATE=INTERPRET,
+        BD=BD, TREE=tree, F32_DOT=q.dtype == torch.float32, EMULATE=INTERPRET,
         num_warps=num_warps, num_stages=num_stages,
     )
     if NS > 1:
         attention_combine_kernel[(B * T * H,)](
-            start, ws_m, ws_l, ws_o, out, T, out.stride(0), out.stride(1), out.stride(2),
-            H=H, D=D, NS=NS, SPLIT=split_keys, BS=triton.next_power_of_2(NS), BD=BD,
+            start, table, ws_m, ws_l, ws_o, out, T, s_pt,
+            out.stride(0), out.stride(1), out.stride(2),
+            H=H, D=D, NS=NS, SPLIT=split_keys, BS=triton.next_power_of_2(NS), BD=BD, TREE=tree,
             num_warps=4,
         )
     return out

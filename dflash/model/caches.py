@@ -51,6 +51,8 @@ back, ``restore_pre_verify``, valid at every stage.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -172,6 +174,30 @@ class KVCache:
     def reset(self) -> None:
         """Empty (before a prefill)."""
         self.length = 0
+
+    def compact(self, start: int, path: Sequence[int]) -> None:
+        """After a tree verify at ``start``: the accepted path's rows ``start + path[i]``
+        move to ``start + i`` and the length becomes ``start + len(path)`` (a chain's path
+        ``0 … n-1`` moves nothing). ``path`` must be strictly increasing from 0 within the
+        rows written; checked before anything moves."""
+        if not self.layer_ids:
+            return
+        if (
+            not path or path[0] != 0 or any(b <= a for a, b in itertools.pairwise(path))
+            or start < 0 or start + path[-1] >= self.length
+        ):
+            raise CacheError(
+                f"'path' {list(path)} at start {start} must rise from slot 0 within the "
+                f"{self.length} rows written"
+            )
+        m = len(path)
+        if list(path) != list(range(m)):
+            device = self.k.device
+            src = torch.tensor([start + s for s in path], dtype=torch.int64).to(device)
+            dst = torch.arange(start, start + m, device=device)
+            for cache in (self.k, self.v):
+                cache.index_copy_(3, dst, cache.index_select(3, src))
+        self.length = start + m
 
     def advance(self, start: int, n: int) -> None:
         """A forward wrote rows ``start … start+n-1``; the length becomes ``start + n``.
@@ -427,13 +453,16 @@ class RecurrentPool:
 
     # -- verify bookkeeping (called by TargetModel.run_layers) -----------------------------
 
-    def begin_verify(self, start: int, n: int) -> None:
+    def begin_verify(self, start: int, n: int, parents: tuple[int, ...] | None = None) -> None:
         """Record a verify of ``n`` slots at ``start`` (host bookkeeping only: the verify
-        reads the live state through :meth:`kernel_views` and leaves ``conv`` alone)."""
+        reads the live state through :meth:`kernel_views` and leaves ``conv`` alone);
+        ``parents``: the validated tree's parents (None: a chain)."""
         self.check_can_advance("verify")
         if n > self.max_draft:
             raise CacheError(f"verify of {n} slots exceeds 'max_draft'={self.max_draft}")
-        self.verify = VerifyRecord(start, n, self.live_slot, [False] * len(self.layer_ids))
+        self.verify = VerifyRecord(
+            start, n, self.live_slot, [False] * len(self.layer_ids), parents=parents
+        )
 
     def end_verify_layer(self, layer: int) -> None:
         assert self.verify is not None  # begin_verify ran
@@ -551,6 +580,37 @@ class RecurrentPool:
                 self.live.fill_(-1)
         self.position.add_(commit_n)
 
+    def rollback_path(self, mode: str, path: Sequence[int]) -> None:
+        """A fast ``mode`` rollback (``"checkpoint"`` or ``"remap"``) of a verify to the
+        accepted root-to-node ``path`` (slots; a tree's accepted branch, or a chain's
+        ``0 … commit_n-1``), with the path known on the host: the live state becomes the
+        checkpoint of its last slot (copied home, or pointed at), the conv window the last
+        ``Kc-1`` inputs along the path (the pre-verify window's rows where the path is
+        shorter), and ``length`` the verify's start + ``len(path)``. Every check runs first
+        (nothing changes when one fails)."""
+        if mode not in ("checkpoint", "remap"):
+            raise CacheError(f"'mode' must be 'checkpoint' or 'remap' (got {mode!r})")
+        self.mark_device_rollback(mode)
+        v = self.verify
+        assert v is not None  # mark_device_rollback checked it
+        try:
+            v.require_path(path)
+        except CacheError:
+            v.stage = "open"  # refused before any change
+            raise
+        u, m, kc1 = path[-1], len(path), self.conv_kernel - 1
+        # the window after the path: entries m … m+Kc-2 of concat(pre-verify window, path)
+        logical = range(m, m + kc1)
+        rows = [j if j < kc1 else kc1 + path[j - kc1] for j in logical]
+        if self.layer_ids:
+            index = torch.tensor(rows, dtype=torch.int64).to(self.conv.device)
+            self.conv.copy_(self.captured.index_select(2, index))
+            if mode == "checkpoint":
+                self.state.copy_(self.checkpoints[:, :, u])
+        self._set_live(u if mode == "remap" else None)
+        self._move_to(v.start + m)
+        v.stage = "rolled"
+
     def recomputed_copy(self, commit_n: int) -> tuple[Tensor, Tensor]:
         """What a ``recompute`` rollback of ``commit_n`` tokens would make the live states
         and conv windows, as new tensors ``[L,B,HV,K,V]``, ``[L,B,Kc-1,C]`` computed by the
@@ -663,6 +723,29 @@ class VerifyRecord:
     written: list[bool]
     complete: bool = False
     stage: Literal["open", "enqueued", "rolled", "restored"] = "open"
+    parents: tuple[int, ...] | None = None  # a tree verify's parents (None: a chain)
+
+    def require_path(self, path: Sequence[int]) -> None:
+        """Raise unless ``path`` is a root-to-node path of this verify's slots: ``[0]``, then
+        each slot's child in the tree (a chain: ``0, 1, …``)."""
+        if (
+            not path or path[0] != 0 or len(path) > self.n
+            or any(isinstance(s, bool) or not isinstance(s, int) for s in path)
+        ):
+            raise CacheError(
+                f"'path' must start at the root slot 0 and hold at most {self.n} slots "
+                f"(got {list(path)})"
+            )
+        for a, b in itertools.pairwise(path):
+            parent = a + 1 == b if self.parents is None else (
+                0 <= b < self.n and self.parents[b] == a
+            )
+            if not parent:
+                raise CacheError(
+                    f"'path' {list(path)} is not a root-to-node path of the verified "
+                    f"{'tree' if self.parents is not None else 'chain'}: slot {b} is not a "
+                    f"child of {a}"
+                )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

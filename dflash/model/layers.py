@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash.geometry import ChainGeometry
+from dflash.geometry import ChainGeometry, TreeGeometry
 from dflash.kernels import (
     causal_conv1d_capture,
     decode_attention,
@@ -50,8 +50,9 @@ class Ops:
 
     ``invariant``: M-invariant evaluation (decode / verify / replay); otherwise ``F.linear``
     and SDPA (prefill). ``backend`` picks Triton or the torch references for every
-    :mod:`dflash.kernels` call. ``start`` is the position of the forward's row 0; invariant
-    CPU forwards need it for their position tiles (``tiles``; None elsewhere: CUDA
+    :mod:`dflash.kernels` call. ``start`` is the position of the forward's row 0, and
+    ``offsets`` (a tree verify) each row's position past it (its depth); invariant
+    CPU forwards need them for their position tiles (``tiles``; None elsewhere: CUDA
     forwards read positions from the device).
     """
 
@@ -64,6 +65,7 @@ class Ops:
         backend: KernelBackend,
         device: torch.device,
         start: int | None = None,
+        offsets: tuple[int, ...] | None = None,
     ) -> None:
         self.invariant = invariant
         self.backend: KernelBackend = backend
@@ -71,7 +73,7 @@ class Ops:
         if invariant and device.type == "cpu":
             if start is None:
                 raise ValueError("an invariant CPU forward needs the position of its row 0")
-            self.tiles = PositionTiles(start)
+            self.tiles = PositionTiles(start, offsets)
 
     def linear(self, module: nn.Linear, x: Tensor) -> Tensor:
         """``module(x)`` on this forward's kernels (``x: [..., in]`` → ``[..., out]``)."""
@@ -393,6 +395,7 @@ class GatedAttention(GroupedModule):
         positions: Tensor,
         ops: Ops,
         visible: Tensor | None = None,
+        tree: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """``x: [B, T, hidden]`` at ``positions: [T]`` (int64, on x's device, consecutive).
 
@@ -401,6 +404,11 @@ class GatedAttention(GroupedModule):
         forwards read the cache through :func:`decode_attention` (length from the device,
         no slicing); the prefill uses SDPA over rows ``0 … T-1`` with ``visible: [T, T]``
         (True = may attend), None for a single token.
+
+        ``tree = (rows [T], paths [T, T])`` for a tree verify: ``positions`` are then the
+        nodes' positions (``start + depth``, rotary), the keys/values go to cache ``rows``
+        (``start + slot``), and row ``t`` attends the committed keys and its ancestors
+        (``paths``, :func:`dflash.kernels.tree_paths`).
         """
         b, t, _ = x.shape
         d = self.head_dim
@@ -410,11 +418,14 @@ class GatedAttention(GroupedModule):
         q = apply_rotary(ops.each_token(self.q_norm, q), cos, sin)  # [B, T, H, D]
         k = apply_rotary(ops.each_token(self.k_norm, k.view(b, t, self.num_kv_heads, d)), cos, sin)
         v = v.view(b, t, self.num_kv_heads, d)
-        k_cache.index_copy_(2, positions, k.transpose(1, 2))  # rows positions[0..T-1]
-        v_cache.index_copy_(2, positions, v.transpose(1, 2))
+        rows, paths = (positions, None) if tree is None else tree
+        k_cache.index_copy_(2, rows, k.transpose(1, 2))  # rows[0..T-1]
+        v_cache.index_copy_(2, rows, v.transpose(1, 2))
         if ops.invariant:
-            start = positions[:1].expand(b).contiguous()  # [B], the position of row 0
-            out = decode_attention(q, k_cache, v_cache, start, scale=d**-0.5, backend=ops.backend)
+            start = rows[:1].expand(b).contiguous()  # [B], the position of row 0
+            out = decode_attention(
+                q, k_cache, v_cache, start, scale=d**-0.5, paths=paths, backend=ops.backend
+            )
         else:
             out = self._prefill_attention(q, k_cache[:, :, :t], v_cache[:, :, :t], visible)
         out = out.reshape(b, t, self.num_heads * d)
@@ -478,10 +489,11 @@ class GatedDeltaNet(GroupedModule):
         x: Tensor,
         state: Tensor,
         conv_rows: Tensor,
-        geometry: ChainGeometry | None,
+        geometry: ChainGeometry | TreeGeometry | None,
         capture: LayerCapture | None,
         ops: Ops,
         remap: tuple[Tensor, Tensor] | None = None,
+        paths: Tensor | None = None,
     ) -> Tensor:
         """``x: [B, T, hidden]`` → ``[B, T, hidden]``.
 
@@ -494,7 +506,9 @@ class GatedDeltaNet(GroupedModule):
         the per-token states and the pre-verify state (capturing states), or the conv
         outputs and gates the recurrence consumed (capturing inputs: the conv and the gates
         write there directly, and the recurrence writes no state). The live state and
-        ``conv_rows`` are only read (``geometry`` is the validated chain).
+        ``conv_rows`` are only read (``geometry`` is the validated chain or tree; a tree
+        also passes its ``paths`` [T, T], so each node's conv window and recurrence follow
+        its ancestors).
         """
         bank, live = remap if remap is not None else (None, None)
         b, t, _ = x.shape
@@ -519,7 +533,8 @@ class GatedDeltaNet(GroupedModule):
             captured = capture.captured
         mixed = causal_conv1d_capture(
             mixed, conv_rows, weight, None, captured,
-            out=inputs[:, :t] if inputs is not None and direct else None, backend=backend,
+            out=inputs[:, :t] if inputs is not None and direct else None, paths=paths,
+            backend=backend,
         )
         if inputs is not None and not direct:
             inputs[:, :t].copy_(mixed)

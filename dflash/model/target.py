@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash.geometry import ChainGeometry, TreeGeometry
+from dflash.kernels.tree_paths import tree_paths
 from dflash.model.caches import CacheError, CaptureKind, ShardCaches
 from dflash.model.config import HybridConfig
 from dflash.model.layers import (
@@ -195,7 +196,9 @@ class TargetModel(nn.Module):
             pool.reset()
             kv.reset()
         elif mode == "verify":
-            pool.begin_verify(start_pos, t)
+            pool.begin_verify(
+                start_pos, t, geometry.parents if isinstance(geometry, TreeGeometry) else None
+            )
         else:
             pool.check_can_advance(mode)
             pool.move_live_home()  # decode / replay read and write the home state
@@ -220,9 +223,18 @@ class TargetModel(nn.Module):
         """
         kv, pool = caches.kv, caches.pool
         t = hidden.shape[1]
-        chain = geometry if isinstance(geometry, ChainGeometry) else None
-        ops = self.ops(mode, hidden.device, _host_start(pool.position, hidden.device))
-        positions = pool.position[:1] + torch.arange(t, device=hidden.device)  # [T] int64
+        tree = geometry if isinstance(geometry, TreeGeometry) else None
+        depth = None if tree is None else tree.depth
+        ops = self.ops(mode, hidden.device, _host_start(pool.position, hidden.device), depth)
+        rows = pool.position[:1] + torch.arange(t, device=hidden.device)  # [T] int64
+        paths, tree_rows = None, None
+        if tree is None:
+            positions = rows  # a chain: row t at position start + t
+        else:  # node t at position start + depth(t); its keys at cache row start + t
+            offsets = torch.tensor(tree.depth, dtype=torch.int64).to(hidden.device)
+            positions = pool.position[:1] + offsets
+            paths = tree_paths(tree, hidden.device)
+            tree_rows = (rows, paths)
         cos, sin = caches.rotary(positions)  # [T, rotary_dim] each
         visible = None
         if mode == "prefill" and t > 1:
@@ -235,7 +247,9 @@ class TargetModel(nn.Module):
             x = ops.each_token(layer.input_layernorm, hidden)
             if isinstance(layer, AttentionLayer):
                 k_cache, v_cache = kv.views(layer_id)
-                x = layer.self_attn(x, cos, sin, k_cache, v_cache, positions, ops, visible)
+                x = layer.self_attn(
+                    x, cos, sin, k_cache, v_cache, positions, ops, visible, tree_rows
+                )
             elif not isinstance(layer, DeltaNetLayer):
                 kind = type(layer).__name__
                 raise TypeError(f"layer {layer_id} is a {kind}, not a decoder layer")
@@ -243,7 +257,9 @@ class TargetModel(nn.Module):
                 state, conv_rows, bank, live = pool.kernel_views(layer_id)
                 capture = pool.capture_views(layer_id)
                 remap = None if bank is None or live is None else (bank, live)
-                x = layer.linear_attn(x, state, conv_rows, chain, capture, ops, remap)
+                x = layer.linear_attn(
+                    x, state, conv_rows, geometry, capture, ops, remap, paths
+                )
                 if on_layer is not None:
                     on_layer(layer_id)
             else:  # the live state is home (begin_layers moved it there)
@@ -271,17 +287,25 @@ class TargetModel(nn.Module):
         else:
             pool.advance(start_pos, t)
 
-    def ops(self, mode: Mode, device: torch.device, start: int | None = None) -> Ops:
+    def ops(
+        self, mode: Mode, device: torch.device, start: int | None = None,
+        offsets: tuple[int, ...] | None = None,
+    ) -> Ops:
         """The kernels of a ``mode`` forward on ``device`` whose row 0 sits at ``start``
-        (needed by invariant CPU forwards): M-invariant unless prefill."""
+        and, in a tree verify, row ``t`` at ``start + offsets[t]`` (needed by invariant CPU
+        forwards): M-invariant unless prefill."""
         invariant = mode != "prefill"
         return Ops(invariant=invariant, backend=self.backend_for(device), device=device,
-                   start=start if invariant else None)
+                   start=start if invariant else None, offsets=offsets if invariant else None)
 
-    def logits(self, hidden: Tensor, mode: Mode, start: int | None = None) -> Tensor:
+    def logits(
+        self, hidden: Tensor, mode: Mode, start: int | None = None,
+        offsets: tuple[int, ...] | None = None,
+    ) -> Tensor:
         """Final norm and LM head: ``hidden: [B, T, H]`` → ``[B, T, vocab]``; ``start``
-        is the position of row 0 (needed on CPU outside prefill)."""
-        ops = self.ops(mode, hidden.device, start)
+        is the position of row 0, ``offsets`` a tree's depths (needed on CPU outside
+        prefill)."""
+        ops = self.ops(mode, hidden.device, start, offsets)
         return ops.linear(self.lm_head, ops.each_token(self.norm, hidden))
 
     def backend_for(self, device: torch.device) -> KernelBackend:
@@ -318,7 +342,8 @@ class TargetModel(nn.Module):
         hidden, tapped = self.run_layers(
             hidden, range(self.config.num_hidden_layers), caches, start, mode, geometry, taps
         )
-        return self.logits(hidden, mode, start), tapped
+        offsets = geometry.depth if isinstance(geometry, TreeGeometry) else None
+        return self.logits(hidden, mode, start, offsets), tapped
 
     def _check_run(
         self,
@@ -341,15 +366,20 @@ class TargetModel(nn.Module):
         if mode == "decode" and t != 1:
             raise ValueError(f"mode 'decode' takes exactly one token (got T={t})")
         if mode == "verify":
+            if not isinstance(geometry, (ChainGeometry, TreeGeometry)):
+                raise TypeError(
+                    "mode 'verify' needs a validated ChainGeometry or TreeGeometry "
+                    f"(got {type(geometry).__name__})"
+                )
             if isinstance(geometry, TreeGeometry):
-                raise TypeError(
-                    "'geometry' TreeGeometry is not supported by the target model's verify "
-                    "(the conv window capture is chain-only); pass a ChainGeometry"
-                )
-            if not isinstance(geometry, ChainGeometry):
-                raise TypeError(
-                    f"mode 'verify' needs a validated ChainGeometry (got {type(geometry).__name__})"
-                )
+                if shape[0] != 1:
+                    raise ValueError(f"a tree verify takes one sequence (got B={shape[0]})")
+                if caches.pool.capture == "inputs" and caches.pool.layer_ids:
+                    raise ValueError(
+                        "a tree verify needs the per-node states of a 'states' capture; this "
+                        "pool captures the recurrence's inputs (rollback 'recompute' walks "
+                        "chains only)"
+                    )
             if geometry.n_actual != t:
                 raise ValueError(
                     f"'geometry' has n_actual={geometry.n_actual} slots but 'hidden' has T={t}"

@@ -7,9 +7,12 @@ Run: ``python -m pytest tests/gpu/test_minv_kernels.py -q``
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 
 from dflash.kernels import decode_attention, linear
 
@@ -33,9 +36,10 @@ def rel_rms(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((g - r).norm() / r.norm())
 
 
-def _weights(N: int, K: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+def _weights(N: int, K: int, dtype: torch.dtype, seed: int, rows: int = 16,
+             ) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(16, K, generator=gen, device="cuda").to(dtype)
+    x = torch.randn(rows, K, generator=gen, device="cuda").to(dtype)
     w = (torch.randn(N, K, generator=gen, device="cuda") / K**0.5).to(dtype)
     b = torch.randn(N, generator=gen, device="cuda").to(dtype)
     return x, w, b
@@ -53,6 +57,81 @@ def test_linear_rows_do_not_depend_on_M(N: int, K: int) -> None:
     ref = x.float() @ w.float().T
     assert rel_rms(full, ref) <= 1e-2
     assert rel_rms(full, F.linear(x, w)) <= 1e-2
+
+
+@pytest.mark.parametrize(("N", "K"), LINEAR_SHAPES)
+def test_linear_wide_rows_do_not_depend_on_M(N: int, K: int) -> None:
+    """Verify widths: one program multiplies each weight tile by up to 8 row tiles. Rows of
+    1-, 16-, 17-, 64- and 128-row calls (1, 2, 4 or 8 tiles per program) bitwise equal the
+    same rows inside a 128-row call and a 200-row call (two row groups), taken at the
+    front, the back and an odd offset (so a row sits at another place in its tile)."""
+    x, w, _ = _weights(N, K, torch.bfloat16, seed=N + 2 * K, rows=200)
+    out = torch.full((200, N), NAN, dtype=torch.bfloat16, device="cuda")
+    full = linear(x, w, out=out)
+    assert torch.equal(linear(x[:128], w), full[:128])
+    assert torch.equal(linear(x[72:], w), full[72:])
+    for M in (1, 16, 17, 64, 128):
+        for first in {0, 7, 200 - M, 128 - M}:
+            got = linear(x[first : first + M], w)
+            assert torch.equal(got, full[first : first + M]), f"M={M} rows {first}.."
+    assert rel_rms(full, x.float() @ w.float().T) <= 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize(("N", "K"), [(4096, 12288), (12288, HIDDEN), (32, HIDDEN)])
+def test_linear_wide_other_dtypes_with_bias(N: int, K: int, dtype: torch.dtype) -> None:
+    """Bias and the 16/32-bit paths at 1 … 8 tiles per program, split-K (4096 x 12288,
+    32 x 4096) and not (12288 x 4096)."""
+    x, w, b = _weights(N, K, dtype, seed=5, rows=130)
+    full = linear(x, w, b)
+    for M in (1, 17, 33, 64, 100, 128):
+        for first in {0, 130 - M}:
+            got = linear(x[first : first + M], w, b)
+            assert torch.equal(got, full[first : first + M]), f"M={M} rows {first}.."
+    tol = 2e-3 if dtype == torch.float16 else 1e-5
+    assert rel_rms(full, x.double() @ w.double().T + b.double()) <= tol
+
+
+class _LaunchRecorder:
+    """Stands in for ``linear_kernel``: launches it and records each grid with the
+    compiled kernel the launch ran."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.launches: list[tuple[tuple[int, ...], Any]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        launch = self.kernel[grid]
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            compiled = launch(*args, **kwargs)
+            self.launches.append((tuple(grid), compiled))
+            return compiled
+
+        return run
+
+
+def test_linear_wide_call_reads_the_weight_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 64-row (and a 128-row) call of the (12288, 4096) weight launches one row group:
+    ``cdiv(N, BLOCK_N) * split`` programs, not one per 16-row tile; 200 rows take two.
+    Every width compiles without register spills, and within shared memory for two
+    programs per SM."""
+    from dflash.kernels import linear_triton
+
+    N, K = 12288, HIDDEN
+    cfg = linear_triton.linear_config(N, K, torch.bfloat16)
+    n_tiles = triton.cdiv(N, cfg.block_n)
+    recorder = _LaunchRecorder(linear_triton.linear_kernel)
+    monkeypatch.setattr(linear_triton, "linear_kernel", recorder)
+    x, w, _ = _weights(N, K, torch.bfloat16, seed=6, rows=200)
+    for M, groups in ((1, 1), (17, 1), (64, 1), (128, 1), (200, 2)):
+        recorder.launches.clear()
+        linear(x[:M], w)
+        assert [g for g, _ in recorder.launches] == [(groups, n_tiles, cfg.split_k)], f"M={M}"
+        compiled = recorder.launches[0][1]
+        assert compiled.n_spills == 0, f"M={M}: {compiled.n_spills} spills"
+        # two programs per 228 KB H200 SM, each with 1 KB reserved by the hardware
+        assert compiled.metadata.shared <= 113 * 1024, f"M={M}: {compiled.metadata.shared} B"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -154,3 +233,57 @@ def test_gdn_gates_on_the_gpu_match_the_reference_and_are_row_invariant(
     for r in (0, 7, 15):
         one_beta, one_g = gdn_gates(a[r : r + 1], b[r : r + 1], A_log, dt_bias)
         assert torch.equal(one_beta[0], beta[r]) and torch.equal(one_g[0], g[r])
+
+
+def _tree_table(parents: list[int]) -> torch.Tensor:
+    """The int32 [T, T] root-to-node path table of ``parents`` on the GPU, -1 padded."""
+    T = len(parents)
+    table = torch.full((T, T), -1, dtype=torch.int32)
+    for t in range(T):
+        path = [t]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        table[t, : len(path)] = torch.tensor(path[::-1], dtype=torch.int32)
+    return table.cuda()
+
+
+def test_attention_tree_rows_equal_plain_decoding_and_replay_from_a_graph() -> None:
+    """A 16-node draft tree at the 9B attention shape (keys at rows CONTEXT + slot): node
+    t's row equals the T = 1 chain call at CONTEXT + depth(t) on the cache plain decoding
+    holds (its path's keys at contiguous rows) bit for bit; a captured tree call replayed
+    with another table and start equals the eager call."""
+    parents = [-1, 0, 1, 2, 3, 1, 5, 0, 7, 2, 4, 10, 11, 0, 13, 6]
+    T = len(parents)
+    paths = _tree_table(parents)
+    q, k, v = _attention_inputs(T, seed=3)
+    k[:, :, CONTEXT + T :] = NAN   # unwritten rows: never read
+    v[:, :, CONTEXT + T :] = NAN
+    start = torch.tensor([CONTEXT], device="cuda")
+    out = torch.full((1, T, H, D), NAN, dtype=torch.bfloat16, device="cuda")
+    got = decode_attention(q, k, v, start, paths=paths, out=out)
+    for t in range(T):
+        rows = CONTEXT + paths[t][paths[t] >= 0].long()
+        n = CONTEXT + rows.numel()
+        plain_k, plain_v = k.clone(), v.clone()
+        plain_k[:, :, CONTEXT:n] = k[:, :, rows]
+        plain_v[:, :, CONTEXT:n] = v[:, :, rows]
+        plain_k[:, :, n:] = NAN
+        plain_v[:, :, n:] = NAN
+        alone = decode_attention(q[:, t : t + 1], plain_k, plain_v, start + rows.numel() - 1)
+        assert torch.equal(got[:, t], alone[:, 0]), f"node {t}"
+
+    table = paths.clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(q, k, v, start, paths=table, out=out)
+    for s, other in ((CONTEXT, [-1, *range(T - 1)]), (7, [-1] + [0] * (T - 1))):
+        start.fill_(s)
+        table.copy_(_tree_table(other))
+        out.fill_(NAN)
+        graph.replay()
+        assert torch.equal(out, decode_attention(q, k, v, start, paths=table)), f"start={s}"
+    start.fill_(CONTEXT)
+    table.copy_(_tree_table([-1, *range(T - 1)]))
+    graph.replay()
+    assert torch.equal(out, decode_attention(q, k, v, start)), "chain table vs no table"

@@ -1,6 +1,8 @@
 """Decode/verify attention: Triton (interpreter) against the reference, row invariance in
 T on both backends (across block and split boundaries, GQA), unread cache rows,
-NaN-poisoned outputs, a hand-checked example and argument checks."""
+NaN-poisoned outputs, a hand-checked example and argument checks; tree verification
+(``paths``): every node's row bitwise equal to plain decoding of its path, and the
+table's checks."""
 
 from __future__ import annotations
 
@@ -228,5 +230,225 @@ def test_start_past_the_capacity_never_reads_past_the_cache() -> None:
     k[:, :, 20:] = NAN
     v[:, :, 20:] = NAN
     got = decode_attention(q, k[:, :, :20], v[:, :, :20], torch.tensor([19]),
+                           backend="triton")
+    assert torch.isfinite(got).all()
+
+
+# --- tree verification: node t at start + depth(t) sees the committed keys and its path ---
+
+#: parent of each slot (slot 0 the root): a chain, a star, a deep branch with siblings
+TREES = {
+    "chain": [-1, 0, 1, 2, 3, 4, 5],
+    "star": [-1, 0, 0, 0, 0, 0, 0, 0, 0],
+    "branchy": [-1, 0, 1, 2, 3, 1, 5, 0, 7, 2, 4, 10],
+}
+
+
+def _paths(parents: list[int]) -> torch.Tensor:
+    """The int32 [T, T] root-to-node path table of ``parents``, -1 padded."""
+    T = len(parents)
+    table = torch.full((T, T), -1, dtype=torch.int32)
+    for t in range(T):
+        path = [t]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        table[t, : len(path)] = torch.tensor(path[::-1], dtype=torch.int32)
+    return table
+
+
+@pytest.fixture
+def poisoned_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Floating tensors from ``torch.empty`` (the kernel's split workspace) start as NaN, so
+    a combine that read a split its row's programs never wrote would show."""
+    empty = torch.empty
+
+    def poisoned(*args: object, **kwargs: object) -> torch.Tensor:
+        t: torch.Tensor = empty(*args, **kwargs)  # type: ignore[call-overload]  # torch.empty's own arguments
+        return t.fill_(NAN) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def _path(paths: torch.Tensor, t: int) -> list[int]:
+    return [int(s) for s in paths[t].tolist() if s >= 0]
+
+
+def _tree_call(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               start: torch.Tensor, paths: torch.Tensor | None,
+               split: int | None) -> torch.Tensor:
+    out = torch.full_like(q, NAN)
+    if split is None or backend == "reference":
+        return decode_attention(q, k, v, start, out=out, paths=paths, backend=backend)
+    return launch_decode_attention(q, k, v, start, q.shape[-1] ** -0.5, out,
+                                   split_keys=split, block_n=16, paths=paths)
+
+
+def _check_tree_rows_match_plain_decoding(
+    backend: Backend, parents: list[int], dtype: torch.dtype, H: int, HKV: int, D: int,
+    S: int, start0: int, split: int | None,
+) -> None:
+    """The tree's K/V sit at cache rows start + slot (rows past start + T - 1 hold NaN);
+    for every node t, plain decoding's cache holds the committed rows and the path's keys
+    at rows start .. start + depth(t) (NaN past them): the tree call's row t equals the
+    T = 1 chain call at start + depth(t) on that cache bit for bit."""
+    paths = _paths(parents)
+    T = len(parents)
+    q, k, v = _qkv(1, T, H, HKV, D, S, dtype, seed=start0 + 7 * T + H)
+    start = torch.tensor([start0])
+    got = _tree_call(backend, q, _poison_after(k, start + T - 1),
+                     _poison_after(v, start + T - 1), start, paths, split)
+    for t in range(T):
+        rows = torch.tensor([start0 + s for s in _path(paths, t)])
+        pos = start + len(rows) - 1
+        plain_k, plain_v = k.clone(), v.clone()
+        plain_k[:, :, start0 : int(pos) + 1] = k[:, :, rows]
+        plain_v[:, :, start0 : int(pos) + 1] = v[:, :, rows]
+        alone = _tree_call(backend, q[:, t : t + 1], _poison_after(plain_k, pos),
+                           _poison_after(plain_v, pos), pos, None, split)
+        assert torch.equal(got[:, t], alone[:, 0]), f"node {t} (path {rows.tolist()})"
+
+
+@pytest.mark.parametrize(
+    ("tree", "H", "HKV", "D", "start0"),
+    [
+        # G = 3: nodes 5 and 10 straddle two 16-row tiles; positions 12..18 cross the
+        # 16-key block boundary
+        ("branchy", 6, 2, 16, 12),
+        ("branchy", 8, 2, 32, 28),    # G = 4 (three 16-row tiles), across the 32-key split
+        ("star", 2, 2, 16, 31),       # children at 32: the first key of the next split
+        ("star", 2, 2, 16, 26),       # children at 27, their rows up to 34, past the split
+        ("chain", 4, 1, 16, 0),       # G = 4, from an empty cache
+    ],
+)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.usefixtures("poisoned_workspace")
+def test_tree_rows_equal_plain_decoding(backend: Backend, tree: str, H: int, HKV: int,
+                                        D: int, start0: int) -> None:
+    """Triton with 16-key blocks and 32-key splits (S_max = 70: three splits), float32,
+    NaN in the split workspace until written."""
+    _check_tree_rows_match_plain_decoding(backend, TREES[tree], torch.float32, H, HKV, D,
+                                          70, start0, 32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tree_rows_equal_plain_decoding_bf16_default_sizes(backend: Backend) -> None:
+    """bfloat16 at the default 64-key blocks and 128-key splits, positions 60..66 across a
+    block boundary, S_max = 200 (two splits)."""
+    _check_tree_rows_match_plain_decoding(backend, TREES["branchy"], torch.bfloat16, 4, 2,
+                                          32, 200, 60, None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chain_paths_equal_the_chain_call(backend: Backend) -> None:
+    """A chain's table (paths[t, d] = d for d <= t) gives the no-paths call bit for bit."""
+    T, start0 = 10, 27
+    q, k, v = _qkv(1, T, 4, 2, 16, 70, torch.float32, seed=3)
+    start = torch.tensor([start0])
+    k, v = _poison_after(k, start + T - 1), _poison_after(v, start + T - 1)
+    chain = _tree_call(backend, q, k, v, start, None, 32)
+    tree = _tree_call(backend, q, k, v, start, _paths([-1, *range(T - 1)]), 32)
+    assert torch.isfinite(chain).all()
+    assert torch.equal(tree, chain)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tree_table_may_be_a_block_of_a_larger_buffer(backend: Backend) -> None:
+    """The top-left [T, T] block of a wider table buffer (a static buffer a CUDA graph
+    replays with) gives the contiguous table's result bit for bit."""
+    paths = _paths(TREES["branchy"])
+    T = paths.shape[0]
+    buf = torch.full((T + 5, T + 5), 7, dtype=torch.int32)   # junk outside the block
+    buf[:T, :T] = paths
+    q, k, v = _qkv(1, T, 4, 2, 16, 70, torch.float32, seed=4)
+    start = torch.tensor([20])
+    want = _tree_call(backend, q, k, v, start, paths, 32)
+    assert torch.equal(_tree_call(backend, q, k, v, start, buf[:T, :T], 32), want)
+
+
+@needs_interpreter
+def test_tree_triton_matches_the_float64_reference() -> None:
+    """Values, not only invariance: the Triton tree call against the float64 reference."""
+    parents = TREES["branchy"]
+    T = len(parents)
+    q, k, v = _qkv(1, T, 4, 2, 32, 70, torch.float32, seed=9)
+    start = torch.tensor([30])
+    paths = _paths(parents)
+    got = _tree_call("triton", q, k, v, start, paths, 32)
+    ref = decode_attention_reference(q.double(), k.double(), v.double(), start, paths=paths)
+    assert rel_rms(got, ref) <= TOL[torch.float32]
+
+
+def _bad_paths() -> list[tuple[dict[str, object], type, str]]:
+    good = _paths([-1, 0])
+    return [
+        ({"paths": [[0, -1], [0, 1]]}, TypeError, "'paths' must be a torch.Tensor or None"),
+        ({"paths": good.long()}, ValueError, r"'paths' must be an int32 tensor of shape \[T, T\]"),
+        ({"paths": torch.full((2, 3), -1, dtype=torch.int32)}, ValueError,
+         r"'paths' must be an int32 tensor of shape \[T, T\] = \(2, 2\)"),
+        ({"paths": good.to("meta")}, ValueError, "'paths' is on meta"),
+        ({"paths": good.t()}, ValueError, "'paths' must be contiguous along its last dimension"),
+        ({"q": torch.ones(2, 2, 4, 8), "k_cache": torch.ones(2, 2, 16, 8),
+          "v_cache": torch.ones(2, 2, 16, 8), "start": torch.tensor([3, 3]), "paths": good},
+         ValueError, r"'paths' \(a tree verify\) needs B = 1: .*got B=2"),
+    ]
+
+
+def _malformed_paths() -> list[tuple[list[list[int]], str]]:
+    return [
+        ([[1, -1], [0, 1]], "row 0"),            # the root's path is [0]
+        ([[0, 0], [0, 1]], "row 0"),             # padding must be -1
+        ([[0, -1], [0, -1]], "row 1"),           # does not end at its own slot
+        ([[0, -1], [-1, 1]], "row 1"),           # does not start at the root
+        ([[0, -1], [0, -2]], "row 1"),           # bad padding value
+    ]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("kwargs", "exc", "match"), _bad_paths())
+def test_bad_paths_are_refused_before_writing(backend: Backend, kwargs: dict[str, object],
+                                              exc: type, match: str) -> None:
+    args: dict[str, object] = {
+        "q": torch.ones(1, 2, 4, 8), "k_cache": torch.ones(1, 2, 16, 8),
+        "v_cache": torch.ones(1, 2, 16, 8), "start": torch.tensor([3]),
+    }
+    args.update(kwargs)
+    q = args["q"]
+    assert isinstance(q, torch.Tensor)
+    out = torch.full_like(q, NAN)
+    with pytest.raises(exc, match=match):
+        decode_attention(args["q"], args["k_cache"], args["v_cache"], args["start"],  # type: ignore[arg-type]  # bad values on purpose
+                         out=out, paths=args["paths"], backend=backend)  # type: ignore[arg-type]  # as above
+    assert torch.isnan(out).all()
+
+
+@pytest.mark.parametrize(("table", "match"), [
+    *_malformed_paths(),
+    # three nodes: not strictly increasing; a prefix that is not the parent's row
+    ([[0, -1, -1], [0, 1, -1], [0, 2, 2]], "row 2"),
+    ([[0, -1, -1], [0, -1, -1], [0, 1, 2]], "row 1"),
+    ([[0, -1, -1], [0, 1, -1], [0, -1, 2]], "row 2"),
+    ([[0, -1, -1, -1], [0, 1, -1, -1], [0, 1, 2, -1], [0, 2, 3, -1]], "row 3"),
+])
+def test_reference_refuses_malformed_paths(table: list[list[int]], match: str) -> None:
+    T = len(table)
+    q = torch.ones(1, T, 2, 8)
+    out = torch.full_like(q, NAN)
+    paths = torch.tensor(table, dtype=torch.int32)
+    with pytest.raises(ValueError, match=rf"'paths' {match} must be a root-to-node path"):
+        decode_attention(q, torch.ones(1, 1, 16, 8), torch.ones(1, 1, 16, 8),
+                         torch.tensor([3]), out=out, paths=paths, backend="reference")
+    assert torch.isnan(out).all()
+
+
+@needs_interpreter
+def test_tree_triton_reads_no_row_outside_the_cache_whatever_paths_holds() -> None:
+    """The Triton path cannot check the table's contents; slots far past the cache or
+    negative must never be loaded. The cache is a view of a longer buffer whose rows
+    past S_max hold NaN, so loading one would show."""
+    q, k, v = _qkv(1, 3, 2, 2, 16, 40, torch.float32, seed=8)
+    k[:, :, 20:] = NAN
+    v[:, :, 20:] = NAN
+    paths = torch.tensor([[0, -1, -1], [0, 1, -1], [0, 900, -7]], dtype=torch.int32)
+    got = decode_attention(q, k[:, :, :20], v[:, :, :20], torch.tensor([17]), paths=paths,
                            backend="triton")
     assert torch.isfinite(got).all()

@@ -19,7 +19,8 @@ a time.
 
 Decoding is greedy and lossless: the tokens equal plain target-only greedy decoding
 (``draft=None``), bit for bit. Sampling (``temperature``, ``top_k``, ``top_p``, ``min_p``)
-and trees (``tree_budget``) are not built yet: other values than the neutral ones raise
+and trees (``tree_budget``: the engine verifies trees, the library's drafters do not draft
+them yet) are not available here yet: other values than the neutral ones raise
 :class:`NotSupportedYetError`.
 
 Stop strings: generation stops at the earliest occurrence of any of them in the decoded
@@ -189,8 +190,9 @@ def load(
     """
     if tree_budget is not None:
         raise NotSupportedYetError(
-            f"{param('tree_budget')}={tree_budget!r} is not supported yet: tree drafts are "
-            "not built; leave it None"
+            f"{param('tree_budget')}={tree_budget!r} is not supported yet: the library's "
+            "drafters do not draft trees yet (the engine verifies them: `dflash generate "
+            "--draft synthetic --tree-budget N` runs SYNTHETIC trees); leave it None"
         )
     if not isinstance(model, str) or not model:
         raise ArgumentError(f"{param('model')} must be a non-empty str (got {model!r})")

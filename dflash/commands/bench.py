@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict
 from dflash.commands.generate import (
     Prepared,
     add_generation_options,
+    check_tree_modes,
     decoding_failures,
     prepare,
     report_error,
@@ -270,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
             )
         mode_a = parse_mode(args.a, source="--a")
         modes_b = [parse_mode(m, source="--b") for m in args.b.split(",")]
+        check_tree_modes(args, [mode_a, *modes_b])
         if args.runs < 1 or args.warmup < 0:
             raise UsageError(
                 f"--runs must be >= 1 and --warmup >= 0 (got {args.runs}, {args.warmup})"
@@ -321,7 +323,7 @@ def _bench(
     harness = Harness.kept(
         model, drafter, prompt, plan, max_new_tokens=args.max_new_tokens,
         block_size=args.block_size, eos_id=args.eos_id, graphs=graphs,
-        verify_window=args.verify_window,
+        verify_window=args.verify_window, tree_budget=args.tree_budget,
     )
     if oracle is None:
         oracle = reference_greedy(model, plan, prompt, args.max_new_tokens, graphs=graphs)
@@ -403,6 +405,7 @@ def _bench(
             "prompt_len": len(prompt),
             "max_new_tokens": args.max_new_tokens,
             "block_size": args.block_size,
+            "tree_budget": args.tree_budget,
             "warmup": args.warmup,
             "runs": args.runs,
         },

@@ -165,6 +165,15 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         "draft whole, as a drafter's tau is measured); the tokens are the same",
     )
     p.add_argument(
+        "--tree-budget",
+        type=int,
+        default=None,
+        help="verify trees of at most N nodes (root included) instead of chains; tree "
+        "drafts come from --draft synthetic for now (a SYNTHETIC tree drafter: the "
+        "target's token at rank r of each depth's candidates with probability "
+        "a*(1-a)**r, r < 4, a from --acceptance); off by default",
+    )
+    p.add_argument(
         "--draft-dtype",
         choices=("float32", "bfloat16", "float16", "float64"),
         default=None,
@@ -265,12 +274,27 @@ class Progress:
             self.stream.flush()
 
 
+def check_tree_modes(args: argparse.Namespace, modes: list[str]) -> None:
+    """``--tree-budget`` with a rollback mode that walks chains only is a usage error."""
+    budget = getattr(args, "tree_budget", None)
+    if budget is not None and "recompute" in modes:
+        raise UsageError(
+            f"--tree-budget {budget}: rollback 'recompute' walks chains only (use "
+            "checkpoint, remap or replay with trees)"
+        )
+
+
 def summary_table(r: GenerationResult) -> str:
     rows = [
         ("tokens", f"{len(r.tokens)} (stop: {r.stop_reason})"),
         ("sha256", r.sha256),
         ("drafter", r.drafter),
         ("block size", str(r.block_size)),
+        *(
+            []
+            if r.tree_budget is None
+            else [("tree", f"budget {r.tree_budget}, {r.nodes_per_step or 0:.1f} nodes/step")]
+        ),
         ("steps", str(r.steps)),
         ("acceptance rate", f"{r.acceptance_rate:.3f}"),
         ("avg commit", f"{r.avg_commit:.2f}"),
@@ -461,6 +485,15 @@ def prepare(args: argparse.Namespace) -> Prepared:
         )
     if not 2 <= args.block_size <= MAX_SLOTS:
         raise UsageError(f"--block-size must be in [2, {MAX_SLOTS}] (got {args.block_size})")
+    tree_budget = getattr(args, "tree_budget", None)
+    if tree_budget is not None:
+        if not 2 <= tree_budget <= MAX_SLOTS:
+            raise UsageError(f"--tree-budget must be in [2, {MAX_SLOTS}] (got {tree_budget})")
+        if args.draft != "synthetic":
+            raise UsageError(
+                f"--tree-budget needs --draft synthetic for now (got --draft {args.draft}): "
+                "tree drafts from the DFlash drafter's distributions are not built yet"
+            )
     acceptance = synthetic_acceptance(args)
     config = model_config(args.model)
     eos_id = args.eos_id if args.eos_id is not None else eos_for(args.model)
@@ -510,6 +543,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
         block_size=args.block_size,
         model_spec=args.model,
         draft_dtype=None if args.draft_dtype is None else getattr(torch, args.draft_dtype),
+        tree_budget=tree_budget,
     )
     return Prepared(
         model, plan, prompt, drafter, oracle, dtype, devices, acceptance, codec, eos_id
@@ -662,10 +696,11 @@ def execute(
         harness = Harness.kept(*what, max_new_tokens=n, block_size=args.block_size,
                                eos_id=ready.eos_id, graphs=graphs,
                                greedy_tokens=n if baseline else None, verify_window=window,
-                               capture=capture_for(policy.mode))
+                               capture=capture_for(policy.mode),
+                               tree_budget=getattr(args, "tree_budget", None))
     else:
         harness = Harness(*what, n, args.block_size, ready.eos_id, graphs,
-                          verify_window=window)
+                          verify_window=window, tree_budget=getattr(args, "tree_budget", None))
     engine = harness.engine(policy) if keep else None
     if warm > 0:
         harness.warm_up(policy, engine, warm, baseline=baseline)
@@ -689,6 +724,7 @@ def execute(
 def run(args: argparse.Namespace) -> int:
     try:  # everything that depends only on the arguments: exit 2 when unusable
         policy = RollbackPolicy.resolve(getattr(args, "rollback", None), environ=os.environ)
+        check_tree_modes(args, [policy.mode])
         ready = prepare(args)
     except usage_errors() as exc:
         report_error(args, f"dflash generate: error: {cli_message(exc)}", exc)

@@ -45,6 +45,7 @@ class Harness:
     target: ShardedTarget | None = None  # the speculative runs' (run.spec_target)
     greedy_target: ShardedTarget | None = None  # the plain greedy runs' (oracle.greedy_target)
     verify_window: WindowChoice = "auto"  # every speculative run's (SpecDecoder)
+    tree_budget: int | None = None  # every speculative run's (SpecDecoder)
 
     @classmethod
     def kept(
@@ -61,6 +62,7 @@ class Harness:
         greedy_tokens: int | None = None,
         verify_window: WindowChoice = "auto",
         capture: CaptureKind = "states",
+        tree_budget: int | None = None,
     ) -> Harness:
         """A harness with a kept speculative target for these sizes and, when
         ``greedy_tokens`` is given, a kept greedy target for that many tokens. The
@@ -68,13 +70,14 @@ class Harness:
         (:class:`ContextLengthError`) before anything is allocated."""
         prompt = list(prompt)
         target = run.spec_target(
-            model, plan, len(prompt), max_new_tokens, block_size, graphs=graphs, capture=capture
+            model, plan, len(prompt), max_new_tokens, block_size, graphs=graphs, capture=capture,
+            tree_budget=tree_budget,
         )
         greedy = None
         if greedy_tokens is not None:
             greedy = greedy_target(model, plan, len(prompt), greedy_tokens, graphs=graphs)
         return cls(model, drafter, prompt, plan, max_new_tokens, block_size, eos_id, graphs,
-                   target, greedy, verify_window)
+                   target, greedy, verify_window, tree_budget)
 
     def engine(self, policy: RollbackPolicy) -> SpecDecoder:
         """A :class:`SpecDecoder` on the kept target, to pass to every run as ``engine``:
@@ -82,7 +85,7 @@ class Harness:
         if self.target is None:
             raise ValueError("a kept engine needs a kept target: build the harness with kept()")
         return SpecDecoder(self.target, self.drafter, block_size=self.block_size, policy=policy,
-                           verify_window=self.verify_window)
+                           verify_window=self.verify_window, tree_budget=self.tree_budget)
 
     def speculative(
         self,
@@ -112,6 +115,7 @@ class Harness:
             check_parity=check_parity,
             oracle_tokens=oracle_tokens,
             verify_window=self.verify_window,
+            tree_budget=self.tree_budget,
         )
 
     def greedy(self, n: int) -> run.GreedyRun:

@@ -147,5 +147,9 @@ class GenerationResult(_Frozen):
     # checkpoint_bytes by buffer: the per-token capture of the rollback mode's kind
     # ("checkpoints", or "inputs" / "g" / "beta"), "captured" conv rows and "snapshot"
     capture_bytes: dict[str, int] = Field(default_factory=dict)
+    # tree drafts: the budget (None: chains), and the slots verified per step (the chains'
+    # too: the block, or the window a CPU step verified); avg_commit is the depth accepted
+    tree_budget: int | None = None
+    nodes_per_step: float | None = None
     # timings.tokens_per_s / timings.greedy_tokens_per_s; null when either is null
     speedup_vs_greedy: float | None = None

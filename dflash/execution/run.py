@@ -110,15 +110,22 @@ def spec_target(
     *,
     graphs: bool | None = None,
     capture: CaptureKind = "states",
+    tree_budget: int | None = None,
 ) -> ShardedTarget:
     """A target for :func:`generate` runs of these sizes (keep it and pass it as
     ``target=`` to run again without new CUDA graphs), capturing what the rollback mode
     needs (:func:`dflash.model.caches.capture_kind`; an engine rebuilds the storage for
     another mode). Sizes past the model's positions are refused before anything is
     allocated (:func:`check_positions`)."""
-    check_positions(model, prompt_len, max_new_tokens, block_size)
-    return ShardedTarget(model, plan, max_len=spec_capacity(prompt_len, max_new_tokens, block_size),
-                         max_draft=block_size, graphs=graphs, capture=capture)
+    slots = verify_slots(block_size, tree_budget)
+    check_positions(model, prompt_len, max_new_tokens, slots)
+    return ShardedTarget(model, plan, max_len=spec_capacity(prompt_len, max_new_tokens, slots),
+                         max_draft=slots, graphs=graphs, capture=capture)
+
+
+def verify_slots(block_size: int, tree_budget: int | None) -> int:
+    """Slots a verify may write: the block, or a tree of ``tree_budget`` nodes if larger."""
+    return max(block_size, tree_budget or 0)
 
 
 def positions_needed(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
@@ -225,6 +232,7 @@ def generate(
     oracle_tokens: Sequence[int] | None = None,
     verify_window: WindowChoice = "auto",
     stop_when: Callable[[], bool] | None = None,
+    tree_budget: int | None = None,
 ) -> GenerationResult:
     """Speculative greedy decoding of ``max_new_tokens`` tokens after ``prompt``: one
     run, its prefill and its decode timed (device-synchronised), its step statistics and
@@ -238,6 +246,8 @@ def generate(
     ``stop_when()``: asked after it, ends the decode early when true (``stop_reason``
     ``"stop"``; the caller decides what is cut, e.g. at a stop string).
     ``verify_window``: how much of each draft a step verifies (:class:`SpecDecoder`).
+    ``tree_budget``: tree drafts of at most that many nodes (a :class:`TreeDrafter`;
+    :class:`SpecDecoder`); the target then holds ``max(block_size, tree_budget)`` slots.
     A budget past the model's ``max_position_embeddings`` is refused before anything is
     built (:class:`ContextLengthError`).
 
@@ -268,18 +278,23 @@ def generate(
     policy = policy or RollbackPolicy()
     if engine is not None:
         _check_engine(engine, target, drafter, block_size, policy, faults, verify_window)
+        if engine.tree_budget != tree_budget:
+            raise ValueError(
+                f"'engine' drafts trees of {engine.tree_budget} nodes, not {tree_budget}"
+            )
+    slots = verify_slots(block_size, tree_budget)
     if target is None or faults is not None:  # spec_target checks the positions
         target = spec_target(model, plan, len(prompt), max_new_tokens, block_size, graphs=graphs,
-                             capture=capture_kind(policy.mode))
+                             capture=capture_kind(policy.mode), tree_budget=tree_budget)
     else:
-        check_positions(model, len(prompt), max_new_tokens, block_size)
+        check_positions(model, len(prompt), max_new_tokens, slots)
         target.require_serves(
-            model, plan, max_len=spec_capacity(len(prompt), max_new_tokens, block_size),
-            max_draft=block_size, graphs=graphs, what="generation",
+            model, plan, max_len=spec_capacity(len(prompt), max_new_tokens, slots),
+            max_draft=slots, graphs=graphs, what="generation",
         )
     if engine is None:
         engine = SpecDecoder(target, drafter, block_size=block_size, policy=policy, faults=faults,
-                             verify_window=verify_window)
+                             verify_window=verify_window, tree_budget=tree_budget)
     before = _Before.of(engine)
     tokens, stop, (t0, t1, t2) = _speculative_run(
         engine, prompt, plan, max_new_tokens, eos_id, on_progress, stop_when
@@ -321,6 +336,8 @@ def generate(
         capture=engine.gate.report,
         checkpoint_bytes=target.checkpoint_bytes,
         capture_bytes=target.capture_bytes,
+        tree_budget=tree_budget,
+        nodes_per_step=(sum(r.nodes for r in records) / steps) if steps else None,
         parity=parity,
         timings=Timings(
             prefill_s=t1 - t0,

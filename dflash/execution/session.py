@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -37,6 +37,7 @@ from dflash.model.catalog import build_model as build_model
 from dflash.model.catalog import model_config as model_config
 from dflash.model.catalog import model_directory as model_directory
 from dflash.model.drafters import LOOKUP_SUFFIX, Drafter, make_drafter
+from dflash.model.drafters.trees import SyntheticTreeDrafter
 from dflash.model.tokenizer import (
     TextTokenizer,
     TokenizerError,
@@ -212,6 +213,7 @@ def build_drafter(
     block_size: int,
     model_spec: str | None = None,
     draft_dtype: torch.dtype | None = None,
+    tree_budget: int | None = None,
 ) -> tuple[Drafter, list[int] | None]:
     """The drafter, and for ``synthetic`` the target-only greedy tokens it was given.
 
@@ -219,7 +221,8 @@ def build_drafter(
     default target's directory — is the shipped trained drafter; with any other target it
     is a seeded drafter of the target's shape. ``dflash+lookup`` is the same drafter
     assisted by prompt lookup. ``draft_dtype``: the DFlash drafter's parameter dtype
-    (None: :func:`make_drafter`'s default).
+    (None: :func:`make_drafter`'s default). ``tree_budget`` with ``synthetic``: the
+    SYNTHETIC tree drafter (:func:`tree_rank_probs` of ``acceptance``) instead.
     """
     extra: dict[str, Any] = {} if draft_dtype is None else {"draft_dtype": draft_dtype}
     if spec in ("dflash", "dflash" + LOOKUP_SUFFIX) and is_default_target(model_spec):
@@ -233,8 +236,32 @@ def build_drafter(
         return make_drafter(shipped, model, seed=seed, **extra), None
     if spec != "synthetic":
         return make_drafter(spec, model, seed=seed, **extra), None
-    oracle = reference_greedy(model, plan, prompt, max_new_tokens + block_size)
+    oracle = reference_greedy(
+        model, plan, prompt, max_new_tokens + max(block_size, tree_budget or 0)
+    )
+    if tree_budget is not None:
+        tree = SyntheticTreeDrafter(
+            list(prompt) + oracle, tree_rank_probs(acceptance), model.config.vocab_size,
+            seed=seed,
+        )
+        return cast(Drafter, tree), oracle[:max_new_tokens]
     drafter = make_drafter(
         "synthetic", model, seed=seed, oracle=list(prompt) + oracle, acceptance=acceptance
     )
     return drafter, oracle[:max_new_tokens]
+
+
+#: ranks of a synthetic tree drafter's candidates
+TREE_RANKS = 4
+
+
+def tree_rank_probs(acceptance: float) -> tuple[float, ...]:
+    """The SYNTHETIC tree drafter's rank distribution for a per-slot ``acceptance`` ``a``:
+    the target's token is the rank-``r`` candidate with probability ``a (1-a)^r``, ``r <``
+    :data:`TREE_RANKS` (rank 0 is the chain drafter's guess, right with probability
+    ``a``; each further rank catches ``a`` of what is left), absent otherwise."""
+    if not 0.0 < acceptance < 1.0:
+        raise SessionError(
+            f"{param('acceptance')} must be in (0, 1) for a tree drafter (got {acceptance})"
+        )
+    return tuple(acceptance * (1.0 - acceptance) ** r for r in range(TREE_RANKS))

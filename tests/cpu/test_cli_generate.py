@@ -109,8 +109,8 @@ def test_environment_variable_selects_the_mode(
     monkeypatch.setenv("DFLASH_ROLLBACK", "fastest")
     assert main(["generate", *FAST]) == 2
     assert (
-        "environment variable DFLASH_ROLLBACK must be one of replay, checkpoint, remap "
-        "(got 'fastest')" in capsys.readouterr().err
+        "environment variable DFLASH_ROLLBACK must be one of replay, checkpoint, remap, "
+        "recompute (got 'fastest')" in capsys.readouterr().err
     )
 
 

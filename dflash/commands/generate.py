@@ -168,10 +168,11 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         "--tree-budget",
         type=int,
         default=None,
-        help="verify trees of at most N nodes (root included) instead of chains; tree "
-        "drafts come from --draft synthetic for now (a SYNTHETIC tree drafter: the "
-        "target's token at rank r of each depth's candidates with probability "
-        "a*(1-a)**r, r < 4, a from --acceptance); off by default",
+        help="verify trees of at most N nodes (root included) instead of chains, grown best "
+        "first from the drafter's per-slot candidates (--draft dflash or a DFlash drafter "
+        "directory; with --draft synthetic a SYNTHETIC tree drafter: the target's token at "
+        "rank r of each depth's candidates with probability a*(1-a)**r, r < 4, a from "
+        "--acceptance); off by default",
     )
     p.add_argument(
         "--draft-dtype",
@@ -465,6 +466,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
     )
     from dflash.execution.shards import plan_shards
     from dflash.geometry import MAX_SLOTS
+    from dflash.model.drafters.trees import CandidateDrafter, TreeDrafter
 
     if args.devices is not None and not args.devices.strip():
         raise UsageError("--devices must name at least one device (got '')")
@@ -486,14 +488,8 @@ def prepare(args: argparse.Namespace) -> Prepared:
     if not 2 <= args.block_size <= MAX_SLOTS:
         raise UsageError(f"--block-size must be in [2, {MAX_SLOTS}] (got {args.block_size})")
     tree_budget = getattr(args, "tree_budget", None)
-    if tree_budget is not None:
-        if not 2 <= tree_budget <= MAX_SLOTS:
-            raise UsageError(f"--tree-budget must be in [2, {MAX_SLOTS}] (got {tree_budget})")
-        if args.draft != "synthetic":
-            raise UsageError(
-                f"--tree-budget needs --draft synthetic for now (got --draft {args.draft}): "
-                "tree drafts from the DFlash drafter's distributions are not built yet"
-            )
+    if tree_budget is not None and not 2 <= tree_budget <= MAX_SLOTS:
+        raise UsageError(f"--tree-budget must be in [2, {MAX_SLOTS}] (got {tree_budget})")
     acceptance = synthetic_acceptance(args)
     config = model_config(args.model)
     eos_id = args.eos_id if args.eos_id is not None else eos_for(args.model)
@@ -545,6 +541,11 @@ def prepare(args: argparse.Namespace) -> Prepared:
         draft_dtype=None if args.draft_dtype is None else getattr(torch, args.draft_dtype),
         tree_budget=tree_budget,
     )
+    if tree_budget is not None and not isinstance(drafter, (TreeDrafter, CandidateDrafter)):
+        raise UsageError(
+            f"--tree-budget needs a drafter that gives per-slot candidates: --draft dflash, "
+            f"a DFlash drafter directory, or synthetic (got --draft {args.draft})"
+        )
     return Prepared(
         model, plan, prompt, drafter, oracle, dtype, devices, acceptance, codec, eos_id
     )

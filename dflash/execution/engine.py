@@ -41,7 +41,13 @@ import torch
 from torch import Tensor
 
 from dflash.execution.capture_gate import CaptureGate
-from dflash.execution.drafts import DeviceDrafts, DraftSource, draft_source, tap_features
+from dflash.execution.drafts import (
+    DeviceDrafts,
+    DraftSource,
+    HostDrafts,
+    draft_source,
+    tap_features,
+)
 from dflash.execution.errors import ExecutionError
 from dflash.execution.faults import NO_FAULTS, FaultInjector
 from dflash.execution.policy import RollbackPolicy, RollbackStatus, parse_mode
@@ -51,7 +57,13 @@ from dflash.execution.window import VerifyWindow, WindowChoice, make_window
 from dflash.geometry import ChainGeometry, TreeGeometry, require_chain, require_tree
 from dflash.model.caches import capture_kind
 from dflash.model.drafters import DeviceDrafter, Drafter
-from dflash.model.drafters.trees import DraftTree, TreeDrafter, accept_tree
+from dflash.model.drafters.trees import (
+    CandidateDrafter,
+    DraftTree,
+    TreeDrafter,
+    accept_tree,
+    best_first_tree,
+)
 
 
 @dataclass(frozen=True)
@@ -177,7 +189,11 @@ class SpecDecoder:
         self.verify_window = verify_window
         self._window_devices = [str(s.device) for s in target.shards]
         self.window: VerifyWindow = make_window(verify_window, self._window_devices)
-        self.drafts: DraftSource = draft_source(target, drafter, block_size)
+        # trees are drafted on the host (a proposal's distributions, or the drafter's tree)
+        self.drafts: DraftSource = (
+            HostDrafts(target, drafter, block_size) if self.tree_budget is not None
+            else draft_source(target, drafter, block_size)
+        )
         dtype = target.model.embed_tokens.weight.dtype
         self.gate = CaptureGate(requested=self.policy.fast, tolerance=self_test_tolerance(dtype))
         self._capture_for(self.policy.mode)
@@ -315,17 +331,25 @@ class SpecDecoder:
         state, takes the conv window along its path and compacts its K/V rows, or, until
         the status is ``effective``, replays the path."""
         step = len(self.records)
-        drafter = cast(TreeDrafter, self.drafter)
         assert self.tree_budget is not None
-        tree = drafter.draft_tree(
-            list(self.context), self.last, self.tree_budget, self.block_size - 1
-        )
+        if isinstance(self.drafter, TreeDrafter):
+            tree = self.drafter.draft_tree(
+                list(self.context), self.last, self.tree_budget, self.block_size - 1
+            )
+        else:  # the chain proposal's per-slot distributions, grown best first
+            self.drafts.take(list(self.context), self.last)
+            candidates = cast(CandidateDrafter, self.drafter).candidates(TREE_CANDIDATES)
+            tree = best_first_tree(self.last, candidates, self.tree_budget)
         draft = self._tree_draft(tree)
         status_before = self.status
         logits, taps, _ = self._verify(draft)
         t = logits.argmax(-1).tolist()  # [T]: the target's token after each node's path
         _, path = accept_tree(tree, t)  # the deepest confirmed node: path[-1]
         d = [tree.tokens[s] for s in path]
+        if taps:  # the drafter's features of the committed tokens: the path's rows
+            rows = torch.tensor(path, dtype=torch.int64)
+            taps = {k: v.index_select(1, rows.to(v.device)) for k, v in taps.items()}
+        self.drafts.committed(taps, len(path), [])
         self._pending = Verified(
             d, [t[s] for s in path], len(path), taps, status_before, nodes=len(tree)
         )
@@ -504,6 +528,10 @@ class SpecDecoder:
         self.gate.reset()
 
 
+#: candidates per depth a tree grows from (a drafter's per-slot distributions)
+TREE_CANDIDATES = 8
+
+
 def _check_tree_budget(
     budget: object, target: ShardedTarget, drafter: Drafter, policy: RollbackPolicy | None
 ) -> int | None:
@@ -517,10 +545,11 @@ def _check_tree_budget(
             f"'tree_budget'={budget} exceeds the capture slots max_draft={target.max_draft} "
             "the target was built with"
         )
-    if not isinstance(drafter, TreeDrafter) or drafter.tap_layers:
+    tree_drafter = isinstance(drafter, TreeDrafter) and not drafter.tap_layers
+    if not tree_drafter and not isinstance(drafter, CandidateDrafter):
         raise ValueError(
-            f"'tree_budget' needs a drafter that proposes trees on the host (got "
-            f"{getattr(drafter, 'label', type(drafter).__name__)!r})"
+            f"'tree_budget' needs a drafter that proposes trees, or per-slot candidates, on "
+            f"the host (got {getattr(drafter, 'label', type(drafter).__name__)!r})"
         )
     if policy is not None and policy.mode == "recompute":
         raise ValueError(

@@ -43,7 +43,7 @@ def test_trees_are_plain_greedy_and_report_their_shape(
     ("extra", "message"),
     [
         (["--tree-budget", "1"], "--tree-budget must be in [2, "),
-        (["--tree-budget", "8", "--draft", "prompt-lookup"], "needs --draft synthetic"),
+        (["--tree-budget", "8", "--draft", "prompt-lookup"], "needs a drafter that gives per-slot"),
         (["--tree-budget", "8", "--rollback", "recompute"], "walks chains only"),
     ],
 )

@@ -348,6 +348,11 @@ class DFlashDrafter(nn.Module):
         (:meth:`HostDrafting.probabilities`)."""
         return self.host.probabilities(tokens)
 
+    def candidates(self, k: int) -> list[list[tuple[int, float]]]:
+        """The last host proposal's ``k`` best tokens per guess slot with their
+        log-probabilities (:meth:`HostDrafting.candidates`): what tree drafts grow from."""
+        return self.host.candidates(k)
+
     def confidence(self) -> list[float] | None:
         """The last host proposal's probability of each guess
         (:meth:`HostDrafting.confidence`)."""

@@ -118,6 +118,32 @@ class HostDrafting(DraftingPart):
         probs = (torch.exp(at - top) * inverse).clamp(max=1.0)
         return [float(p) for p in probs.double().tolist()]
 
+    def candidates(self, k: int) -> list[list[tuple[int, float]]]:
+        """The last :meth:`propose`'s ``k`` most likely tokens at each guess slot with their
+        log-probabilities (log-softmax of the slot's logits), best first — the
+        per-position distributions a tree draft grows from (ties: the lower token id).
+
+        Raises:
+            DraftArgumentError: no host proposal since the last reset, or ``k`` not an
+                int in ``1 … vocab``.
+        """
+        if self._scores is None:
+            raise DraftArgumentError(
+                "candidates() needs a host proposal first (none since the last reset)"
+            )
+        wide = self._scores[0]
+        vocab = wide.shape[1]
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab:
+            raise DraftArgumentError(f"'k' must be an int in [1, {vocab}] (got {k!r})")
+        log_probs = torch.log_softmax(wide.double(), dim=-1)
+        # a stable descending sort: equal log-probs keep the lower token id first
+        order = torch.sort(log_probs, dim=-1, descending=True, stable=True)
+        top_lp, top_ids = order.values[:, :k], order.indices[:, :k]
+        return [
+            [(int(t), min(float(lp), 0.0)) for t, lp in zip(ids, lps, strict=True)]
+            for ids, lps in zip(top_ids.tolist(), top_lp.tolist(), strict=True)
+        ]
+
     def confidence(self) -> list[float] | None:
         """The softmax probability of each guess of the last :meth:`propose` (None before
         one, after :meth:`reset`, and for proposals made on the device)."""

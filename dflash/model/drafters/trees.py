@@ -398,6 +398,15 @@ class SyntheticTreeDrafter:
 
 
 @runtime_checkable
+class CandidateDrafter(Protocol):
+    """A chain drafter whose last proposal also gives each guess slot's ``k`` best tokens
+    with their log-probabilities, best first (``candidates(k)``): a tree grows from them
+    (:func:`best_first_tree`)."""
+
+    def candidates(self, k: int) -> list[list[tuple[int, float]]]: ...
+
+
+@runtime_checkable
 class TreeDrafter(Protocol):
     """A drafter that proposes trees: ``draft_tree(context, last, budget, depth_count)`` →
     a :class:`DraftTree` of at most ``budget`` slots (root = ``last``) at most

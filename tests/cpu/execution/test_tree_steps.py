@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from dflash.execution import (
     ExecutionError,
@@ -149,3 +150,73 @@ def test_tree_budget_refusals(
     engine = SpecDecoder(target, tree, block_size=6, tree_budget=4)
     with pytest.raises(ExecutionError, match="walks chains only"):
         engine.request_mode("recompute")
+
+
+@pytest.mark.parametrize("mode", ["checkpoint", "remap", "replay"])
+def test_trees_grown_from_a_dflash_drafter_are_plain_greedy(
+    tiny: TargetModel, greedy: Callable[[str, int], list[int]], prompts: dict[str, list[int]],
+    mode: RollbackMode,
+) -> None:
+    """A DFlash drafter's per-slot distributions grown best first: the drafter gets the
+    accepted path's features, and the tokens are plain greedy decoding's."""
+    from dflash.model.drafters import make_drafter
+
+    oracle = greedy(PROMPT, N + BUDGET)
+    drafter = make_drafter("dflash", tiny, seed=3)
+    engine = _engine(tiny, oracle, prompts[PROMPT], mode, drafter=drafter)
+    assert _decode(engine, prompts[PROMPT], N) == oracle[:N]
+    assert all(r.nodes == BUDGET for r in engine.records[1:])
+
+
+def test_dflash_candidates_are_the_proposal_distributions(tiny: TargetModel) -> None:
+    """``candidates(k)``: per guess slot the ``k`` best tokens by log-softmax, best first,
+    the first of them the proposal's own guess; before any proposal, a typed error."""
+    import math
+
+    from dflash.model.drafters import DraftArgumentError, make_drafter
+
+    drafter = make_drafter("dflash", tiny, seed=3)
+    with pytest.raises(DraftArgumentError, match="needs a host proposal first"):
+        drafter.candidates(4)  # type: ignore[attr-defined]  # a DFlashDrafter
+    features = torch.randn(5, len(drafter.tap_layers) * tiny.config.hidden_size)
+    guesses = drafter.propose([1, 2, 3, 4, 5], 6, 5, features)
+    cands = drafter.candidates(4)  # type: ignore[attr-defined]  # a DFlashDrafter
+    assert len(cands) == 4 and all(len(level) == 4 for level in cands)
+    for guess, level in zip(guesses, cands, strict=True):
+        assert level[0][0] == guess
+        lps = [lp for _, lp in level]
+        assert lps == sorted(lps, reverse=True) and all(lp <= 0 for lp in lps)
+        assert len({t for t, _ in level}) == 4
+    probs = drafter.confidence()  # type: ignore[attr-defined]  # a DFlashDrafter
+    assert probs is not None
+    for p, level in zip(probs, cands, strict=True):  # confidence: float32 softmax
+        assert math.isclose(math.exp(level[0][1]), p, rel_tol=1e-6)
+    with pytest.raises(DraftArgumentError, match="'k' must be an int"):
+        drafter.candidates(0)  # type: ignore[attr-defined]  # a DFlashDrafter
+
+
+def test_the_dflash_drafter_sees_the_accepted_paths_features() -> None:
+    """After tree steps the drafter's cache holds the features of the committed tokens (the
+    verify's rows along each accepted path): its next proposal equals the one computed from
+    a plain forward's features of the whole committed context (the trained default pair,
+    so that paths longer than the root are accepted)."""
+    from dflash.data import missing_files, require_default
+    from dflash.model.drafters import make_drafter, stack_tap_features
+
+    if missing_files("target") or missing_files("drafter"):
+        pytest.skip("the embedded default pair is not installed")
+    model = TargetModel.from_pretrained(require_default("target"))
+    drafter = make_drafter(str(require_default("drafter")), model)
+    plan = plan_shards(model.config.num_hidden_layers, "cpu")
+    target = ShardedTarget(model, plan, max_len=160, max_draft=16)
+    engine = SpecDecoder(target, drafter, block_size=16, tree_budget=12)
+    prompt = list(b"def read_lines(path):\n    with open(path) as f:\n")
+    _decode(engine, prompt, 48)
+    assert any(r.accept_n > 2 for r in engine.records[1:])  # paths past the root
+    cached, _ = engine.drafts.take(list(engine.context), engine.last)
+    caches = model.new_caches(max_len=160, max_draft=1)
+    with torch.inference_mode():
+        _, taps = model(torch.tensor([engine.context]), caches, "prefill", taps=drafter.tap_layers)
+    features = stack_tap_features(taps, drafter.tap_layers)
+    fresh = make_drafter(str(require_default("drafter")), model)
+    assert cached == fresh.propose_uncached(features, engine.last, 16)  # type: ignore[attr-defined]  # a DFlashDrafter

@@ -44,11 +44,16 @@ def test_trees_are_plain_greedy_and_report_their_shape(
     [
         (["--tree-budget", "1"], "--tree-budget must be in [2, "),
         (["--tree-budget", "8", "--draft", "prompt-lookup"], "needs a drafter that gives per-slot"),
+        (["--tree-budget", "8", "--draft", "dflash+lookup"], "needs a drafter that gives per-slot"),
         (["--tree-budget", "8", "--rollback", "recompute"], "walks chains only"),
     ],
 )
 def test_tree_budget_refusals(
     capsys: pytest.CaptureFixture[str], extra: list[str], message: str
 ) -> None:
-    assert main(["generate", *ARGS, *extra]) == 2
+    args = ARGS
+    if "--draft" in extra:  # another drafter: --acceptance is the synthetic drafter's only
+        i = ARGS.index("--draft")
+        args = [*ARGS[:i], *ARGS[i + 4 :]]  # without "--draft synthetic --acceptance 0.6"
+    assert main(["generate", *args, *extra]) == 2
     assert message in capsys.readouterr().err

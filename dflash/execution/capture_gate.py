@@ -27,7 +27,7 @@ from torch import Tensor
 
 from dflash.execution.errors import IllegalTransitionError
 from dflash.execution.results import CaptureReport, SelfTestReport, ShardCaptureEvidence
-from dflash.model.caches import RecurrentPool
+from dflash.model.caches import RecurrentPool, path_window_rows
 
 
 def _entry(name: str) -> str:
@@ -310,23 +310,25 @@ class CaptureGate:
     # -- the one-time numerical self-test --------------------------------------------------
 
     @staticmethod
-    def save_slot(shards: Sequence[ShardStorage], slot: int) -> list[tuple[Tensor, Tensor]]:
+    def save_slot(
+        shards: Sequence[ShardStorage], slot: int, path: Sequence[int] | None = None
+    ) -> list[tuple[Tensor, Tensor]]:
         """Per shard, the state and conv window a fast rollback to slot ``slot`` would
         restore, as new tensors (before the rollback): copies of checkpoint slot ``slot``
-        and its conv rows, or (capturing inputs) the recurrence recomputed into scratch by
-        the rollback's own kernel."""
+        and its conv rows — along ``path`` for a tree (its root-to-``slot`` path; a chain's
+        is ``0 … slot``) — or (capturing inputs, chains only) the recurrence recomputed
+        into scratch by the rollback's own kernel."""
         out = []
         for s in shards:
             pool = s.pool
-            kc = pool.conv_kernel
             if getattr(pool, "capture", "states") == "inputs":
                 out.append(pool.recomputed_copy(slot + 1))
                 continue
+            rows = path_window_rows(range(slot + 1) if path is None else path,
+                                    pool.conv_kernel - 1)
+            index = torch.tensor(rows, dtype=torch.int64, device=pool.captured.device)
             out.append(
-                (
-                    pool.checkpoints[:, :, slot].clone(),
-                    pool.captured[:, :, slot + 1 : slot + kc].clone(),
-                )
+                (pool.checkpoints[:, :, slot].clone(), pool.captured.index_select(2, index))
             )
         return out
 

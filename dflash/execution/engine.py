@@ -279,10 +279,11 @@ class SpecDecoder:
         """One speculative step; returns the emitted tokens (1 … B of them)."""
         self.rollback.begin_step()
         self._forwards_before = self.target_forwards
-        if self.policy.fast and self.gate.pending and self.fast_unavailable_reason is None:
-            return self._gate_step()
+        gate = self.policy.fast and self.gate.pending and self.fast_unavailable_reason is None
         if self.tree_budget is not None:
-            return self._tree_step()
+            return self._tree_step(gate=gate)
+        if gate:
+            return self._gate_step()
         step = len(self.records)
         guesses, confidence = self.drafts.take(list(self.context), self.last)  # [B-1]
         T = self.window.size(self.committed, self.block_size, confidence)  # 1 … B
@@ -324,12 +325,16 @@ class SpecDecoder:
             self.gate.self_test(self.target.storages(), v.commit_n - 1, saved, step)
         return self._commit("replay", None)
 
-    def _tree_step(self) -> list[int]:
+    def _tree_step(self, *, gate: bool = False) -> list[int]:
         """A tree step: the drafter's tree of at most ``tree_budget`` nodes, validated, then
         one verify; the accepted path is the deepest node whose path the target's greedy
         tokens confirm (read back once); the rollback restores (or remaps) that node's
         state, takes the conv window along its path and compacts its K/V rows, or, until
-        the status is ``effective``, replays the path."""
+        the status is ``effective``, replays the path.
+
+        ``gate``: the capture gate's step, on a tree — its verify on poisoned storage,
+        judged (every node's slot written), the path replayed, then the one-time
+        self-test of the accepted node's slot and the conv window along its path."""
         step = len(self.records)
         assert self.tree_budget is not None
         if isinstance(self.drafter, TreeDrafter):
@@ -341,11 +346,19 @@ class SpecDecoder:
             candidates = cast(CandidateDrafter, self.drafter).candidates(TREE_CANDIDATES)
             tree = best_first_tree(self.last, candidates, self.tree_budget)
         draft = self._tree_draft(tree)
+        storages = self.target.storages()
+        if gate:
+            self.gate.arm(storages)
         status_before = self.status
-        logits, taps, _ = self._verify(draft)
+        logits, taps, _ = self._verify(
+            draft, (lambda k: self.gate.after_shard(k, storages)) if gate else None
+        )
         t = logits.argmax(-1).tolist()  # [T]: the target's token after each node's path
         _, path = accept_tree(tree, t)  # the deepest confirmed node: path[-1]
         d = [tree.tokens[s] for s in path]
+        saved = None
+        if gate and self.gate.judge(storages, len(tree), taps, self.taps):
+            saved = self.gate.save_slot(storages, path[-1], path)
         if taps:  # the drafter's features of the committed tokens: the path's rows
             rows = torch.tensor(path, dtype=torch.int64)
             taps = {k: v.index_select(1, rows.to(v.device)) for k, v in taps.items()}
@@ -358,6 +371,8 @@ class SpecDecoder:
         else:
             self.rollback.replay(d, self.committed, len(path))
             how, failure = "replay", None
+            if saved is not None:
+                self.gate.self_test(self.target.storages(), path[-1], saved, step)
         return self._commit(how, failure)
 
     def _tree_draft(self, tree: DraftTree) -> Draft:

@@ -598,10 +598,8 @@ class RecurrentPool:
         except CacheError:
             v.stage = "open"  # refused before any change
             raise
-        u, m, kc1 = path[-1], len(path), self.conv_kernel - 1
-        # the window after the path: entries m … m+Kc-2 of concat(pre-verify window, path)
-        logical = range(m, m + kc1)
-        rows = [j if j < kc1 else kc1 + path[j - kc1] for j in logical]
+        u, m = path[-1], len(path)
+        rows = path_window_rows(path, self.conv_kernel - 1)
         if self.layer_ids:
             index = torch.tensor(rows, dtype=torch.int64).to(self.conv.device)
             self.conv.copy_(self.captured.index_select(2, index))
@@ -686,6 +684,15 @@ class RecurrentPool:
         self._set_live(None)
         self._move_to(0)
         self.verify = None
+
+
+def path_window_rows(path: Sequence[int], kc1: int) -> list[int]:
+    """The captured rows (``[Kc-1+S]``: the pre-verify window, then one row per slot) that
+    make the conv window after a verify's root-to-node ``path``: entries ``m … m+Kc-2`` of
+    ``concat(pre-verify window, the path's slots)``, ``m = len(path)`` (a chain's
+    ``0 … n-1``: rows ``n … n+Kc-2``)."""
+    m = len(path)
+    return [j if j < kc1 else kc1 + path[j - kc1] for j in range(m, m + kc1)]
 
 
 #: the rollback modes a pool runs on the device

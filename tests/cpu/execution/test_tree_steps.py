@@ -4,7 +4,7 @@ faults at every phase, and a hostile tree never reaches a kernel."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -20,6 +20,7 @@ from dflash.execution import (
     SpecDecoder,
     plan_shards,
 )
+from dflash.execution.capture_gate import ShardStorage
 from dflash.model import TargetModel
 from dflash.model.drafters import SyntheticDrafter
 from dflash.model.drafters.trees import DraftTree, SyntheticTreeDrafter
@@ -59,7 +60,7 @@ def test_tree_steps_emit_plain_greedy(
     oracle = greedy(PROMPT, N + BUDGET)
     engine = _engine(tiny, oracle, prompts[PROMPT], mode, split=split)
     assert _decode(engine, prompts[PROMPT], N) == oracle[:N]
-    trees = engine.records[1:]  # step 0 is the capture gate's chain step (fast modes)
+    trees = engine.records[1:]  # step 0 is the capture gate's (a tree, rolled back by replay)
     assert all(r.nodes > 1 for r in trees)
     assert any(r.nodes > r.accept_n and r.accept_n > 1 for r in trees)  # a branch accepted
     if mode != "replay":
@@ -85,7 +86,7 @@ def test_tree_fault_at_every_phase_emits_only_greedy_tokens(
 
 
 class _Hostile(SyntheticTreeDrafter):
-    """Returns a tree that breaks one rule (``how``) from its second tree on."""
+    """Returns a tree that breaks one rule (``how``) from its third tree on."""
 
     def __init__(self, how: str, *args: object) -> None:
         super().__init__(*args)  # type: ignore[arg-type]  # SyntheticTreeDrafter's own arguments
@@ -94,7 +95,7 @@ class _Hostile(SyntheticTreeDrafter):
     def draft_tree(self, context: list[int], last: int, budget: int, depth: int) -> DraftTree:
         tree = super().draft_tree(context, last, budget, depth)
         self.calls += 1
-        if self.calls < 2:
+        if self.calls < 3:
             return tree
         if self.how == "root":
             return DraftTree((last + 1, *tree.tokens[1:]), tree.parents, tree.log_probs)
@@ -121,8 +122,8 @@ def test_a_hostile_tree_never_reaches_a_kernel(
     hostile = _Hostile(how, prompts[PROMPT] + oracle, RANKS, tiny.config.vocab_size, 4)
     engine = _engine(tiny, oracle, prompts[PROMPT], "checkpoint", drafter=hostile)
     out = [engine.prefill(prompts[PROMPT])]
-    out.extend(engine.step())  # the gate's chain step
-    out.extend(engine.step())  # the first tree
+    out.extend(engine.step())  # the capture gate's step (a tree)
+    out.extend(engine.step())  # the first fast tree
     forwards, committed = engine.target_forwards, engine.committed
     with pytest.raises(ExecutionError, match=message):
         engine.step()
@@ -220,3 +221,54 @@ def test_the_dflash_drafter_sees_the_accepted_paths_features() -> None:
     features = stack_tap_features(taps, drafter.tap_layers)
     fresh = make_drafter(str(require_default("drafter")), model)
     assert cached == fresh.propose_uncached(features, engine.last, 16)  # type: ignore[attr-defined]  # a DFlashDrafter
+
+
+def test_the_capture_gate_validates_tree_capture_before_trees_roll_back_fast(
+    tiny: TargetModel, greedy: Callable[[str, int], list[int]], prompts: dict[str, list[int]],
+) -> None:
+    """The gate's step is a tree: every node's slot judged, the accepted node's slot and
+    the conv window along its path compared with the replay (bitwise here), and only then
+    trees roll back fast."""
+    oracle = greedy(PROMPT, N + BUDGET)
+    engine = _engine(tiny, oracle, prompts[PROMPT], "checkpoint")
+    assert _decode(engine, prompts[PROMPT], N) == oracle[:N]
+    report = engine.gate.report
+    assert report.verdict == "validated" and report.self_test is not None
+    assert report.self_test.max_abs_err == 0.0
+    assert all(e.slots_expected == engine.records[0].nodes for e in report.shards)
+    assert engine.records[0].path == "replay" and engine.records[0].nodes > 1
+    assert all(r.path == "fast" for r in engine.records[1:])
+
+
+@pytest.mark.parametrize("tamper", ["unwritten node", "chain window"])
+def test_the_tree_gate_refuses_bad_tree_capture(
+    tiny: TargetModel, greedy: Callable[[str, int], list[int]], prompts: dict[str, list[int]],
+    tamper: str,
+) -> None:
+    """A node slot the verify left unwritten, or a self-test that takes the conv window of
+    the chain instead of the node's path: refused, every step replays, tokens unchanged."""
+    from dflash.execution import CaptureGate
+
+    oracle = greedy(PROMPT, N + BUDGET)
+    engine = _engine(tiny, oracle, prompts[PROMPT], "checkpoint")
+    if tamper == "unwritten node":
+        after = engine.gate.after_shard
+
+        def unwrite(k: int, shards: Sequence[ShardStorage]) -> None:
+            if k == 0:
+                shards[0].pool.checkpoints[0, :, 3].fill_(float("nan"))
+            after(k, shards)
+
+        engine.gate.after_shard = unwrite  # type: ignore[method-assign]  # test double
+    else:
+        original = CaptureGate.save_slot
+
+        def chain_window(
+            shards: Sequence[ShardStorage], slot: int, path: Sequence[int] | None = None
+        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            return original(shards, slot)  # the window of slots 0 … slot, not the path's
+
+        engine.gate.save_slot = chain_window  # type: ignore[method-assign]  # test double
+    assert _decode(engine, prompts[PROMPT], N) == oracle[:N]
+    assert engine.gate.report.verdict == "refused"
+    assert engine.counts["fast"] == 0 and engine.status is RollbackStatus.REQUESTED

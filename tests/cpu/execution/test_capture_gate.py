@@ -163,6 +163,19 @@ def _engine(
     return SpecDecoder(target, drafter, block_size=4, policy=RollbackPolicy(mode=mode))
 
 
+def _off_by_one(
+    save: Callable[..., list[tuple[torch.Tensor, torch.Tensor]]],
+) -> Callable[..., list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A ``save_slot`` that saves the slot next to the one asked for (a chain's)."""
+
+    def saved(
+        shards: Sequence[ShardStorage], slot: int, path: Sequence[int] | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return save(shards, slot + 1 if slot == 0 else slot - 1)
+
+    return saved
+
+
 def _decode(engine: SpecDecoder, prompt: list[int], n: int) -> list[int]:
     out = [engine.prefill(prompt)]
     while len(out) < n:
@@ -196,9 +209,7 @@ def test_self_test_catches_an_off_by_one_slot(
     oracle = greedy("digits", 16)
     engine = _engine(tiny, oracle, prompts["digits"], "checkpoint")
     original = CaptureGate.save_slot
-    engine.gate.save_slot = lambda shards, slot: original(  # type: ignore[method-assign]  # test double
-        shards, slot + 1 if slot == 0 else slot - 1
-    )
+    engine.gate.save_slot = _off_by_one(original)  # type: ignore[method-assign]  # test double
     assert _decode(engine, prompts["digits"], 8) == oracle[:8]
     report = engine.gate.report
     assert report.verdict == "refused" and "numerical self-test" in (report.reason or "")
@@ -303,9 +314,7 @@ def test_recompute_self_test_catches_an_off_by_one_count(
     oracle = greedy("digits", 16)
     engine = _engine(tiny, oracle, prompts["digits"], "recompute")
     original = CaptureGate.save_slot
-    engine.gate.save_slot = lambda shards, slot: original(  # type: ignore[method-assign]  # test double
-        shards, slot + 1 if slot == 0 else slot - 1
-    )
+    engine.gate.save_slot = _off_by_one(original)  # type: ignore[method-assign]  # test double
     assert _decode(engine, prompts["digits"], 8) == oracle[:8]
     report = engine.gate.report
     assert report.verdict == "refused" and "numerical self-test" in (report.reason or "")

@@ -31,7 +31,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -47,11 +47,14 @@ from dflash.execution import (
     plan_shards,
 )
 from dflash.execution.policy import parse_mode
+from dflash.execution.session import tree_rank_probs
 from dflash.model import TargetModel, greedy_generate
 from dflash.model.config import HybridConfig
 from dflash.model.drafters import Drafter, make_drafter
+from dflash.model.drafters.trees import SyntheticTreeDrafter
 
 MODES = ("replay", "checkpoint", "remap", "recompute")
+TREE_MODES = ("replay", "checkpoint", "remap")  # recompute walks chains only
 DRAFTERS = ("synthetic", "prompt-lookup", "dflash")
 PATHS = ("fast", "replay", "replay_after_failure")
 FAULT_PHASES = tuple(FaultPhase)
@@ -79,6 +82,7 @@ class Episode:
     p_rebuild: float  # per step: probability of a storage rebuild
     p_fault: float  # per step: probability of arming a fault
     event_seed: int  # seeds the between-steps events
+    tree_budget: int | None = None  # tree drafts of at most that many nodes (None: chains)
 
 
 def episode_rng(seed: int, index: int) -> random.Random:
@@ -137,7 +141,7 @@ def draw_episode(seed: int, index: int) -> Episode:
     else:
         first = rng.randint(1, n_layers - 1)
         split = [first, n_layers - first]
-    return Episode(
+    episode = Episode(
         seed=seed,
         index=index,
         config=config.model_dump(mode="json"),
@@ -156,6 +160,14 @@ def draw_episode(seed: int, index: int) -> Episode:
         p_fault=rng.choice([0.0, 0.1, 0.3, 0.6]),
         event_seed=rng.randrange(2**31),
     )
+    # trees, drawn last so every earlier field of an episode is what it always was: a third
+    # of the episodes whose drafter gives per-slot candidates (seeded DFlash) or trees
+    # (synthetic, with a rank distribution from its acceptance)
+    if episode.drafter in ("synthetic", "dflash") and rng.random() < 1 / 3:
+        episode.tree_budget = rng.choice([2, 3, 4, 6, 8, 12, 16])
+        if episode.mode not in TREE_MODES:
+            episode.mode = rng.choice(TREE_MODES)
+    return episode
 
 
 # -- faults --------------------------------------------------------------------------------
@@ -210,6 +222,7 @@ class Tally:
     by_dtype: dict[str, int] = field(default_factory=lambda: {"float32": 0, "bfloat16": 0})
     by_shards: dict[str, int] = field(default_factory=lambda: {"1": 0, "2": 0})
     by_block_size: dict[str, int] = field(default_factory=dict)
+    by_tree_budget: dict[str, int] = field(default_factory=dict)  # "chain" or the budget
     accepted_drafts: int = 0
     drafted: int = 0
 
@@ -232,9 +245,15 @@ def _build(ep: Episode) -> tuple[TargetModel, list[int], SpecDecoder, ArmedFault
     dtype = getattr(torch, ep.dtype)
     model = TargetModel.seeded(config, seed=ep.model_seed, dtype=dtype)
     B = ep.block_size
-    oracle = greedy_generate(model, ep.prompt, ep.max_new_tokens + B + 1)
+    slots = max(B, ep.tree_budget or 0)  # what a verify may write: a block, or a tree
+    oracle = greedy_generate(model, ep.prompt, ep.max_new_tokens + slots + 1)
     drafter: Drafter
-    if ep.drafter == "synthetic":
+    if ep.drafter == "synthetic" and ep.tree_budget is not None:
+        drafter = cast(Drafter, SyntheticTreeDrafter(
+            ep.prompt + oracle, tree_rank_probs(min(max(ep.acceptance, 0.05), 0.95)),
+            config.vocab_size, seed=ep.drafter_seed,
+        ))
+    elif ep.drafter == "synthetic":
         drafter = make_drafter(
             "synthetic",
             model,
@@ -249,8 +268,8 @@ def _build(ep: Episode) -> tuple[TargetModel, list[int], SpecDecoder, ArmedFault
     target = ShardedTarget(
         model,
         plan,
-        max_len=len(ep.prompt) + ep.max_new_tokens + B + 1,
-        max_draft=B,
+        max_len=len(ep.prompt) + ep.max_new_tokens + slots + 1,
+        max_draft=slots,
     )
     faults = ArmedFaults()
     engine = SpecDecoder(
@@ -258,6 +277,7 @@ def _build(ep: Episode) -> tuple[TargetModel, list[int], SpecDecoder, ArmedFault
         drafter,
         block_size=B,
         policy=RollbackPolicy(mode=parse_mode(ep.mode, source="mode")),
+        tree_budget=ep.tree_budget,
         faults=faults,
     )
     return model, oracle, engine, faults
@@ -289,7 +309,7 @@ def run_episode(ep: Episode, log: list[str] | None = None) -> Tally:
         step = len(engine.records)
         # between steps: mode requests, rebuilds (the target is clean here)
         if ev.random() < ep.p_mode:
-            mode = ev.choice(MODES)
+            mode = ev.choice(MODES if ep.tree_budget is None else TREE_MODES)
             engine.request_mode(mode)
             tally.mode_requests += 1
             if log is not None:
@@ -343,7 +363,8 @@ def run_episode(ep: Episode, log: list[str] | None = None) -> Tally:
     tally.by_dtype[ep.dtype] = 1
     tally.by_shards[str(shards)] = 1
     tally.by_block_size[str(ep.block_size)] = 1
-    tally.drafted = len(engine.records) * (ep.block_size - 1)
+    tally.by_tree_budget["chain" if ep.tree_budget is None else str(ep.tree_budget)] = 1
+    tally.drafted = sum(r.nodes - 1 for r in engine.records)
     tally.accepted_drafts = sum(r.accept_n - 1 for r in engine.records)
     return tally
 
@@ -367,7 +388,7 @@ def _resume(
     if ev.random() < 0.3:
         try:
             if ev.random() < 0.5:
-                engine.request_mode(ev.choice(MODES))
+                engine.request_mode(ev.choice(MODES if engine.tree_budget is None else TREE_MODES))
             else:
                 engine.rebuild_storage()
         except ExecutionError as exc:

@@ -169,8 +169,9 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="verify trees of at most N nodes (root included) instead of chains, grown best "
-        "first from the drafter's per-slot candidates (--draft dflash or a DFlash drafter "
-        "directory; with --draft synthetic a SYNTHETIC tree drafter: the target's token at "
+        "first from the drafter's per-slot candidates (--draft dflash+lookup, the default, "
+        "adds prompt lookup's copy as one branch; dflash or a DFlash drafter directory; "
+        "with --draft synthetic a SYNTHETIC tree drafter: the target's token at "
         "rank r of each depth's candidates with probability a*(1-a)**r, r < 4, a from "
         "--acceptance); off by default",
     )
@@ -543,8 +544,9 @@ def prepare(args: argparse.Namespace) -> Prepared:
     )
     if tree_budget is not None and not isinstance(drafter, (TreeDrafter, CandidateDrafter)):
         raise UsageError(
-            f"--tree-budget needs a drafter that gives per-slot candidates: --draft dflash, "
-            f"a DFlash drafter directory, or synthetic (got --draft {args.draft})"
+            f"--tree-budget needs a drafter that gives per-slot candidates: --draft "
+            f"dflash+lookup, dflash, a DFlash drafter directory, or synthetic (got --draft "
+            f"{args.draft})"
         )
     return Prepared(
         model, plan, prompt, drafter, oracle, dtype, devices, acceptance, codec, eos_id

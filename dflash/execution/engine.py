@@ -58,6 +58,7 @@ from dflash.geometry import ChainGeometry, TreeGeometry, require_chain, require_
 from dflash.model.caches import capture_kind
 from dflash.model.drafters import DeviceDrafter, Drafter
 from dflash.model.drafters.trees import (
+    BranchDrafter,
     CandidateDrafter,
     DraftTree,
     TreeDrafter,
@@ -344,7 +345,10 @@ class SpecDecoder:
         else:  # the chain proposal's per-slot distributions, grown best first
             self.drafts.take(list(self.context), self.last)
             candidates = cast(CandidateDrafter, self.drafter).candidates(TREE_CANDIDATES)
-            tree = best_first_tree(self.last, candidates, self.tree_budget)
+            branch = (  # prompt lookup's copy, kept whole as one branch when there is one
+                self.drafter.tree_branch() if isinstance(self.drafter, BranchDrafter) else None
+            )
+            tree = best_first_tree(self.last, candidates, self.tree_budget, branch=branch)
         draft = self._tree_draft(tree)
         storages = self.target.storages()
         if gate:

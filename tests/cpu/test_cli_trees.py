@@ -44,7 +44,6 @@ def test_trees_are_plain_greedy_and_report_their_shape(
     [
         (["--tree-budget", "1"], "--tree-budget must be in [2, "),
         (["--tree-budget", "8", "--draft", "prompt-lookup"], "needs a drafter that gives per-slot"),
-        (["--tree-budget", "8", "--draft", "dflash+lookup"], "needs a drafter that gives per-slot"),
         (["--tree-budget", "8", "--rollback", "recompute"], "walks chains only"),
     ],
 )

@@ -67,6 +67,7 @@ class LookupAssistedDrafter:
         self.lookup = lookup if lookup is not None else PromptLookupDrafter()
         self.label = f"{dflash.label}+lookup"
         self._confidence: list[float] | None = None
+        self._copy: list[int] | None = None  # the last proposal's context copy, if any
         self._new_generation()
 
     def _new_generation(self) -> None:
@@ -90,6 +91,16 @@ class LookupAssistedDrafter:
         self.dflash.reset()
         self._confidence = None
         self._new_generation()
+
+    def candidates(self, k: int) -> list[list[tuple[int, float]]]:
+        """The DFlash drafter's per-slot candidates of the last proposal (a tree grows from
+        them, :class:`~dflash.model.drafters.trees.CandidateDrafter`)."""
+        return self.dflash.candidates(k)
+
+    def tree_branch(self) -> list[int] | None:
+        """The last proposal's context copy (whether or not it became the chain draft), for
+        a tree to hold as one branch; None when the lookup found none."""
+        return None if self._copy is None else list(self._copy)
 
     def confidence(self) -> list[float] | None:
         """The probability of each guess of the last :meth:`propose` (module docstring)."""
@@ -127,6 +138,7 @@ class LookupAssistedDrafter:
         self._observe(context, last)
         self.drafts += 1
         copy = list(found.tokens)
+        self._copy = copy if found.ngram else None
         if found.ngram == 0 or copy[0] != guesses[0]:
             return guesses
         self.copied_drafts += 1

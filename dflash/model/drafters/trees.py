@@ -407,6 +407,14 @@ class CandidateDrafter(Protocol):
 
 
 @runtime_checkable
+class BranchDrafter(Protocol):
+    """A :class:`CandidateDrafter` that can also offer one whole branch for the tree (prompt
+    lookup's copy from the context): ``tree_branch()`` after a proposal, None for none."""
+
+    def tree_branch(self) -> list[int] | None: ...
+
+
+@runtime_checkable
 class TreeDrafter(Protocol):
     """A drafter that proposes trees: ``draft_tree(context, last, budget, depth_count)`` →
     a :class:`DraftTree` of at most ``budget`` slots (root = ``last``) at most

@@ -272,3 +272,34 @@ def test_the_tree_gate_refuses_bad_tree_capture(
     assert _decode(engine, prompts[PROMPT], N) == oracle[:N]
     assert engine.gate.report.verdict == "refused"
     assert engine.counts["fast"] == 0 and engine.status is RollbackStatus.REQUESTED
+
+
+def test_lookup_assisted_trees_hold_the_copy_as_a_branch(
+    tiny: TargetModel, greedy: Callable[[str, int], list[int]], prompts: dict[str, list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``dflash+lookup``: the DFlash drafter's candidates grown best first, with prompt
+    lookup's copy from the context held whole as one branch; plain greedy tokens."""
+    import dflash.execution.engine as engine_module
+    from dflash.model.drafters import make_drafter
+    from dflash.model.drafters.trees import Candidates, best_first_tree
+
+    branches: list[tuple[list[int], tuple[int, ...]]] = []
+
+    def recording(
+        root: int, candidates: Candidates, budget: int, *, branch: Sequence[int] | None = None
+    ) -> DraftTree:
+        tree = best_first_tree(root, candidates, budget, branch=branch)
+        if branch is not None:
+            branches.append((list(branch), tree.tokens))
+        return tree
+
+    monkeypatch.setattr(engine_module, "best_first_tree", recording)
+    oracle = greedy("repeat", N + BUDGET)
+    drafter = make_drafter("dflash+lookup", tiny, seed=3)
+    engine = _engine(tiny, oracle, prompts["repeat"], "checkpoint", drafter=drafter)
+    assert _decode(engine, prompts["repeat"], N) == oracle[:N]
+    assert branches  # the repetitive prompt gives copies
+    for branch, tokens in branches:  # the kept part of the copy: slots 1, 2, … from the root
+        kept = branch[: BUDGET // 2]
+        assert list(tokens[1 : 1 + len(kept)]) == kept

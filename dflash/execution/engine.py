@@ -350,7 +350,7 @@ class SpecDecoder:
             )
             tree = best_first_tree(self.last, candidates, self.tree_budget, branch=branch)
         draft = self._tree_draft(tree)
-        storages = self.target.storages()
+        storages = self.target.storages() if gate else []
         if gate:
             self.gate.arm(storages)
         status_before = self.status

@@ -166,11 +166,8 @@ class Rollback:
                 raise
             except Exception as exc:
                 failure = f"{type(exc).__name__}: {exc}"
-        if started.failure is None or started.changed:
-            self.life.move("fail")
-            self.poison_events += 1
-        self.recover(d, committed, commit_n, step, failure)
-        return "replay_after_failure", failure
+        changed = started.failure is None or started.changed
+        return self._fail_closed(d, committed, commit_n, step, failure, changed=changed)
 
     def path_fast(
         self, d: Sequence[int], committed: int, window: int, path: Sequence[int], step: int
@@ -201,10 +198,18 @@ class Rollback:
             raise
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
+        return self._fail_closed(d, committed, len(path), step, failure, changed=changed)
+
+    def _fail_closed(
+        self, d: Sequence[int], committed: int, commit_n: int, step: int, failure: str,
+        *, changed: bool,
+    ) -> tuple[RollbackPath, str | None]:
+        """A fast rollback failed: poisoned first when a shard's state may have changed,
+        then completed through the legacy path (:meth:`recover`)."""
         if changed:
             self.life.move("fail")
             self.poison_events += 1
-        self.recover(d, committed, len(path), step, failure)
+        self.recover(d, committed, commit_n, step, failure)
         return "replay_after_failure", failure
 
     def undo_enqueued(self) -> None:

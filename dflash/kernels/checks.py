@@ -113,6 +113,19 @@ def device_index(name: str, value: object) -> torch.Tensor:
     return value
 
 
+def index_vector(name: str, value: object) -> torch.Tensor:
+    """Return ``value`` if it is a one-dimensional int64 tensor (indices a kernel reads),
+    else raise naming it."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"'{name}' must be a torch.Tensor (got {type(value).__name__})")
+    if value.dtype != torch.int64 or value.ndim != 1:
+        raise KernelBoundsError(
+            f"'{name}' must be a one-dimensional int64 tensor (got dtype {value.dtype}, "
+            f"shape {tuple(value.shape)})"
+        )
+    return value
+
+
 def disjoint(name: str, value: torch.Tensor, others: dict[str, torch.Tensor | None]) -> None:
     """``value`` (an output) shares no storage with any of ``others`` (inputs, other outputs)."""
     if value.numel() == 0:

@@ -10,6 +10,7 @@ import torch
 from dflash.errors import KernelBoundsError
 from dflash.kernels import checks
 from dflash.kernels.gdn_reference import gdn_recompute_reference, gdn_verify_reference
+from dflash.kernels.rollback import RollbackBoundsError
 from dflash.kernels.rollback import _commit as _commit_count  # the rollback's commit_n rule
 
 #: Triton holds the whole key dimension of a state tile in registers.
@@ -33,6 +34,7 @@ def gdn_verify(
     slot_bank: torch.Tensor | None = None,
     live_slot: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    tree_states: torch.Tensor | None = None,
     backend: checks.Backend = "auto",
 ) -> torch.Tensor:
     """Run the gated delta rule over ``T`` tokens, capturing the state after each token.
@@ -47,9 +49,9 @@ def gdn_verify(
         checkpoints: ``[B, S, HV, K, V]`` float32 with ``S >= T``; slot ``t`` receives the
             state after token ``t``. With ``final_state_only`` only slot 0 is written, with
             the state after the last token (pass ``initial_state.unsqueeze(1)`` to update
-            the state in place). ``None`` (a chain, ``final_state_only=False``): no state
-            is written anywhere, only ``o`` (and ``snapshot``) — a verify whose rollback
-            recomputes the state (:func:`gdn_recompute`).
+            the state in place). ``None`` (``final_state_only=False``): no state is
+            kept, only ``o`` (and ``snapshot``) — a verify whose rollback recomputes the
+            state (:func:`gdn_recompute`); a branching tree then needs ``tree_states``.
         geometry: a validated ``ChainGeometry`` or ``TreeGeometry`` with ``n_actual == T``
             (tree: token ``t`` starts from its parent's slot, the root from
             ``initial_state``). ``None`` only with ``final_state_only=True``.
@@ -65,6 +67,12 @@ def gdn_verify(
             the kernel clamps it to ``S' - 1`` so a wrong value cannot read out of bounds.
         out: ``None`` (allocated) or a contiguous ``[B, T, HV, V]`` tensor in v's dtype on
             the inputs' device, sharing no memory with any other argument; receives ``o``.
+        tree_states: scratch for a branching tree verified with ``checkpoints=None``:
+            ``[B, S, HV, K, V]`` float32 with ``S >= T``, sharing no memory with any other
+            argument. A node whose state a later child (not the next slot) starts from
+            leaves it in its slot there (only those nodes: a depth-first tree writes its
+            branch points only); the contents afterwards are unspecified. Given only
+            with ``checkpoints=None``; ignored by a chain.
         backend: ``"auto"`` (Triton on CUDA, or on CPU under ``TRITON_INTERPRET=1``;
             the reference otherwise), ``"triton"`` or ``"reference"``.
 
@@ -75,8 +83,9 @@ def gdn_verify(
         TypeError: a tensor argument is not a tensor, or ``geometry`` is not a validated
             geometry object (before anything is launched).
         KernelBoundsError: shapes, dtypes or devices disagree, ``T > S``,
-            ``n_actual != T``, ``out`` is wrong, or ``checkpoints`` is ``None`` with
-            ``final_state_only`` or a branching tree (a ``ValueError``).
+            ``n_actual != T``, ``out`` is wrong, ``checkpoints`` is ``None`` with
+            ``final_state_only`` or with a branching tree but no ``tree_states``, or
+            ``tree_states`` comes with ``checkpoints`` (a ``ValueError``).
     """
     q = checks.tensor("q", q, 4)
     B, T, HK, K = q.shape
@@ -135,6 +144,18 @@ def gdn_verify(
         live_slot = checks.device_index("live_slot", live_slot)
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise KernelBoundsError(f"'scale' must be a finite number or None (got {scale!r})")
+    if tree_states is not None:
+        if checkpoints is not None:
+            raise KernelBoundsError(
+                "'tree_states' is the scratch of a tree verified without checkpoints; "
+                "with 'checkpoints' given the nodes' states go there (pass one of them)"
+            )
+        tree_states = checks.tensor("tree_states", tree_states, 5)
+        checks.shape(
+            "tree_states", tree_states, (B, max(T, tree_states.shape[1]), HV, K, V),
+            f"[B, S >= T={T}, HV, K, V]",
+        )
+        checks.dtype("tree_states", tree_states, torch.float32)
     inputs: dict[str, torch.Tensor | None] = {
         "q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state,
         "checkpoints": checkpoints, "snapshot": snapshot, "slot_bank": slot_bank,
@@ -143,12 +164,15 @@ def gdn_verify(
     if out is not None:
         out = checks.output("out", out, (B, T, HV, V), v.dtype, "v.shape [B, T, HV, V]")
         checks.disjoint("out", out, inputs)
-    device = checks.same_device({**inputs, "out": out})
+    if tree_states is not None:
+        checks.disjoint("tree_states", tree_states, {**inputs, "out": out})
+    device = checks.same_device({**inputs, "out": out, "tree_states": tree_states})
     parents = checks.geometry_parents(geometry, T, final_state_only)
-    if checkpoints is None and parents is not None:
+    if checkpoints is None and parents is not None and tree_states is None:
         raise KernelBoundsError(
             "'checkpoints' is None but the geometry is a branching tree (parents "
-            f"{parents}): its tokens start from their parents' slots, so it needs checkpoints"
+            f"{parents}): its tokens start from their parents' states, so it needs "
+            "'tree_states' (scratch for them) or checkpoints"
         )
 
     if not checks.use_triton(backend, device):
@@ -168,7 +192,7 @@ def gdn_verify(
         q, k, v, g, beta, initial_state, checkpoints, parents,
         scale=K**-0.5 if scale is None else float(scale), use_qk_l2norm=use_qk_l2norm,
         final_state_only=final_state_only, snapshot=snapshot, slot_bank=slot_bank,
-        live_slot=live_slot, out=out,
+        live_slot=live_slot, out=out, tree_states=tree_states,
     )
 
 
@@ -183,23 +207,28 @@ def gdn_recompute(
     *,
     out: torch.Tensor | None = None,
     snapshot: torch.Tensor | None = None,
+    path: torch.Tensor | None = None,
     use_qk_l2norm: bool = True,
     backend: checks.Backend = "auto",
 ) -> None:
     """Re-run a verify's first ``commit_n`` tokens from the pre-verify state, for all ``L``
-    recurrent layers of a shard in one launch (the ``recompute`` rollback).
+    recurrent layers of a shard in one launch (the ``recompute`` rollback) — a chain's
+    tokens ``0 .. n-1``, or a tree's accepted root-to-node ``path``.
 
-    For every layer ``l`` and batch row ``b``, with ``n = commit_n``:
+    For every layer ``l`` and batch row ``b``, with ``n = commit_n`` and ``r_t`` the row of
+    token ``t`` (``path[t]``; a chain: ``t``):
 
     - ``snapshot[l] <- state[l]`` (when given);
     - ``out[l] <-`` the state after the gated delta rule ran from ``state[l]`` over tokens
-      ``0 .. n-1``, token ``t`` taking ``k = inputs[l, b, t, HK*K : 2*HK*K]`` viewed
-      ``[HK, K]``, ``v = inputs[l, b, t, 2*HK*K :]`` viewed ``[HV, V]``, ``g`` and ``beta``
-      at ``t``; value head ``h`` uses key head ``h // (HV // HK)``. This is
+      ``0 .. n-1``, token ``t`` taking ``k = inputs[l, b, r_t, HK*K : 2*HK*K]`` viewed
+      ``[HK, K]``, ``v = inputs[l, b, r_t, 2*HK*K :]`` viewed ``[HV, V]``, ``g`` and
+      ``beta`` at ``r_t``; value head ``h`` uses key head ``h // (HV // HK)``. This is
       :func:`gdn_verify`'s per-token update (same L2 norm of k, eps 1e-6, same tile shape
       and reductions), so on the same backend the result equals the verify's checkpoint
-      slot ``n-1``, and ``n`` one-token decodes, bit for bit;
-    - ``conv_rows[l] <- captured[l, :, n : n+Kc-1]`` (the conv window after ``n`` tokens).
+      slot ``r_{n-1}``, and ``n`` one-token decodes, bit for bit;
+    - ``conv_rows[l] <-`` the conv window after the ``n`` tokens: entries ``n .. n+Kc-2``
+      of (``captured[l, :, :Kc-1]``, the pre-verify window, then ``captured[l, :, Kc-1 +
+      r_t]`` for ``t = 0, 1, ...``) — a chain's ``captured[l, :, n : n+Kc-1]``.
 
     Every check runs on the host before anything is launched, so a refused call has changed
     nothing. Triton (on CUDA, or on CPU under ``TRITON_INTERPRET=1``) runs one launch: one
@@ -228,6 +257,13 @@ def gdn_recompute(
             is ``state`` itself (or a view of exactly the same elements).
         snapshot: optional ``[L, B, HV, K, V]`` float32, any strides, sharing no memory
             with any other argument: receives a copy of ``state`` as read.
+        path: ``None`` (a chain) or a one-dimensional int64 tensor of ``P`` rows
+            (``1 <= P <= S``) on the tensors' device: a tree's accepted path of slots, from
+            the root (entries past ``commit_n`` are not read). A host ``commit_n`` must be
+            ``<= P``; a tensor one is clamped to ``1 .. P``. The rows are checked on the host
+            only when ``path`` lives on the CPU (reading a device tensor would synchronise):
+            on a device the kernel clamps each to ``0 .. S-1``, so a wrong row cannot read
+            out of bounds — the caller passes a validated path (``VerifyRecord``).
         use_qk_l2norm: L2-normalise k per head, as the verify did.
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see :func:`gdn_verify`); use
             the verify's backend, since the bits are each backend's own. Triton needs the
@@ -284,6 +320,17 @@ def gdn_recompute(
     checks.shape("conv_rows", conv_rows, (L, B, Kc1, C), "[L, B, Kc-1, C] from 'captured'")
     checks.dtype("conv_rows", conv_rows, captured.dtype)
     n = _commit_count(commit_n, S)
+    if path is not None:
+        path = checks.index_vector("path", path)
+        P = path.shape[0]
+        if not 1 <= P <= S:
+            raise KernelBoundsError(f"'path' must hold 1 .. S={S} rows (got {P})")
+        if isinstance(n, int) and n > P:
+            raise RollbackBoundsError(f"'commit_n'={n} exceeds the path's {P} rows")
+        if path.device.type == "cpu":
+            bad = [r for r in path.tolist() if not 0 <= r < S]
+            if bad:
+                raise KernelBoundsError(f"'path' rows must be in [0, S={S}) (got {bad})")
     if snapshot is not None:
         snapshot = checks.tensor("snapshot", snapshot, 5)
         checks.shape("snapshot", snapshot, (L, B, HV, K, V), "'state'.shape [L, B, HV, K, V]")
@@ -297,7 +344,7 @@ def gdn_recompute(
     named: dict[str, torch.Tensor | None] = {
         "state": state, "inputs": inputs, "g": g, "beta": beta, "conv_rows": conv_rows,
         "captured": captured, "commit_n": n if isinstance(n, torch.Tensor) else None,
-        "out": out, "snapshot": snapshot,
+        "out": out, "snapshot": snapshot, "path": path,
     }
     device = checks.same_device(named)
     for name in ("out", "snapshot", "conv_rows"):  # the outputs, each apart from the rest
@@ -308,7 +355,7 @@ def gdn_recompute(
     if not checks.use_triton(backend, device):
         gdn_recompute_reference(
             state, inputs, g, beta, conv_rows, captured, n, out=out, snapshot=snapshot,
-            use_qk_l2norm=use_qk_l2norm,
+            path=path, use_qk_l2norm=use_qk_l2norm,
         )
         return
     if K > MAX_TRITON_K:
@@ -332,5 +379,5 @@ def gdn_recompute(
     launch_gdn_recompute(
         state, inputs, g, beta, conv_rows, captured, n,
         out=state if out is None else out, snapshot=snapshot, head_k=HK,
-        use_qk_l2norm=use_qk_l2norm,
+        use_qk_l2norm=use_qk_l2norm, path=None if path is None else path.contiguous(),
     )

@@ -90,10 +90,12 @@ def gdn_recompute_reference(
     *,
     out: torch.Tensor | None = None,       # [L, B, HV, K, V]; None: ``state`` in place
     snapshot: torch.Tensor | None = None,  # [L, B, HV, K, V]
+    path: torch.Tensor | None = None,      # [P] int64 rows of the tokens; None: 0 .. n-1
     use_qk_l2norm: bool = True,
 ) -> None:
     """Reference twin of :func:`dflash.kernels.gdn_recompute` (no bounds checks; a tensor
-    ``commit_n`` is read here and clamped to ``1 .. S`` like the kernel clamps it).
+    ``commit_n`` and ``path`` are read here and clamped like the kernel clamps them:
+    ``commit_n`` to ``1 .. min(S, P)``, each row to ``0 .. S-1``).
 
     Each layer runs :func:`gdn_verify_reference`'s per-token operations on the same
     ``[B*HV, ...]`` shapes, in ``state``'s dtype, so the state it reaches is that
@@ -102,7 +104,13 @@ def gdn_recompute_reference(
     L, B, HV, K, V = state.shape
     S, C = inputs.shape[2], inputs.shape[3]
     HK = (C - HV * V) // (2 * K)
-    n = commit_n if isinstance(commit_n, int) else min(max(int(commit_n.reshape(())), 1), S)
+    n_max = S if path is None else min(S, path.shape[0])
+    n = commit_n if isinstance(commit_n, int) else min(max(int(commit_n.reshape(())), 1), n_max)
+    rows = list(range(n)) if path is None else [min(max(r, 0), S - 1) for r in path[:n].tolist()]
+    kc1 = conv_rows.shape[2]
+    # the window after n tokens: entries n .. n+Kc-2 of (pre-verify window, the rows' inputs)
+    window = [e if e < kc1 else kc1 + rows[e - kc1] for e in range(n, n + kc1)]
+    index = torch.tensor(rows, dtype=torch.int64, device=inputs.device)
     dt = state.dtype
     target = state if out is None else out
     with torch.no_grad():
@@ -110,7 +118,7 @@ def gdn_recompute_reference(
             init = state[l].clone()  # read the whole state before writing: out may be state
             if snapshot is not None:
                 snapshot[l].copy_(init)
-            x = inputs[l, :, :n]  # [B, n, C]
+            x = inputs[l].index_select(1, index)  # [B, n, C]
             kf = x[..., HK * K : 2 * HK * K].reshape(B, n, HK, K).to(dt)
             vf = x[..., 2 * HK * K :].reshape(B, n, HV, V).to(dt)
             if use_qk_l2norm:
@@ -120,14 +128,15 @@ def gdn_recompute_reference(
             prev = init.reshape(B * HV, K, V)
             steps = zip(
                 _tokens(kf, 1, K), _tokens(kf, K, 1), _tokens(vf, 1, V),
-                _tokens(g[l, :, :n].to(dt), 1, 1), _tokens(beta[l, :, :n].to(dt), 1, 1), slots,
+                _tokens(g[l].index_select(1, index).to(dt), 1, 1),
+                _tokens(beta[l].index_select(1, index).to(dt), 1, 1), slots,
                 strict=True,
             )
             for k_row, k_col, v_row, g_t, b_t, S_t in steps:
                 _step(prev, k_row, k_col, v_row, g_t, b_t, S_t)
                 prev = S_t
             target[l].copy_(prev.view(B, HV, K, V))
-        conv_rows.copy_(captured[:, :, n : n + conv_rows.shape[2]])
+        conv_rows.copy_(captured.index_select(2, torch.tensor(window, device=captured.device)))
 
 
 def _output(o: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -11,8 +11,9 @@ Alias safety: a program reads its whole initial tile, then passes a CTA barrier,
 writes anything; it only ever writes its own tile, so ``initial_state`` may be a slot of
 ``checkpoints`` (slot remap) or ``checkpoints`` may be ``initial_state.unsqueeze(1)``
 (in-place decode). Tree mode reloads a parent slot this same program wrote earlier, after
-a barrier, so it is race-free. Slot step -1 stores no state at all (a verify whose
-rollback recomputes).
+a barrier, so it is race-free. Slot step -1 stores no state (a verify whose rollback
+recomputes), except, in a tree, the states of the nodes a later child starts from: they
+go to scratch slots (``tree_states``) and are reloaded by those children.
 
 :func:`gdn_recompute_kernel` re-runs the recurrence of a verify's first ``n`` tokens from
 the pre-verify state, for every layer of a shard in one launch, with the verify's tile
@@ -137,9 +138,15 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
         b_o = tl.sum(b_h * b_q[:, None], 0)                    # S^T q: [BV]
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
 
-        # slot_step 1: slot t after every token; 0: slot 0 after the last token; -1: none
-        if (slot_step > 0) | ((slot_step == 0) & (t == T - 1)):
-            p_slot = ckpt + (t * slot_step).to(tl.int64) * s_ck_s + o_ck
+        # slot_step 1: slot t after every token; 0: slot 0 after the last token; -1: none,
+        # but in a tree the nodes flagged in parents[T + t] (a child that does not follow
+        # them directly reloads their state) keep it in their slot of ``ckpt`` (scratch)
+        keep = (slot_step > 0) | ((slot_step == 0) & (t == T - 1))
+        if (slot_step < 0) & (is_tree != 0):
+            keep = tl.load(parents + T + t) != 0
+        if keep:
+            slot = tl.where(slot_step == 0, 0, t)  # the last token's state goes to slot 0
+            p_slot = ckpt + slot.to(tl.int64) * s_ck_s + o_ck
             if STORE_HINT == 1:
                 tl.store(p_slot, b_h, mask=m_h, cache_modifier=".cs")
             elif STORE_HINT == 2:
@@ -166,6 +173,17 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
         t += 1
 
 
+def reloaded_nodes(parents: tuple[int, ...]) -> list[int]:
+    """Per node of a tree, 1 when a child that does not follow it directly (slot ``u + 1``)
+    starts from its state — the nodes whose state a verify without checkpoints keeps in
+    scratch — else 0. A chain has none; a tree in depth-first order only its branch points."""
+    flags = [0] * len(parents)
+    for child, parent in enumerate(parents):
+        if parent >= 0 and parent != child - 1:
+            flags[parent] = 1
+    return flags
+
+
 def default_config(K: int, V: int) -> tuple[int, int]:
     """(BV, num_warps) for a ``[K, V]`` state.
 
@@ -184,13 +202,15 @@ def launch_gdn_verify(
     *, scale: float, use_qk_l2norm: bool, final_state_only: bool,
     snapshot: torch.Tensor | None, slot_bank: torch.Tensor | None = None,
     live_slot: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    tree_states: torch.Tensor | None = None,
     block_v: int | None = None, num_warps: int | None = None, store_hint: int = 1,
 ) -> torch.Tensor:
     """Launch :func:`gdn_verify_kernel` on validated inputs; returns ``o`` in v's dtype.
 
     ``out`` (validated: contiguous ``[B, T, HV, V]`` in v's dtype) receives ``o``; ``None``
-    allocates it. ``checkpoints=None`` (a chain, not ``final_state_only``) stores no state:
-    slot step -1, with ``initial_state`` standing in as the (never written) slot pointer.
+    allocates it. ``checkpoints=None`` (not ``final_state_only``) stores no state: slot
+    step -1, with ``initial_state`` standing in as the (never written) slot pointer — or,
+    for a tree, ``tree_states`` as the scratch slots of the nodes a later child reloads.
     """
     B, T, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -202,11 +222,13 @@ def launch_gdn_verify(
     warps = num_warps or warps
     if parents is None:
         p_parents = _constant(_DUMMY_PARENTS, q.device, torch.int32)
-    else:
-        p_parents = torch.tensor(parents, dtype=torch.int32).to(q.device, non_blocking=True)
+    else:  # parents, then the flags of the nodes a child not right after them reloads
+        table = [*parents, *reloaded_nodes(parents)]
+        p_parents = torch.tensor(table, dtype=torch.int32).to(q.device, non_blocking=True)
     slot_step = 0 if final_state_only else 1
-    if checkpoints is None:  # no state stored: any valid pointer and strides will do
-        checkpoints, slot_step = initial_state.unsqueeze(1), -1
+    if checkpoints is None:  # no checkpoint: a tree's reloaded nodes go to its scratch
+        checkpoints = initial_state.unsqueeze(1) if tree_states is None else tree_states
+        slot_step = -1
     snap = initial_state if snapshot is None else snapshot
     bank = checkpoints if slot_bank is None else slot_bank
     live = _constant(_NO_SLOT, q.device, torch.int64) if live_slot is None else live_slot
@@ -224,11 +246,11 @@ def launch_gdn_verify(
     return o
 
 
-@triton.jit(do_not_specialize=["commit", "S", "has_snapshot"])  # type: ignore[untyped-decorator]  # triton ships no types
+@triton.jit(do_not_specialize=["commit", "S", "n_max", "has_snapshot"])  # type: ignore[untyped-decorator]  # triton ships no types
 def gdn_recompute_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
     h0, out, snap, x, g, beta,         # [L,B,HV,K,V] x3, x [L,B,S,C] (q|k|v), g/beta [L,B,S,HV]
-    rows, cap, commit_ptr,             # [L,B,Kc-1,C], [L,B,Kc-1+S,C], int64 [1]
-    commit, S, has_snapshot, B, N_CONV, NC_CHUNKS, n_state_programs,
+    rows, cap, commit_ptr, path,       # [L,B,Kc-1,C], [L,B,Kc-1+S,C], int64 [1], int64 [P]
+    commit, S, n_max, has_snapshot, B, N_CONV, NC_CHUNKS, n_state_programs,
     s_h0_l, s_h0_b, s_h0_h, s_h0_k, s_h0_v,
     s_out_l, s_out_b, s_out_h, s_out_k, s_out_v,
     s_sn_l, s_sn_b, s_sn_h, s_sn_k, s_sn_v,
@@ -236,12 +258,13 @@ def gdn_recompute_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are
     s_rw_l, s_rw_b, s_cp_l, s_cp_b, s_cp_t,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
-    COMMIT_ON_DEVICE: tl.constexpr, BLOCK: tl.constexpr,
+    COMMIT_ON_DEVICE: tl.constexpr, BLOCK: tl.constexpr, HAS_PATH: tl.constexpr,
+    KC1: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
-    # n accepted tokens: read on the device and clamped to 1 .. S (a compile-time branch)
+    # n accepted tokens: read on the device and clamped to 1 .. n_max (a compile-time branch)
     if COMMIT_ON_DEVICE:  # noqa: SIM108 - a constexpr if, not an expression, for Triton
-        n = tl.minimum(tl.maximum(tl.load(commit_ptr), 1), S)
+        n = tl.minimum(tl.maximum(tl.load(commit_ptr), 1), n_max)
     else:
         n = commit
     # the two branches use distinct names: Triton merges same-named values across an if
@@ -262,17 +285,22 @@ def gdn_recompute_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are
 
         p_h0 = (h0 + i_l * s_h0_l + i_b * s_h0_b + i_hv * s_h0_h
                 + o_k[:, None] * s_h0_k + o_v[None, :] * s_h0_v)
-        # token 0's inputs: k and v are columns of the conv output row (q | k | v)
-        p_k = x + i_l * s_x_l + i_b * s_x_b + HK * K + i_hk * K + o_k
-        p_v = x + i_l * s_x_l + i_b * s_x_b + 2 * HK * K + i_hv * V + o_v
-        p_g = g + i_l * s_g_l + i_b * s_g_b + i_hv
-        p_beta = beta + i_l * s_be_l + i_b * s_be_b + i_hv
+        # token t's inputs sit in row path[t] (a tree's accepted path; a chain: row t);
+        # k and v are columns of the conv output row (q | k | v)
+        x_k = x + i_l * s_x_l + i_b * s_x_b + HK * K + i_hk * K + o_k
+        x_v = x + i_l * s_x_l + i_b * s_x_b + 2 * HK * K + i_hv * V + o_v
+        x_g = g + i_l * s_g_l + i_b * s_g_b + i_hv
+        x_beta = beta + i_l * s_be_l + i_b * s_be_b + i_hv
+        if HAS_PATH:
+            row = tl.minimum(tl.maximum(tl.load(path), 0), S - 1).to(tl.int64)
+        else:
+            row = (n * 0).to(tl.int64)
 
         # token t's inputs are loaded during token t-1, as in gdn_verify_kernel
-        b_k = tl.load(p_k, mask=m_k, other=0).to(tl.float32)
-        b_v = tl.load(p_v, mask=m_v, other=0).to(tl.float32)
-        b_g = tl.load(p_g).to(tl.float32)
-        b_beta = tl.load(p_beta).to(tl.float32)
+        b_k = tl.load(x_k + row * s_x_t, mask=m_k, other=0).to(tl.float32)
+        b_v = tl.load(x_v + row * s_x_t, mask=m_v, other=0).to(tl.float32)
+        b_g = tl.load(x_g + row * s_g_t).to(tl.float32)
+        b_beta = tl.load(x_beta + row * s_be_t).to(tl.float32)
         b_h = tl.load(p_h0, mask=m_h, other=0).to(tl.float32)
         if has_snapshot != 0:
             p_sn = (snap + i_l * s_sn_l + i_b * s_sn_b + i_hv * s_sn_h
@@ -285,32 +313,41 @@ def gdn_recompute_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are
         while t < n:  # a while loop: the interpreter cannot range() over a runtime bound
             b_k = _l2norm(b_k, USE_QK_L2NORM)
             b_h = _gated_delta_step(b_h, b_k, b_v, b_g, b_beta)
-            p_k += s_x_t
-            p_v += s_x_t
-            p_g += s_g_t
-            p_beta += s_be_t
             more = t + 1 < n
+            if HAS_PATH:
+                nxt = tl.load(path + t + 1, mask=more, other=0)
+                row = tl.minimum(tl.maximum(nxt, 0), S - 1).to(tl.int64)
+            else:
+                row = (t + 1).to(tl.int64)
             # full-block masks (see gdn_verify_kernel): no lane is read past token n-1
             m_k_next = o_k < tl.where(more, K, 0)
             m_v_next = o_v < tl.where(more, V, 0)
-            b_k = tl.load(p_k, mask=m_k_next, other=0).to(tl.float32)
-            b_v = tl.load(p_v, mask=m_v_next, other=0).to(tl.float32)
-            b_g = tl.load(p_g, mask=more, other=0).to(tl.float32)
-            b_beta = tl.load(p_beta, mask=more, other=0).to(tl.float32)
+            b_k = tl.load(x_k + row * s_x_t, mask=m_k_next, other=0).to(tl.float32)
+            b_v = tl.load(x_v + row * s_x_t, mask=m_v_next, other=0).to(tl.float32)
+            b_g = tl.load(x_g + row * s_g_t, mask=more, other=0).to(tl.float32)
+            b_beta = tl.load(x_beta + row * s_be_t, mask=more, other=0).to(tl.float32)
             t += 1
 
         p_out = (out + i_l * s_out_l + i_b * s_out_b + i_hv * s_out_h
                  + o_k[:, None] * s_out_k + o_v[None, :] * s_out_v)
         tl.store(p_out, b_h, mask=m_h)
     else:
-        # a conv program: a BLOCK chunk of the Kc-1 rows n .. n+Kc-2 of one (layer, batch)
+        # a conv program: a BLOCK chunk of the Kc-1 window rows of one (layer, batch):
+        # entries n .. n+Kc-2 of (the pre-verify window, then the path's rows)
         c_pid = pid - n_state_programs
         c_lb, c_chunk = c_pid // NC_CHUNKS, c_pid % NC_CHUNKS
         c_l, c_b = c_lb // B, c_lb % B
         o_c = c_chunk * BLOCK + tl.arange(0, BLOCK)
         m_c = o_c < N_CONV
-        p_rows = cap + c_l * s_cp_l + c_b * s_cp_b + n.to(tl.int64) * s_cp_t + o_c
-        b_rows = tl.load(p_rows, mask=m_c)
+        p_cap = cap + c_l * s_cp_l + c_b * s_cp_b
+        if HAS_PATH:
+            C = N_CONV // KC1
+            entry = n + o_c // C  # per element: its window row's entry
+            hop = tl.load(path + tl.maximum(entry - KC1, 0), mask=m_c & (entry >= KC1), other=0)
+            src = tl.where(entry < KC1, entry, KC1 + tl.minimum(tl.maximum(hop, 0), S - 1))
+            b_rows = tl.load(p_cap + src.to(tl.int64) * s_cp_t + o_c % C, mask=m_c)
+        else:  # a chain: the captured rows n .. n+Kc-2, contiguous
+            b_rows = tl.load(p_cap + n.to(tl.int64) * s_cp_t + o_c, mask=m_c)
         tl.store(rows + c_l * s_rw_l + c_b * s_rw_b + o_c, b_rows, mask=m_c)
 
 
@@ -318,13 +355,14 @@ def launch_gdn_recompute(
     state: torch.Tensor, inputs: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     conv_rows: torch.Tensor, captured: torch.Tensor, commit_n: int | torch.Tensor, *,
     out: torch.Tensor, snapshot: torch.Tensor | None, head_k: int, use_qk_l2norm: bool,
-    block: int = 1024,
+    path: torch.Tensor | None = None, block: int = 1024,
 ) -> None:
     """Launch :func:`gdn_recompute_kernel` on validated inputs (``inputs``, ``g``, ``beta``
     with a unit-stride last dimension; ``conv_rows``, ``captured`` dense after ``[L, B]``):
     ``L * B * HV * cdiv(V, BV)`` state programs, then ``L * B * cdiv((Kc-1) * C, block)``
     conv-row programs, in one grid. ``commit_n`` a checked host int or a one-element int64
-    device tensor (clamped to ``1 .. S`` by the kernel)."""
+    device tensor (clamped to ``1 .. min(S, P)`` by the kernel); ``path`` None (a chain) or
+    a contiguous int64 ``[P]`` tensor of rows (clamped to ``0 .. S-1``)."""
     L, B, HV, K, V = state.shape
     S = inputs.shape[2]
     BV, warps = default_config(K, V)  # the verify's tile and warps: the same reductions
@@ -336,14 +374,14 @@ def launch_gdn_recompute(
     snap = state if snapshot is None else snapshot
     gdn_recompute_kernel[grid](
         state, out, snap, inputs, g, beta, conv_rows, captured,
-        commit_n if on_device else state,
-        0 if on_device else commit_n, S, 0 if snapshot is None else 1, B, n_conv, nc_chunks,
-        n_state_programs,
+        commit_n if on_device else state, state if path is None else path,
+        0 if on_device else commit_n, S, S if path is None else min(S, path.shape[0]),
+        0 if snapshot is None else 1, B, n_conv, nc_chunks, n_state_programs,
         *state.stride(), *out.stride(), *snap.stride(),
         *inputs.stride()[:3], *g.stride()[:3], *beta.stride()[:3],
         conv_rows.stride(0), conv_rows.stride(1),
         captured.stride(0), captured.stride(1), captured.stride(2),
         HK=head_k, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
         USE_QK_L2NORM=use_qk_l2norm, COMMIT_ON_DEVICE=on_device, BLOCK=block,
-        num_warps=warps,
+        HAS_PATH=path is not None, KC1=conv_rows.shape[2], num_warps=warps,
     )

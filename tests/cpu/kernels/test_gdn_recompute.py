@@ -15,6 +15,7 @@ from dflash.errors import KernelBoundsError
 from dflash.geometry import require_chain, require_tree
 from dflash.kernels import RollbackBoundsError, gdn_recompute, gdn_verify
 from dflash.kernels.checks import Backend
+from dflash.model.caches import path_window_rows
 
 BACKENDS = [pytest.param("reference"), pytest.param("triton", marks=needs_interpreter)]
 
@@ -218,9 +219,22 @@ def test_verify_without_checkpoints_refusals() -> None:
     i = gdn_inputs(1, 3, 1, 2, 16, 16, torch.float32, seed=0)
     state = i["initial_state"].clone()
     out = torch.full_like(i["v"], NAN)
-    with pytest.raises(KernelBoundsError, match=r"branching tree .* needs checkpoints"):
+    with pytest.raises(KernelBoundsError, match=r"branching tree .* needs 'tree_states'"):
         gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], state, None,
                    require_tree([-1, 0, 0]), out=out)
+    scratch = torch.full((1, 3, 2, 16, 16), NAN)
+    with pytest.raises(KernelBoundsError, match=r"'tree_states' is the scratch .* \(pass one"):
+        gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], state, scratch.clone(),
+                   require_tree([-1, 0, 0]), out=out, tree_states=scratch)
+    with pytest.raises(KernelBoundsError, match=r"'tree_states' must have shape"):
+        gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], state, None,
+                   require_tree([-1, 0, 0]), out=out, tree_states=scratch[:, :2])
+    with pytest.raises(KernelBoundsError, match=r"'tree_states' must be torch.float32"):
+        gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], state, None,
+                   require_tree([-1, 0, 0]), out=out, tree_states=scratch.double())
+    with pytest.raises(KernelBoundsError, match=r"'tree_states' must not share memory"):
+        gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], scratch[:, 0], None,
+                   require_tree([-1, 0, 0]), out=out, tree_states=scratch)
     with pytest.raises(KernelBoundsError, match=r"'checkpoints' is None.*final_state_only"):
         gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], state, None, None,
                    final_state_only=True, out=out)
@@ -287,6 +301,18 @@ def _bad() -> list[tuple[dict[str, object], type[Exception], str]]:
         ({"conv_rows": lambda a: a["captured"][:, :, :3]}, KernelBoundsError,
          "'conv_rows' must not share memory with 'captured'"),
         ({"backend": "cuda"}, KernelBoundsError, "'backend'"),
+        ({"path": [0, 1]}, TypeError, "'path' must be a torch.Tensor"),
+        ({"path": torch.tensor([0, 1]).int()}, KernelBoundsError,
+         "'path' must be a one-dimensional int64 tensor \\(got dtype torch.int32"),
+        ({"path": torch.tensor([[0, 1]])}, KernelBoundsError, "shape \\(1, 2\\)"),
+        ({"path": torch.zeros(0, dtype=torch.int64)}, KernelBoundsError,
+         "'path' must hold 1 .. S=4 rows \\(got 0\\)"),
+        ({"path": torch.zeros(S0 + 1, dtype=torch.int64)}, KernelBoundsError, "\\(got 5\\)"),
+        ({"path": torch.tensor([0])}, RollbackBoundsError, "'commit_n'=2 exceeds the path's 1"),
+        ({"path": torch.tensor([0, S0])}, KernelBoundsError,
+         "'path' rows must be in \\[0, S=4\\) \\(got \\[4\\]\\)"),
+        ({"path": torch.tensor([0, -1])}, KernelBoundsError, "\\(got \\[-1\\]\\)"),
+        ({"path": torch.tensor([0, 1], device="meta")}, KernelBoundsError, "'path' is on meta"),
     ]
 
 
@@ -337,3 +363,104 @@ def test_out_the_same_view_as_state_is_in_place() -> None:
     gdn_recompute(state, sh.inputs, sh.g, sh.beta, rows, sh.captured, 2, out=state[:],
                   backend="reference")
     assert torch.equal(state, want["result"])
+
+
+# -- trees: a verify without checkpoints, and the recompute along the accepted path ---------
+
+#: trees over S = 7 slots: depth-first (a node's first child right after it), best-first
+#: (siblings before grandchildren) and a chain written as a tree
+TREES = {
+    "depth-first": [-1, 0, 1, 2, 1, 0, 5],
+    "best-first": [-1, 0, 0, 1, 2, 1, 3],
+    "chain": [-1, 0, 1, 2, 3, 4, 5],
+}
+
+
+def tree_checkpoints(sh: Shard, parents: list[int], backend: Backend) -> torch.Tensor:
+    """A tree verify of every layer with checkpoints: the node states [L, B, S, HV, K, V]."""
+    L, B, HV, K, V = sh.state.shape
+    ckpt = torch.full((L, B, len(parents), HV, K, V), NAN)
+    for l, i in enumerate(sh.layers):
+        gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], sh.state[l], ckpt[l],
+                   require_tree(parents), backend=backend)
+    assert not ckpt.isnan().any()
+    return ckpt
+
+
+def root_path(parents: list[int], u: int) -> list[int]:
+    path = [u]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(TREES))
+def test_tree_verify_without_checkpoints(backend: Backend, name: str) -> None:
+    """A tree verified with ``checkpoints=None`` and ``tree_states``: the same outputs as
+    with checkpoints, the live state only read, and (Triton) only the nodes a later child
+    reloads written to the scratch — a depth-first tree's branch points, a chain none."""
+    parents = TREES[name]
+    B, T, HK, HV, K, V = 2, len(parents), 1, 2, 16, 24
+    i = gdn_inputs(B, T, HK, HV, K, V, torch.bfloat16, seed=5)
+    ckpt = nan_slots(B, T, HV, K, V, torch.float32)
+    want = gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], i["initial_state"], ckpt,
+                      require_tree(parents), backend=backend)
+    before = i["initial_state"].clone()
+    scratch = nan_slots(B, T + 1, HV, K, V, torch.float32)
+    out = torch.full_like(i["v"], NAN)
+    got = gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], i["initial_state"], None,
+                     require_tree(parents), out=out, tree_states=scratch, backend=backend)
+    assert got is out and torch.equal(got, want)
+    assert torch.equal(i["initial_state"], before), "the live state was written"
+    kept = [u for u, flag in enumerate(gdn_triton_module.reloaded_nodes(tuple(parents))) if flag]
+    assert kept == {"depth-first": [0, 1], "best-first": [0, 1, 2, 3], "chain": []}[name]
+    for u in range(T + 1):
+        if backend == "triton" and u in kept:
+            assert torch.equal(scratch[:, u], ckpt[:, u]), f"node {u}"
+        else:
+            assert scratch[:, u].isnan().all(), f"slot {u} written"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(TREES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recompute_along_a_tree_path_equals_the_node_checkpoint(
+    backend: Backend, name: str, dtype: torch.dtype
+) -> None:
+    """For every node of the tree, the recompute along its root path gives the verify's
+    checkpoint of that node bit for bit, the conv window along the path, and the snapshot:
+    with a host count and an exact path, and with a device count and a padded path."""
+    parents = TREES[name]
+    S = len(parents)
+    sh = shard(2, 2, S, 1, 2, 16, 24, dtype, seed=17)
+    ckpt = tree_checkpoints(sh, parents, backend)
+    L, B = sh.state.shape[:2]
+    for u in range(S):
+        path = root_path(parents, u)
+        window = path_window_rows(path, sh.Kc - 1)
+        padded = path + [S - 1] * (S - len(path))  # rows past the count are not read
+        for n, rows in ((len(path), path), (torch.tensor([len(path)]), padded)):
+            state = sh.state.clone()
+            conv = torch.full((L, B, sh.Kc - 1, sh.inputs.shape[3]), NAN, dtype=sh.captured.dtype)
+            snap = torch.full_like(state, NAN)
+            gdn_recompute(state, sh.inputs, sh.g, sh.beta, conv, sh.captured, n,
+                          snapshot=snap, path=torch.tensor(rows), backend=backend)
+            assert torch.equal(state, ckpt[:, :, u]), f"node {u}: not its checkpoint's bits"
+            assert torch.equal(conv, sh.captured[:, :, window]), f"node {u}: conv window"
+            assert torch.equal(snap, sh.state), f"node {u}: snapshot"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_device_count_past_the_path_is_clamped_to_it(backend: Backend) -> None:
+    """A device count larger than the path recomputes the whole path (never a row past it)."""
+    parents = TREES["best-first"]
+    sh = shard(1, 1, len(parents), 1, 2, 16, 16, torch.float32, seed=3)
+    ckpt = tree_checkpoints(sh, parents, backend)
+    path = root_path(parents, 6)  # [0, 1, 3, 6]
+    state = sh.state.clone()
+    conv = torch.full((1, 1, sh.Kc - 1, sh.inputs.shape[3]), NAN)
+    gdn_recompute(state, sh.inputs, sh.g, sh.beta, conv, sh.captured, torch.tensor([9]),
+                  path=torch.tensor(path), backend=backend)
+    assert torch.equal(state, ckpt[:, :, 6])
+    assert torch.equal(conv, sh.captured[:, :, path_window_rows(path, sh.Kc - 1)])

@@ -54,7 +54,6 @@ from dflash.model.drafters import Drafter, make_drafter
 from dflash.model.drafters.trees import SyntheticTreeDrafter
 
 MODES = ("replay", "checkpoint", "remap", "recompute")
-TREE_MODES = ("replay", "checkpoint", "remap")  # recompute walks chains only
 DRAFTERS = ("synthetic", "prompt-lookup", "dflash")
 PATHS = ("fast", "replay", "replay_after_failure")
 FAULT_PHASES = tuple(FaultPhase)
@@ -165,8 +164,6 @@ def draw_episode(seed: int, index: int) -> Episode:
     # (synthetic, with a rank distribution from its acceptance)
     if episode.drafter in ("synthetic", "dflash") and rng.random() < 1 / 3:
         episode.tree_budget = rng.choice([2, 3, 4, 6, 8, 12, 16])
-        if episode.mode not in TREE_MODES:
-            episode.mode = rng.choice(TREE_MODES)
     return episode
 
 
@@ -309,7 +306,7 @@ def run_episode(ep: Episode, log: list[str] | None = None) -> Tally:
         step = len(engine.records)
         # between steps: mode requests, rebuilds (the target is clean here)
         if ev.random() < ep.p_mode:
-            mode = ev.choice(MODES if ep.tree_budget is None else TREE_MODES)
+            mode = ev.choice(MODES)
             engine.request_mode(mode)
             tally.mode_requests += 1
             if log is not None:
@@ -388,7 +385,7 @@ def _resume(
     if ev.random() < 0.3:
         try:
             if ev.random() < 0.5:
-                engine.request_mode(ev.choice(MODES if engine.tree_budget is None else TREE_MODES))
+                engine.request_mode(ev.choice(MODES))
             else:
                 engine.rebuild_storage()
         except ExecutionError as exc:

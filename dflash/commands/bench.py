@@ -31,7 +31,6 @@ from pydantic import BaseModel, ConfigDict
 from dflash.commands.generate import (
     Prepared,
     add_generation_options,
-    check_tree_modes,
     decoding_failures,
     prepare,
     report_error,
@@ -271,7 +270,6 @@ def run(args: argparse.Namespace) -> int:
             )
         mode_a = parse_mode(args.a, source="--a")
         modes_b = [parse_mode(m, source="--b") for m in args.b.split(",")]
-        check_tree_modes(args, [mode_a, *modes_b])
         if args.runs < 1 or args.warmup < 0:
             raise UsageError(
                 f"--runs must be >= 1 and --warmup >= 0 (got {args.runs}, {args.warmup})"

@@ -276,16 +276,6 @@ class Progress:
             self.stream.flush()
 
 
-def check_tree_modes(args: argparse.Namespace, modes: list[str]) -> None:
-    """``--tree-budget`` with a rollback mode that walks chains only is a usage error."""
-    budget = getattr(args, "tree_budget", None)
-    if budget is not None and "recompute" in modes:
-        raise UsageError(
-            f"--tree-budget {budget}: rollback 'recompute' walks chains only (use "
-            "checkpoint, remap or replay with trees)"
-        )
-
-
 def summary_table(r: GenerationResult) -> str:
     rows = [
         ("tokens", f"{len(r.tokens)} (stop: {r.stop_reason})"),
@@ -727,7 +717,6 @@ def execute(
 def run(args: argparse.Namespace) -> int:
     try:  # everything that depends only on the arguments: exit 2 when unusable
         policy = RollbackPolicy.resolve(getattr(args, "rollback", None), environ=os.environ)
-        check_tree_modes(args, [policy.mode])
         ready = prepare(args)
     except usage_errors() as exc:
         report_error(args, f"dflash generate: error: {cli_message(exc)}", exc)

@@ -315,14 +315,15 @@ class CaptureGate:
     ) -> list[tuple[Tensor, Tensor]]:
         """Per shard, the state and conv window a fast rollback to slot ``slot`` would
         restore, as new tensors (before the rollback): copies of checkpoint slot ``slot``
-        and its conv rows — along ``path`` for a tree (its root-to-``slot`` path; a chain's
-        is ``0 … slot``) — or (capturing inputs, chains only) the recurrence recomputed
-        into scratch by the rollback's own kernel."""
+        and its conv rows, or (capturing inputs) the recurrence recomputed into scratch by
+        the rollback's own kernel — along ``path`` for a tree (its root-to-``slot`` path; a
+        chain's is ``0 … slot``)."""
         out = []
         for s in shards:
             pool = s.pool
             if getattr(pool, "capture", "states") == "inputs":
-                out.append(pool.recomputed_copy(slot + 1))
+                n = slot + 1 if path is None else len(path)
+                out.append(pool.recomputed_copy(n, path))
                 continue
             rows = path_window_rows(range(slot + 1) if path is None else path,
                                     pool.conv_kernel - 1)

@@ -178,7 +178,7 @@ class SpecDecoder:
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
             raise ValueError(f"'block_size' must be an int >= 2 (got {block_size!r})")
-        self.tree_budget = _check_tree_budget(tree_budget, target, drafter, policy)
+        self.tree_budget = _check_tree_budget(tree_budget, target, drafter)
         if block_size > target.max_draft:
             raise ValueError(
                 f"'block_size'={block_size} exceeds the checkpoint slots "
@@ -516,11 +516,6 @@ class SpecDecoder:
         """
         self.rollback.require_clean("request_mode")
         new = RollbackPolicy(mode=parse_mode(mode, source="'mode'"))
-        if self.tree_budget is not None and new.mode == "recompute":
-            raise ExecutionError(
-                "rollback 'recompute' walks chains only: it cannot serve tree_budget="
-                f"{self.tree_budget}"
-            )
         if self._capture_for(new.mode):
             self.rollback.life.move("rebuild")
             self.gate.reset()
@@ -532,11 +527,13 @@ class SpecDecoder:
     def _capture_for(self, mode: str) -> bool:
         """Give the target the capture storage a fast ``mode`` needs (``recompute``: the
         recurrence's inputs; the others: states), rebuilding it when it holds the other
-        kind; True when it was rebuilt. ``replay`` runs on either kind."""
-        kind = capture_kind(mode)
-        if mode == "replay" or self.target.capture == kind:
+        kind, or inputs without the node-state scratch this engine's tree verifies need;
+        True when it was rebuilt. ``replay`` runs on either kind."""
+        kind = self.target.capture if mode == "replay" else capture_kind(mode)
+        trees = self.tree_budget is not None and kind == "inputs" and not self.target.trees
+        if self.target.capture == kind and not trees:
             return False
-        self.target.rebuild_storage(kind)
+        self.target.rebuild_storage(kind, trees=True if trees else None)
         return True
 
     def rebuild_storage(self) -> None:
@@ -551,10 +548,8 @@ class SpecDecoder:
 TREE_CANDIDATES = 8
 
 
-def _check_tree_budget(
-    budget: object, target: ShardedTarget, drafter: Drafter, policy: RollbackPolicy | None
-) -> int | None:
-    """``tree_budget`` checked against the target, drafter and rollback mode (None: chains)."""
+def _check_tree_budget(budget: object, target: ShardedTarget, drafter: Drafter) -> int | None:
+    """``tree_budget`` checked against the target and drafter (None: chains)."""
     if budget is None:
         return None
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 2:
@@ -569,9 +564,5 @@ def _check_tree_budget(
         raise ValueError(
             f"'tree_budget' needs a drafter that proposes trees, or per-slot candidates, on "
             f"the host (got {getattr(drafter, 'label', type(drafter).__name__)!r})"
-        )
-    if policy is not None and policy.mode == "recompute":
-        raise ValueError(
-            f"rollback 'recompute' walks chains only: it cannot serve tree_budget={budget}"
         )
     return budget

@@ -120,7 +120,8 @@ def spec_target(
     slots = verify_slots(block_size, tree_budget)
     check_positions(model, prompt_len, max_new_tokens, slots)
     return ShardedTarget(model, plan, max_len=spec_capacity(prompt_len, max_new_tokens, slots),
-                         max_draft=slots, graphs=graphs, capture=capture)
+                         max_draft=slots, graphs=graphs, capture=capture,
+                         trees=tree_budget is not None)
 
 
 def verify_slots(block_size: int, tree_budget: int | None) -> int:

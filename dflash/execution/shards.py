@@ -183,7 +183,9 @@ class ShardedTarget:
     ``graphs``: capture the decode, verify and replay forwards in CUDA graphs (one per
     shard, :mod:`dflash.execution.graphs`); ``None`` = wherever supported (every shard on
     CUDA, Triton kernels, no mixture-of-experts layers), ``False`` = always eager. CPU
-    shards always run eagerly (the same code).
+    shards always run eagerly (the same code). ``capture``: what a verify captures;
+    ``trees``: tree verifies will run (capturing inputs, each pool then holds a tree's
+    node-state scratch).
     """
 
     def __init__(
@@ -195,6 +197,7 @@ class ShardedTarget:
         max_draft: int,
         graphs: bool | None = None,
         capture: CaptureKind = "states",
+        trees: bool = False,
     ):
         if len(plan.split) and sum(plan.split) != model.config.num_hidden_layers:
             raise LayerSplitError(
@@ -204,6 +207,9 @@ class ShardedTarget:
         self.model, self.plan = model, plan
         self.max_len, self.max_draft = max_len, max_draft
         self.capture: CaptureKind = capture
+        #: tree verifies run on it: capturing inputs, each pool holds a tree's node-state
+        #: scratch (``RecurrentPool(trees=True)``)
+        self.trees = trees
         devices = [torch.device(d) for d in plan.devices]
         self._place()
         self.shards: list[Shard] = []
@@ -304,6 +310,7 @@ class ShardedTarget:
             kv=kv,
             capture=self.capture,
             kernel_backend=self.model.backend_for(device),
+            trees=self.trees,
         )
 
     @property
@@ -499,12 +506,16 @@ class ShardedTarget:
                     f"(positions per shard {self.positions()})"
                 )
 
-    def rebuild_storage(self, capture: CaptureKind | None = None) -> None:
-        """Fresh capture storage for every shard (of kind ``capture``; None: the current
-        kind); the live state (wherever it lies) and the KV cache are carried over, so
-        decoding continues unchanged."""
+    def rebuild_storage(
+        self, capture: CaptureKind | None = None, *, trees: bool | None = None
+    ) -> None:
+        """Fresh capture storage for every shard (of kind ``capture``, for tree verifies
+        with ``trees``; None: as now); the live state (wherever it lies) and the KV cache
+        are carried over, so decoding continues unchanged."""
         if capture is not None:
             self.capture = capture
+        if trees is not None:
+            self.trees = trees
         for s in self.shards:
             old = s.caches
             new = self._new_caches(s.layers, s.device, kv=old.kv)

@@ -13,9 +13,12 @@ mode (:func:`capture_kind`):
   (``checkpoints``) and the pre-verify state (``snapshot``, written by the verify);
 - ``"inputs"`` (``recompute``): what the recurrence consumes per token — the conv outputs
   (``inputs``: q | k | v) and the gates (``g``, ``beta``) — and nothing per token of the
-  state: a rollback re-runs the gated delta rule for the accepted tokens from the live
-  state, which a verify only reads, and writes ``snapshot`` (the pre-verify state, for the
-  fail-closed path) in the same launch.
+  state: a rollback re-runs the gated delta rule for the accepted tokens (a tree: along
+  the accepted path) from the live state, which a verify only reads, and writes
+  ``snapshot`` (the pre-verify state, for the fail-closed path) in the same launch. A pool
+  built for trees also holds ``tree_states``, one layer's ``[B, S, HV, K, V]`` scratch
+  shared by every layer: a tree verify keeps there, layer after layer, the states of the
+  nodes whose later children start from them (``gdn_verify``'s ``tree_states``).
 
 Both capture the conv input rows (``captured``), from which a rollback takes the window.
 
@@ -245,7 +248,8 @@ class RecurrentPool:
     Always: ``state [L,B,HV,K,V] f32``, ``conv [L,B,Kc-1,C]``, ``captured [L,B,Kc-1+S,C]``,
     ``snapshot [L,B,HV,K,V] f32``. With ``capture="states"``: ``checkpoints
     [L,B,S,HV,K,V] f32``; with ``capture="inputs"``: ``inputs [L,B,S,C]``, ``g [L,B,S,HV]
-    f32``, ``beta [L,B,S,HV]`` (``checkpoints`` is None). ``length`` counts the tokens
+    f32``, ``beta [L,B,S,HV]`` (``checkpoints`` is None), and with ``trees`` the tree
+    verify's scratch ``tree_states [B,S,HV,K,V] f32``. ``length`` counts the tokens
     absorbed into the live state.
     """
 
@@ -264,6 +268,7 @@ class RecurrentPool:
         device: torch.device | str,
         capture: CaptureKind = "states",
         kernel_backend: Backend = "auto",
+        trees: bool = False,
     ) -> None:
         if max_draft <= 0:
             raise ValueError(f"'max_draft' must be > 0 (got {max_draft})")
@@ -301,17 +306,18 @@ class RecurrentPool:
         buffers = self._allocate_capture(n, layouts, state_shape, device)
         self.captured: Tensor = buffers.pop("captured")
         self._capture_buffers: dict[str, Tensor] = buffers  # read through _KindBuffer
-        try:
-            self.snapshot = allocate_capture("snapshot", state_shape, f32, device)
-        except Exception as exc:
-            if not is_out_of_memory(exc):
-                raise
-            size = _numel(state_shape) * 4
-            raise CaptureStorageError(
-                f"the pre-verify snapshot of {size} bytes (layers {list(self.layer_ids)}) "
-                f"could not be allocated on {device}: {_first_line(exc)}; "
-                "neither fast nor replay rollback can run"
-            ) from None
+        self.snapshot = self._allocate_whole(
+            "snapshot", "the pre-verify snapshot", state_shape, device,
+            "neither fast nor replay rollback can run",
+        )
+        #: a tree verify's node-state scratch (capturing inputs, built for trees), else None
+        self.tree_states: Tensor | None = None
+        if capture == "inputs" and trees and self.layer_ids:
+            self.tree_states = self._allocate_whole(
+                "tree_states", "the tree verify's node-state scratch",
+                (batch, max_draft, num_v_heads, key_dim, value_dim), device,
+                "no tree can be verified on this pool",
+            )
         #: the live slot on the host (None: home); ``live`` is its device copy (-1: home)
         self.live_slot: int | None = None
         self.live = torch.full((1,), -1, dtype=torch.int64, device=device)
@@ -372,6 +378,22 @@ class RecurrentPool:
                 f"could not be allocated either: {_first_line(exc)}"
             ) from None
 
+    def _allocate_whole(
+        self, what: str, named: str, shape: tuple[int, ...], device: torch.device | str,
+        consequence: str,
+    ) -> Tensor:
+        """One float32 capture buffer that cannot shrink: :class:`CaptureStorageError`
+        (naming it, its bytes and the ``consequence``) when it does not fit."""
+        try:
+            return allocate_capture(what, shape, torch.float32, device)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            raise CaptureStorageError(
+                f"{named} of {_numel(shape) * 4} bytes (layers {list(self.layer_ids)}) could "
+                f"not be allocated on {device}: {_first_line(exc)}; {consequence}"
+            ) from None
+
     def capture_buffers(self) -> dict[str, Tensor]:
         """The per-token capture buffers of this pool's kind, by name (``captured`` last):
         ``checkpoints`` or ``inputs``/``g``/``beta``, each ``[L, B, slots, ...]``, and
@@ -407,8 +429,10 @@ class RecurrentPool:
 
     @property
     def capture_bytes(self) -> dict[str, int]:
-        """:attr:`checkpoint_bytes` by buffer name."""
+        """:attr:`checkpoint_bytes` by buffer name (``tree_states`` when the pool has it)."""
         parts = {**self.capture_buffers(), "snapshot": self.snapshot}
+        if self.tree_states is not None:
+            parts["tree_states"] = self.tree_states
         return {name: t.numel() * t.element_size() for name, t in parts.items()}
 
     @property
@@ -448,7 +472,8 @@ class RecurrentPool:
                 self.captured[j], checkpoints=self.checkpoints[j], snapshot=self.snapshot[i]
             )
         return LayerCapture(
-            self.captured[j], inputs=self.inputs[j], g=self.g[j], beta=self.beta[j]
+            self.captured[j], inputs=self.inputs[j], g=self.g[j], beta=self.beta[j],
+            tree_states=self.tree_states,
         )
 
     # -- verify bookkeeping (called by TargetModel.run_layers) -----------------------------
@@ -562,11 +587,7 @@ class RecurrentPool:
         synchronisation. :meth:`mark_device_rollback` first, :meth:`finish_rollback` once
         the count has been read back."""
         if mode == "recompute":
-            if self.layer_ids:  # a shard without recurrent layers has nothing to re-run
-                gdn_recompute(
-                    self.state, self.inputs, self.g, self.beta, self.conv, self.captured,
-                    commit_n, snapshot=self.snapshot, backend=self.kernel_backend,
-                )
+            self._recompute(commit_n, None)
             self.live.fill_(-1)
         else:
             rows_only = mode == "remap"
@@ -581,15 +602,14 @@ class RecurrentPool:
         self.position.add_(commit_n)
 
     def rollback_path(self, mode: str, path: Sequence[int]) -> None:
-        """A fast ``mode`` rollback (``"checkpoint"`` or ``"remap"``) of a verify to the
-        accepted root-to-node ``path`` (slots; a tree's accepted branch, or a chain's
-        ``0 … commit_n-1``), with the path known on the host: the live state becomes the
-        checkpoint of its last slot (copied home, or pointed at), the conv window the last
-        ``Kc-1`` inputs along the path (the pre-verify window's rows where the path is
-        shorter), and ``length`` the verify's start + ``len(path)``. Every check runs first
-        (nothing changes when one fails)."""
-        if mode not in ("checkpoint", "remap"):
-            raise CacheError(f"'mode' must be 'checkpoint' or 'remap' (got {mode!r})")
+        """A fast ``mode`` rollback of a verify to the accepted root-to-node ``path`` (slots;
+        a tree's accepted branch, or a chain's ``0 … commit_n-1``), with the path known on
+        the host: the live state becomes the checkpoint of its last slot (``checkpoint``:
+        copied home; ``remap``: pointed at), or the gated delta rule re-run along the path
+        from the pre-verify state (``recompute``, which first saves that state in
+        ``snapshot``); the conv window the last ``Kc-1`` inputs along the path (the
+        pre-verify window's rows where the path is shorter); ``length`` the verify's start
+        + ``len(path)``. Every check runs first (nothing changes when one fails)."""
         self.mark_device_rollback(mode)
         v = self.verify
         assert v is not None  # mark_device_rollback checked it
@@ -599,8 +619,10 @@ class RecurrentPool:
             v.stage = "open"  # refused before any change
             raise
         u, m = path[-1], len(path)
-        rows = path_window_rows(path, self.conv_kernel - 1)
-        if self.layer_ids:
+        if mode == "recompute":
+            self._recompute(m, self._path_rows(path) if self.layer_ids else None)
+        elif self.layer_ids:
+            rows = path_window_rows(path, self.conv_kernel - 1)
             index = torch.tensor(rows, dtype=torch.int64).to(self.conv.device)
             self.conv.copy_(self.captured.index_select(2, index))
             if mode == "checkpoint":
@@ -609,10 +631,13 @@ class RecurrentPool:
         self._move_to(v.start + m)
         v.stage = "rolled"
 
-    def recomputed_copy(self, commit_n: int) -> tuple[Tensor, Tensor]:
-        """What a ``recompute`` rollback of ``commit_n`` tokens would make the live states
-        and conv windows, as new tensors ``[L,B,HV,K,V]``, ``[L,B,Kc-1,C]`` computed by the
-        same kernel into scratch, the pool unchanged (the capture gate's self-test)."""
+    def recomputed_copy(
+        self, commit_n: int, path: Sequence[int] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """What a ``recompute`` rollback of ``commit_n`` tokens (a tree: along its accepted
+        root-to-node ``path``, ``commit_n = len(path)``) would make the live states and
+        conv windows, as new tensors ``[L,B,HV,K,V]``, ``[L,B,Kc-1,C]`` computed by the same
+        kernel into scratch, the pool unchanged (the capture gate's self-test)."""
         v = self.verify
         if self.capture != "inputs":
             raise CacheError("recomputed_copy needs a pool that captures inputs")
@@ -620,13 +645,43 @@ class RecurrentPool:
             raise CacheError("recomputed_copy needs a completed verify, not yet rolled back")
         if isinstance(commit_n, bool) or not isinstance(commit_n, int) or not 1 <= commit_n <= v.n:
             raise CacheError(f"'commit_n' must be in [1, verified slots={v.n}] (got {commit_n!r})")
+        if path is not None:
+            v.require_path(path)
+            if len(path) != commit_n:
+                raise CacheError(f"'path' {list(path)} does not hold commit_n={commit_n} slots")
+        elif v.parents is not None:
+            raise CacheError("recomputed_copy of a tree verify needs the accepted 'path'")
         state, conv = torch.empty_like(self.state), torch.empty_like(self.conv)
         if self.layer_ids:
             gdn_recompute(
                 self.state, self.inputs, self.g, self.beta, conv, self.captured, commit_n,
-                out=state, backend=self.kernel_backend,
+                out=state, path=None if path is None else self._path_rows(path),
+                backend=self.kernel_backend,
             )
         return state, conv
+
+    def _recompute(self, commit_n: int | Tensor, path: Tensor | None) -> None:
+        """The enqueued ``recompute`` rollback's launch: the live state saved in
+        ``snapshot`` and re-run over ``commit_n`` tokens (along ``path``), the conv window
+        taken. A call the kernel refuses has changed nothing — not even ``snapshot`` — so
+        the record goes back to ``open``: :meth:`restore_pre_verify` then keeps the live
+        state instead of copying a stale snapshot over it."""
+        if not self.layer_ids:  # a shard without recurrent layers has nothing to re-run
+            return
+        try:
+            gdn_recompute(
+                self.state, self.inputs, self.g, self.beta, self.conv, self.captured,
+                commit_n, snapshot=self.snapshot, path=path, backend=self.kernel_backend,
+            )
+        except Exception:
+            if self.verify is not None and self.verify.stage == "enqueued":
+                self.verify.stage = "open"
+            raise
+
+    def _path_rows(self, path: Sequence[int]) -> Tensor:
+        """A checked root-to-node ``path`` as the int64 rows tensor the recompute reads, on
+        the pool's device (a host path: one small copy)."""
+        return torch.tensor(list(path), dtype=torch.int64).to(self.state.device)
 
     def finish_rollback(self, mode: str, commit_n: int) -> None:
         """Host mirrors of an enqueued device rollback, with the count read back; a count
@@ -707,7 +762,8 @@ class LayerCapture:
     tokens). Capturing states: ``checkpoints`` ``[B, S, HV, K, V]`` f32 (the state after
     each token) and ``snapshot`` ``[B, HV, K, V]`` (the pre-verify state). Capturing
     inputs: ``inputs`` ``[B, S, C]`` (the conv outputs q | k | v), ``g`` ``[B, S, HV]`` f32
-    and ``beta`` ``[B, S, HV]`` (the gates).
+    and ``beta`` ``[B, S, HV]`` (the gates), and, built for trees, ``tree_states``
+    ``[B, S, HV, K, V]`` f32 (the scratch a tree verify keeps reloaded node states in).
     """
 
     captured: Tensor
@@ -716,6 +772,7 @@ class LayerCapture:
     inputs: Tensor | None = None
     g: Tensor | None = None
     beta: Tensor | None = None
+    tree_states: Tensor | None = None
 
 
 @dataclass
@@ -794,11 +851,12 @@ class ShardCaches:
         kv: KVCache | None = None,
         capture: CaptureKind = "states",
         kernel_backend: Backend = "auto",
+        trees: bool = False,
     ) -> ShardCaches:
         """Caches for ``layer_ids`` of ``config`` (attention and recurrent ones split out);
         ``kv``: keep this KV cache instead of allocating one (a capture-storage rebuild);
         ``capture``: what a verify captures, ``kernel_backend``: the model's recurrence
-        kernels on ``device`` (:class:`RecurrentPool`)."""
+        kernels on ``device``, ``trees``: verifies of trees (:class:`RecurrentPool`)."""
         ids = tuple(layer_ids)
         for layer in ids:
             if not 0 <= layer < config.num_hidden_layers:
@@ -822,6 +880,7 @@ class ShardCaches:
             key_dim=config.linear_key_head_dim, value_dim=config.linear_value_head_dim,
             conv_kernel=config.linear_conv_kernel_dim, conv_dim=config.conv_dim,
             dtype=dtype, device=device, capture=capture, kernel_backend=kernel_backend,
+            trees=trees,
         )
         return cls(kv, pool, rotary_table(config, max_len, dtype, device))
 

@@ -549,9 +549,11 @@ class GatedDeltaNet(GroupedModule):
                 final_state_only=True, slot_bank=bank, live_slot=live, backend=backend,
             )
         else:  # states capture: every token's state and the pre-verify one; inputs: none
+            # (a tree's reloaded nodes go to the pool's one-layer scratch)
             o = gdn_verify(
                 q, k, v, g, beta, state, capture.checkpoints, geometry,
-                snapshot=capture.snapshot, slot_bank=bank, live_slot=live, backend=backend,
+                snapshot=capture.snapshot, slot_bank=bank, live_slot=live,
+                tree_states=capture.tree_states, backend=backend,
             )
         o = ops.each_token(self.norm, o, z)  # [B, T, HV, V]
         return ops.linear(self.out_proj, o.reshape(b, t, self.value_dim))

@@ -137,15 +137,17 @@ class TargetModel(nn.Module):
         batch: int = 1,
         layer_ids: Sequence[int] | None = None,
         capture: CaptureKind = "states",
+        trees: bool = False,
     ) -> ShardCaches:
         """Caches for ``layer_ids`` (default: all layers) on this model's device and dtype,
-        capturing ``capture`` in a verify (:class:`dflash.model.caches.RecurrentPool`)."""
+        capturing ``capture`` in a verify, of trees too with ``trees``
+        (:class:`dflash.model.caches.RecurrentPool`)."""
         weight = self.embed_tokens.weight
         ids = tuple(range(self.config.num_hidden_layers)) if layer_ids is None else tuple(layer_ids)
         return ShardCaches.for_layers(
             self.config, ids, max_len=max_len, max_draft=max_draft, batch=batch,
             dtype=weight.dtype, device=weight.device, capture=capture,
-            kernel_backend=self.backend_for(weight.device),
+            kernel_backend=self.backend_for(weight.device), trees=trees,
         )
 
     # -- forward --------------------------------------------------------------------------
@@ -374,11 +376,11 @@ class TargetModel(nn.Module):
             if isinstance(geometry, TreeGeometry):
                 if shape[0] != 1:
                     raise ValueError(f"a tree verify takes one sequence (got B={shape[0]})")
-                if caches.pool.capture == "inputs" and caches.pool.layer_ids:
+                pool = caches.pool
+                if pool.capture == "inputs" and pool.layer_ids and pool.tree_states is None:
                     raise ValueError(
-                        "a tree verify needs the per-node states of a 'states' capture; this "
-                        "pool captures the recurrence's inputs (rollback 'recompute' walks "
-                        "chains only)"
+                        "a tree verify on a pool that captures the recurrence's inputs needs "
+                        "its node-state scratch: build the caches with trees=True"
                     )
             if geometry.n_actual != t:
                 raise ValueError(

@@ -23,7 +23,7 @@ def _run(capsys: pytest.CaptureFixture[str], *extra: str) -> dict[str, object]:
     return result
 
 
-@pytest.mark.parametrize("mode", ["checkpoint", "remap", "replay"])
+@pytest.mark.parametrize("mode", ["checkpoint", "remap", "replay", "recompute"])
 def test_trees_are_plain_greedy_and_report_their_shape(
     capsys: pytest.CaptureFixture[str], mode: str
 ) -> None:
@@ -37,6 +37,11 @@ def test_trees_are_plain_greedy_and_report_their_shape(
     commit, chain_commit = tree["avg_commit"], chain["avg_commit"]
     assert isinstance(commit, float) and isinstance(chain_commit, float)
     assert commit > chain_commit  # more tokens per step for the same drafter quality
+    storage = tree["capture_bytes"]
+    assert isinstance(storage, dict)
+    # recompute's trees keep their reloaded node states in a one-layer scratch, reported
+    assert ("tree_states" in storage) == (mode == "recompute")
+    assert ("checkpoints" in storage) == (mode != "recompute")
 
 
 @pytest.mark.parametrize(
@@ -44,7 +49,6 @@ def test_trees_are_plain_greedy_and_report_their_shape(
     [
         (["--tree-budget", "1"], "--tree-budget must be in [2, "),
         (["--tree-budget", "8", "--draft", "prompt-lookup"], "needs a drafter that gives per-slot"),
-        (["--tree-budget", "8", "--rollback", "recompute"], "walks chains only"),
     ],
 )
 def test_tree_budget_refusals(

@@ -52,7 +52,7 @@ def _decode(engine: SpecDecoder, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("split", ["6", "3,3"])
-@pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap"])
+@pytest.mark.parametrize("mode", ["replay", "checkpoint", "remap", "recompute"])
 def test_tree_steps_emit_plain_greedy(
     tiny: TargetModel, greedy: Callable[[str, int], list[int]], prompts: dict[str, list[int]],
     mode: RollbackMode, split: str,
@@ -66,9 +66,14 @@ def test_tree_steps_emit_plain_greedy(
     if mode != "replay":
         assert engine.status is RollbackStatus.EFFECTIVE
         assert engine.counts["fast"] == len(trees)
+    if mode == "recompute":  # the inputs capture, with the node-state scratch, no states
+        pool = engine.target.shards[0].caches.pool
+        assert pool.capture == "inputs" and pool.tree_states is not None
+        assert engine.gate.report.self_test is not None
+        assert engine.gate.report.self_test.max_abs_err == 0.0
 
 
-@pytest.mark.parametrize("mode", ["checkpoint", "remap"])
+@pytest.mark.parametrize("mode", ["checkpoint", "remap", "recompute"])
 @pytest.mark.parametrize("phase", [p for p in FaultPhase if p is not FaultPhase.DURING_RECOVERY])
 def test_tree_fault_at_every_phase_emits_only_greedy_tokens(
     tiny: TargetModel, greedy: Callable[[str, int], list[int]], prompts: dict[str, list[int]],
@@ -142,18 +147,33 @@ def test_tree_budget_refusals(
         ({"drafter": chain, "tree_budget": 4}, "needs a drafter that proposes trees"),
         ({"drafter": tree, "tree_budget": 1}, "'tree_budget' must be None or an int >= 2"),
         ({"drafter": tree, "tree_budget": BUDGET + 1}, "exceeds the capture slots"),
-        ({"drafter": tree, "tree_budget": 4, "policy": RollbackPolicy(mode="recompute")},
-         "walks chains only"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             SpecDecoder(target, block_size=6, **kwargs)  # type: ignore[arg-type]  # refused on purpose
-    engine = SpecDecoder(target, tree, block_size=6, tree_budget=4)
-    with pytest.raises(ExecutionError, match="walks chains only"):
-        engine.request_mode("recompute")
 
 
-@pytest.mark.parametrize("mode", ["checkpoint", "remap", "replay"])
+def test_requesting_recompute_between_tree_steps_rebuilds_for_trees(
+    tiny: TargetModel, greedy: Callable[[str, int], list[int]], prompts: dict[str, list[int]],
+) -> None:
+    """A tree engine asked for ``recompute`` between steps gets inputs capture with the
+    node-state scratch (the gate validates it afresh); the tokens stay plain greedy."""
+    oracle = greedy(PROMPT, N + BUDGET)
+    engine = _engine(tiny, oracle, prompts[PROMPT], "checkpoint")
+    out = [engine.prefill(prompts[PROMPT])]
+    for _ in range(3):
+        out.extend(engine.step())
+    assert engine.target.shards[0].caches.pool.capture == "states"
+    engine.request_mode("recompute")
+    pools = [s.caches.pool for s in engine.target.shards]
+    assert all(p.capture == "inputs" and p.tree_states is not None for p in pools)
+    while len(out) < N:
+        out.extend(engine.step())
+    assert out[:N] == oracle[:N]
+    assert engine.gate.report.verdict == "validated" and engine.counts["fast"] > 0
+
+
+@pytest.mark.parametrize("mode", ["checkpoint", "remap", "replay", "recompute"])
 def test_trees_grown_from_a_dflash_drafter_are_plain_greedy(
     tiny: TargetModel, greedy: Callable[[str, int], list[int]], prompts: dict[str, list[int]],
     mode: RollbackMode,
@@ -240,26 +260,42 @@ def test_the_capture_gate_validates_tree_capture_before_trees_roll_back_fast(
     assert all(r.path == "fast" for r in engine.records[1:])
 
 
-@pytest.mark.parametrize("tamper", ["unwritten node", "chain window"])
+@pytest.mark.parametrize(
+    ("tamper", "mode"),
+    [("unwritten node", "checkpoint"), ("chain window", "checkpoint"),
+     ("unwritten node", "recompute"), ("parent's path", "recompute")],
+)
 def test_the_tree_gate_refuses_bad_tree_capture(
     tiny: TargetModel, greedy: Callable[[str, int], list[int]], prompts: dict[str, list[int]],
-    tamper: str,
+    tamper: str, mode: RollbackMode,
 ) -> None:
-    """A node slot the verify left unwritten, or a self-test that takes the conv window of
-    the chain instead of the node's path: refused, every step replays, tokens unchanged."""
+    """A node slot (or a node's captured inputs) the verify left unwritten, a self-test
+    that takes the conv window of the chain instead of the node's path, or one that
+    recomputes along the parent's path: refused, every step replays, tokens unchanged."""
     from dflash.execution import CaptureGate
 
     oracle = greedy(PROMPT, N + BUDGET)
-    engine = _engine(tiny, oracle, prompts[PROMPT], "checkpoint")
+    engine = _engine(tiny, oracle, prompts[PROMPT], mode)
     if tamper == "unwritten node":
         after = engine.gate.after_shard
+        buffer = "checkpoints" if mode == "checkpoint" else "inputs"
 
         def unwrite(k: int, shards: Sequence[ShardStorage]) -> None:
             if k == 0:
-                shards[0].pool.checkpoints[0, :, 3].fill_(float("nan"))
+                getattr(shards[0].pool, buffer)[0, :, 3].fill_(float("nan"))
             after(k, shards)
 
         engine.gate.after_shard = unwrite  # type: ignore[method-assign]  # test double
+    elif tamper == "parent's path":
+        original = CaptureGate.save_slot
+
+        def parents_path(
+            shards: Sequence[ShardStorage], slot: int, path: Sequence[int] | None = None
+        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            assert path is not None and len(path) > 1  # the gate's tree accepted a branch
+            return original(shards, path[-2], path[:-1])  # one node short of the accepted
+
+        engine.gate.save_slot = parents_path  # type: ignore[method-assign]  # test double
     else:
         original = CaptureGate.save_slot
 

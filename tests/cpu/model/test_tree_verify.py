@@ -15,6 +15,7 @@ import torch
 from dflash.geometry import require_chain, require_tree
 from dflash.kernels.checks import INTERPRET
 from dflash.model import CacheError, ShardCaches, TargetModel
+from dflash.model.caches import CaptureKind
 from dflash.model.tiles import TILE_ROWS, PositionTiles
 
 torch.set_num_threads(1)  # tiny matrices: one thread is faster and immune to machine load
@@ -36,8 +37,10 @@ def _path(u: int) -> list[int]:
     return out[::-1]
 
 
-def _prefilled(model: TargetModel, max_draft: int = 16) -> ShardCaches:
-    caches = model.new_caches(max_len=64, max_draft=max_draft)
+def _prefilled(
+    model: TargetModel, max_draft: int = 16, capture: CaptureKind = "states"
+) -> ShardCaches:
+    caches = model.new_caches(max_len=64, max_draft=max_draft, capture=capture, trees=True)
     model(_ids(PROMPT), caches, "prefill")
     return caches
 
@@ -97,7 +100,7 @@ def test_tree_verify_refusals() -> None:
     model = TargetModel.tiny_default(seed=3)
     caches = model.new_caches(max_len=64, max_draft=16, capture="inputs")
     model(_ids(PROMPT), caches, "prefill")
-    with pytest.raises(ValueError, match="a tree verify needs the per-node states"):
+    with pytest.raises(ValueError, match="needs its node-state scratch: build the caches with"):
         model(_ids(TOKENS), caches, "verify", geometry=require_tree(PARENTS))
     caches = model.new_caches(max_len=64, max_draft=16, batch=2)
     with pytest.raises(ValueError, match="a tree verify takes one sequence"):
@@ -130,15 +133,23 @@ def test_position_tiles_place_siblings_in_separate_evaluations() -> None:
     assert len(seen) == 5  # tiles 0 and 1, with up to three copies at position 16
 
 
-@pytest.mark.parametrize("mode", ["checkpoint", "remap"])
+@pytest.mark.parametrize(
+    ("mode", "backend"),
+    [("checkpoint", "reference"), ("remap", "reference"), ("recompute", "reference"),
+     pytest.param("recompute", "triton", marks=pytest.mark.skipif(
+         not INTERPRET, reason="the Triton path on CPU needs TRITON_INTERPRET=1"))],
+)
 @torch.inference_mode()
-def test_roll_back_to_an_accepted_branch_then_continue(mode: str) -> None:
-    """Verify the tree, roll back to one branch (state slot, conv window along the path,
-    K/V rows compacted to consecutive positions), decode on: bit for bit plain decoding of
-    the prompt, the branch and the new tokens."""
+def test_roll_back_to_an_accepted_branch_then_continue(mode: str, backend: str) -> None:
+    """Verify the tree, roll back to one branch (state slot, or the recurrence recomputed
+    along the path; conv window along the path; K/V rows compacted to consecutive
+    positions), decode on: bit for bit plain decoding of the prompt, the branch and the new
+    tokens."""
     model = TargetModel.tiny_default(seed=3)
-    for u in (0, 3, 7, 9):
-        caches = _prefilled(model)
+    model.kernel_backend = backend  # type: ignore[assignment]  # one of the backends
+    capture: CaptureKind = "inputs" if mode == "recompute" else "states"
+    for u in (0, 3, 7, 9) if backend == "reference" else (3, 9):
+        caches = _prefilled(model, capture=capture)
         model(_ids(TOKENS), caches, "verify", geometry=require_tree(PARENTS))
         path = _path(u)
         caches.pool.rollback_path(mode, path)
@@ -162,8 +173,10 @@ def test_a_path_outside_the_tree_is_refused_before_any_change() -> None:
     for bad in ([0, 4], [1, 4], [0, 1, 5, 6], [], [0, 11]):
         with pytest.raises(CacheError, match="path"):
             caches.pool.rollback_path("checkpoint", bad)
-    with pytest.raises(CacheError, match="'mode' must be 'checkpoint' or 'remap'"):
+    with pytest.raises(CacheError, match="a 'recompute' rollback needs inputs capture"):
         caches.pool.rollback_path("recompute", [0])
+    with pytest.raises(CacheError, match="'mode' must be one of checkpoint, remap, recompute"):
+        caches.pool.rollback_path("replay", [0])
     assert torch.equal(caches.pool.state, before[0]) and torch.equal(caches.pool.conv, before[1])
     with pytest.raises(CacheError, match="must rise from slot 0"):
         caches.kv.compact(len(PROMPT), [0, 3, 2])

@@ -7,6 +7,9 @@
 #                                          # (ORDER="after before after2": the other way round)
 #   bash benchmarks/gpu_session.sh recompute # dflash bench A/B/A: checkpoint vs recompute (and remap),
 #                                          # 9B shape at block 16 and 64, 27B shape at block 16
+#   bash benchmarks/gpu_session.sh trees   # tree GPU tests (every mode, tree recompute kernels), then
+#                                          # dflash bench A/B/A checkpoint vs recompute with trees of
+#                                          # 64 and 16 nodes (9B, 27B at 64) and the chain (9B, block 16)
 #   bash benchmarks/gpu_session.sh wide    # the wide-verify linear: GPU tests + benchmarks/linear_wide.py
 #   bash benchmarks/gpu_session.sh kernels # benchmarks/kernels.py (kernels-sweep: with its config sweep)
 #   bash benchmarks/gpu_session.sh cli     # dflash generate on two GPUs, every drafter
@@ -66,6 +69,25 @@ for phase in "$@"; do
         timeout "${BENCH_TIMEOUT:-300}" python3 -m dflash.cli bench --model "$1" --draft synthetic \
           --acceptance 0.874 --block-size "$2" --prompt-len 1024 --max-new-tokens 256 \
           --a checkpoint --b "$3" --warmup 1 --runs 3 \
+          --out "$OUT/$name.json" --plot '' > "$OUT/$name.log" 2>&1
+        echo "$name rc=$?"; tail -8 "$OUT/$name.log"
+      done
+      ;;
+    trees)
+      # tree steps on the GPU (every mode) and the tree recompute kernels, then dflash bench
+      # A/B/A checkpoint vs recompute with trees (and the chain at block 16, for reference)
+      [ "${TREE_TESTS:-1}" = 1 ] && python3 -m pytest tests/gpu/test_trees.py \
+        tests/gpu/test_kernels.py -q -s -p no:cacheprovider -k "tree or recompute" 2>&1 \
+        | tee "$OUT/gpu_tests_trees.log" | tail -8
+      # TREE_SPECS: "model budget" pairs (budget 0: the chain), a subset when time is short
+      IFS=';' read -r -a specs <<< "${TREE_SPECS:-nine-b-shape 64;nine-b-shape 16;twenty-seven-b-shape 64;nine-b-shape 0}"
+      for spec in "${specs[@]}"; do
+        set -- $spec
+        name=bench_trees_${1%%-*}_t$2
+        tree=(--tree-budget "$2"); [ "$2" = 0 ] && tree=()
+        timeout "${BENCH_TIMEOUT:-300}" python3 -m dflash.cli bench --model "$1" --draft synthetic \
+          --acceptance 0.874 --block-size 16 --prompt-len 1024 --max-new-tokens 256 \
+          "${tree[@]}" --a checkpoint --b recompute --warmup 1 --runs 3 \
           --out "$OUT/$name.json" --plot '' > "$OUT/$name.log" 2>&1
         echo "$name rc=$?"; tail -8 "$OUT/$name.log"
       done

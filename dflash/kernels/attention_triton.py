@@ -124,8 +124,10 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers a
     m_r = o_r < G * T
     o_t = o_r // G
     o_h = i_hk * G + o_r % G
-    t_first = (i_r * BLOCK_M) // G
-    t_last = (tl.minimum(i_r * BLOCK_M + BLOCK_M, G * T) - 1) // G
+    # the tile's first and last node, reduced from its rows (the scalar form
+    # ``(i_r * BLOCK_M) // G`` gave a wrong first tile on an H200 for G = 3, 5, 6)
+    t_first = tl.min(tl.where(m_r, o_t, T), 0)
+    t_last = tl.max(tl.where(m_r, o_t, -1), 0)
     if TREE:   # node t sits at start + depth(t) (paths [T, T], B == 1)
         pos = st + node_depth(paths, s_pt, o_t, m_r, T, BLOCK_M, BLOCK_M)
         p_last = tl.max(tl.where(m_r, pos, -1), 0)   # the tile's last visible key

@@ -145,8 +145,10 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
         if (slot_step < 0) & (is_tree != 0):
             keep = tl.load(parents + T + t) != 0
         if keep:
-            slot = tl.where(slot_step == 0, 0, t)  # the last token's state goes to slot 0
-            p_slot = ckpt + slot.to(tl.int64) * s_ck_s + o_ck
+            # the last token's state goes to slot 0 (a name of its own: Triton merges
+            # same-named values across branches, and ``slot`` above is int64)
+            at = tl.where(slot_step == 0, 0, t)
+            p_slot = ckpt + at.to(tl.int64) * s_ck_s + o_ck
             if STORE_HINT == 1:
                 tl.store(p_slot, b_h, mask=m_h, cache_modifier=".cs")
             elif STORE_HINT == 2:

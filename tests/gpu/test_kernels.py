@@ -222,3 +222,63 @@ def test_recompute_equals_checkpoints_bit_exactly_in_one_graphed_launch(shape: s
         assert torch.equal(state, ckpts[:, :, n - 1]), f"{shape}: n={n}"
         assert torch.equal(rows, captured[:, :, n : n + KC - 1]), f"{shape}: rows n={n}"
         assert torch.equal(snapshot, pre)
+
+
+#: a best-first tree of 16 nodes: siblings before grandchildren, a node's children apart
+TREE16 = [-1, 0, 0, 1, 1, 2, 3, 3, 4, 6, 5, 7, 9, 9, 12, 8]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tree_recompute_equals_tree_checkpoints_in_one_graphed_launch(shape: str) -> None:
+    """A tree verified without checkpoints (only the reloaded nodes' states in a one-layer
+    scratch) gives the checkpointed verify's outputs; ``gdn_recompute`` along each node's
+    path — path and count in static device buffers, one CUDA graph for every node — gives
+    that node's checkpoint bit for bit and the conv window along its path."""
+    from dflash.model.caches import path_window_rows
+
+    HV, L, S = SHAPES[shape], 2, len(TREE16)
+    tree = require_tree(TREE16)
+    c = 2 * HK * K + HV * V
+    layers = [gdn_inputs(HV, seed=70 + layer, T=S) for layer in range(L)]
+    ckpts = torch.full((L, 1, S, HV, K, V), NAN, device="cuda")
+    inputs = torch.full((L, 1, S, c), NAN, device="cuda", dtype=torch.bfloat16)
+    g = torch.full((L, 1, S, HV), NAN, device="cuda")
+    beta = torch.full((L, 1, S, HV), NAN, device="cuda", dtype=torch.bfloat16)
+    scratch = torch.full((1, S, HV, K, V), NAN, device="cuda")
+    for layer, i in enumerate(layers):
+        i["beta"] = i["beta"].bfloat16()
+        want = verify(i, ckpts[layer], tree)
+        got = verify(i, None, tree, tree_states=scratch)  # type: ignore[arg-type]
+        assert torch.equal(got, want), f"{shape}: layer {layer} outputs"
+        inputs[layer, :, :, : HK * K] = i["q"].reshape(1, S, HK * K)
+        inputs[layer, :, :, HK * K : 2 * HK * K] = i["k"].reshape(1, S, HK * K)
+        inputs[layer, :, :, 2 * HK * K :] = i["v"].reshape(1, S, HV * V)
+        g[layer], beta[layer] = i["g"], i["beta"]
+    pre = torch.stack([i["initial_state"] for i in layers])
+    captured = torch.randn(L, 1, KC - 1 + S, c, device="cuda").bfloat16()
+    state = torch.full_like(pre, NAN)
+    rows = torch.full((L, 1, KC - 1, c), NAN, device="cuda", dtype=torch.bfloat16)
+    count = torch.ones(1, dtype=torch.int64, device="cuda")
+    path = torch.zeros(S, dtype=torch.int64, device="cuda")
+
+    def rollback() -> None:
+        state.copy_(pre)
+        gdn_recompute(state, inputs, g, beta, rows, captured, count, path=path)
+
+    rollback()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rollback()
+    for u in range(S):
+        nodes = [u]
+        while TREE16[nodes[-1]] >= 0:
+            nodes.append(TREE16[nodes[-1]])
+        nodes.reverse()
+        path.copy_(torch.tensor(nodes + [S - 1] * (S - len(nodes))))
+        count.fill_(len(nodes))
+        state.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(state, ckpts[:, :, u]), f"{shape}: node {u}"
+        window = path_window_rows(nodes, KC - 1)
+        assert torch.equal(rows, captured[:, :, window]), f"{shape}: rows of node {u}"

@@ -6,7 +6,10 @@ first shard and the LM head on the last) that reads every runtime value — posi
 KV length — from device tensors and never synchronises with the host. That device work
 is what is captured: a graph per shard and per *key* ``(mode, T)``. The live recurrent
 slot of a remap is not part of the key: the kernels read it on the device
-(``RecurrentPool.live``), so one graph serves every slot. Inputs are copied into a static
+(``RecurrentPool.live``), so one graph serves every slot. A tree verify is the mode
+``"verify-tree"``: its node depths, path table and parents are device tables
+(``ShardCaches.tree``) the host refills before each replay, so one graph serves every tree
+of ``T`` nodes. Inputs are copied into a static
 buffer before each replay; outputs are the graph's own tensors, valid until its next
 replay.
 

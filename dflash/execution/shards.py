@@ -399,11 +399,10 @@ class ShardedTarget:
         if mode == "prefill":  # a new generation: the weights may have changed since the last
             self._check_weights()
         hidden_size = self.model.config.hidden_size
-        # a tree's node positions and paths are built per tree: trees run eagerly for now
-        graphed = (
-            self.graphs is not None and mode != "prefill"
-            and not isinstance(geometry, TreeGeometry)
-        )
+        graphed = self.graphs is not None and mode != "prefill"
+        # a tree verify reads its tables from device buffers begin_layers refills
+        # (ShardCaches.tree): one graph per tree size serves every tree of that size
+        kind = "verify-tree" if isinstance(geometry, TreeGeometry) else str(mode)
         tapped: dict[int, Tensor] = {}
         out_logits: Tensor | None = None
         for shard in self.shards:
@@ -416,7 +415,7 @@ class ShardedTarget:
                 pool = shard.caches.pool
                 mark = pool.end_verify_layer if mode == "verify" else None
                 if graphed and self.graphs is not None:
-                    key = (str(mode), t, logits)
+                    key = (kind, t, logits)
                     x, out_logits, got = self.graphs[shard.index].run(key, x, compute, mark)
                 else:
                     x, out_logits, got = compute(x, mark)

@@ -8,7 +8,8 @@
 - :func:`causal_conv1d_capture`: depthwise causal conv1d + SiLU that captures its inputs
   (a chain, or a draft tree's nodes through a :func:`tree_paths` table).
 - :func:`tree_paths` / :func:`tree_paths_into`: the root-to-node path table of a validated
-  geometry, for tree-aware kernels (``_into``: a static buffer for CUDA graphs).
+  geometry, for tree-aware kernels (``_into``: a static buffer for CUDA graphs);
+  :func:`tree_parents_into`: a tree's parents and reloaded nodes, the recurrence's table.
 - :func:`rollback_restore`: live state and conv window <- slot ``commit_n - 1`` for all
   recurrent layers of a shard in one launch (``rows_only``: the conv rows alone, for a
   remap whose state stays in its slot).
@@ -39,7 +40,7 @@ from dflash.kernels.rmsnorm import rms_norm
 from dflash.kernels.rmsnorm_reference import rms_norm_reference
 from dflash.kernels.rollback import RollbackBoundsError, rollback_restore
 from dflash.kernels.rollback_reference import rollback_restore_reference
-from dflash.kernels.tree_paths import tree_paths, tree_paths_into
+from dflash.kernels.tree_paths import tree_parents_into, tree_paths, tree_paths_into
 
 __all__ = [
     "RollbackBoundsError",
@@ -59,6 +60,7 @@ __all__ = [
     "rms_norm_reference",
     "rollback_restore",
     "rollback_restore_reference",
+    "tree_parents_into",
     "tree_paths",
     "tree_paths_into",
 ]

@@ -113,6 +113,18 @@ def device_index(name: str, value: object) -> torch.Tensor:
     return value
 
 
+def tensor_of(name: str, value: object, ndim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Return ``value`` if it is a ``dtype`` tensor of rank ``ndim``, else raise naming it."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"'{name}' must be a torch.Tensor (got {type(value).__name__})")
+    if value.dtype != dtype or value.ndim != ndim:
+        raise KernelBoundsError(
+            f"'{name}' must be a {ndim}-dimensional {dtype} tensor (got dtype {value.dtype}, "
+            f"shape {tuple(value.shape)})"
+        )
+    return value
+
+
 def index_vector(name: str, value: object) -> torch.Tensor:
     """Return ``value`` if it is a one-dimensional int64 tensor (indices a kernel reads),
     else raise naming it."""

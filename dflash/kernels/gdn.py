@@ -8,6 +8,7 @@ import math
 import torch
 
 from dflash.errors import KernelBoundsError
+from dflash.geometry import TreeGeometry
 from dflash.kernels import checks
 from dflash.kernels.gdn_reference import gdn_recompute_reference, gdn_verify_reference
 from dflash.kernels.rollback import RollbackBoundsError
@@ -35,6 +36,7 @@ def gdn_verify(
     live_slot: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     tree_states: torch.Tensor | None = None,
+    tree_table: torch.Tensor | None = None,
     backend: checks.Backend = "auto",
 ) -> torch.Tensor:
     """Run the gated delta rule over ``T`` tokens, capturing the state after each token.
@@ -73,6 +75,14 @@ def gdn_verify(
             leaves it in its slot there (only those nodes: a depth-first tree writes its
             branch points only); the contents afterwards are unspecified. Given only
             with ``checkpoints=None``; ignored by a chain.
+        tree_table: optional int32 one-dimensional tensor of at least ``2*T`` entries on
+            the inputs' device, filled from ``geometry`` (a ``TreeGeometry``) by
+            :func:`dflash.kernels.tree_parents_into`: the Triton kernel reads the tree's
+            parents (and the nodes a later child reloads) there instead of from a table
+            this call uploads, so a CUDA graph of the call serves every tree of ``T``
+            nodes — each replay reads the table as its owner refilled it. The tree is
+            then always walked as a tree (a chain-shaped one too). The reference reads
+            ``geometry`` and ignores it.
         backend: ``"auto"`` (Triton on CUDA, or on CPU under ``TRITON_INTERPRET=1``;
             the reference otherwise), ``"triton"`` or ``"reference"``.
 
@@ -168,6 +178,20 @@ def gdn_verify(
         checks.disjoint("tree_states", tree_states, {**inputs, "out": out})
     device = checks.same_device({**inputs, "out": out, "tree_states": tree_states})
     parents = checks.geometry_parents(geometry, T, final_state_only)
+    if tree_table is not None:
+        if not isinstance(geometry, TreeGeometry):
+            raise KernelBoundsError(
+                f"'tree_table' belongs to a tree verify (got geometry "
+                f"{type(geometry).__name__})"
+            )
+        tree_table = checks.tensor_of("tree_table", tree_table, 1, torch.int32)
+        if tree_table.shape[0] < 2 * T or not tree_table.is_contiguous():
+            raise KernelBoundsError(
+                f"'tree_table' must be a contiguous int32 tensor of at least 2*T={2 * T} "
+                f"entries (got shape {tuple(tree_table.shape)})"
+            )
+        checks.same_device({"q": q, "tree_table": tree_table})
+        parents = tuple(geometry.parents)  # walked as a tree, whatever its shape
     if checkpoints is None and parents is not None and tree_states is None:
         raise KernelBoundsError(
             "'checkpoints' is None but the geometry is a branching tree (parents "
@@ -192,7 +216,7 @@ def gdn_verify(
         q, k, v, g, beta, initial_state, checkpoints, parents,
         scale=K**-0.5 if scale is None else float(scale), use_qk_l2norm=use_qk_l2norm,
         final_state_only=final_state_only, snapshot=snapshot, slot_bank=slot_bank,
-        live_slot=live_slot, out=out, tree_states=tree_states,
+        live_slot=live_slot, out=out, tree_states=tree_states, tree_table=tree_table,
     )
 
 

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dflash.kernels.tree_paths import reloaded_nodes
+
 _DUMMY_PARENTS: dict[torch.device, torch.Tensor] = {}
 _NO_SLOT: dict[torch.device, torch.Tensor] = {}  # int64 [1] = -1: the initial state is h0
 
@@ -175,17 +177,6 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
         t += 1
 
 
-def reloaded_nodes(parents: tuple[int, ...]) -> list[int]:
-    """Per node of a tree, 1 when a child that does not follow it directly (slot ``u + 1``)
-    starts from its state — the nodes whose state a verify without checkpoints keeps in
-    scratch — else 0. A chain has none; a tree in depth-first order only its branch points."""
-    flags = [0] * len(parents)
-    for child, parent in enumerate(parents):
-        if parent >= 0 and parent != child - 1:
-            flags[parent] = 1
-    return flags
-
-
 def default_config(K: int, V: int) -> tuple[int, int]:
     """(BV, num_warps) for a ``[K, V]`` state.
 
@@ -204,7 +195,7 @@ def launch_gdn_verify(
     *, scale: float, use_qk_l2norm: bool, final_state_only: bool,
     snapshot: torch.Tensor | None, slot_bank: torch.Tensor | None = None,
     live_slot: torch.Tensor | None = None, out: torch.Tensor | None = None,
-    tree_states: torch.Tensor | None = None,
+    tree_states: torch.Tensor | None = None, tree_table: torch.Tensor | None = None,
     block_v: int | None = None, num_warps: int | None = None, store_hint: int = 1,
 ) -> torch.Tensor:
     """Launch :func:`gdn_verify_kernel` on validated inputs; returns ``o`` in v's dtype.
@@ -222,7 +213,9 @@ def launch_gdn_verify(
     BV, warps = default_config(K, V)
     BV = block_v or BV
     warps = num_warps or warps
-    if parents is None:
+    if tree_table is not None:  # filled by its owner (tree_parents_into): graph-safe
+        p_parents = tree_table
+    elif parents is None:
         p_parents = _constant(_DUMMY_PARENTS, q.device, torch.int32)
     else:  # parents, then the flags of the nodes a child not right after them reloads
         table = [*parents, *reloaded_nodes(parents)]

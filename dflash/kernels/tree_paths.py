@@ -63,6 +63,53 @@ def tree_paths_into(geometry: ChainGeometry | TreeGeometry, out: torch.Tensor) -
     return out
 
 
+def reloaded_nodes(parents: tuple[int, ...]) -> list[int]:
+    """Per node of a tree, 1 when a child that does not follow it directly (slot ``u + 1``)
+    starts from its state — the nodes whose state a verify without checkpoints keeps in
+    scratch — else 0. A chain has none; a tree in depth-first order only its branch points."""
+    flags = [0] * len(parents)
+    for child, parent in enumerate(parents):
+        if parent >= 0 and parent != child - 1:
+            flags[parent] = 1
+    return flags
+
+
+def tree_parents_into(geometry: TreeGeometry, out: torch.Tensor) -> torch.Tensor:
+    """Fill ``out`` (int32, one-dimensional, at least ``2*T`` entries) with the table the
+    recurrence kernel walks a tree by (``gdn_verify``'s ``tree_table``): the parents of the
+    ``T`` nodes, then :func:`reloaded_nodes`' flags, in one host-to-device copy
+    (non-blocking from pinned memory on CUDA), so a CUDA graph replaying with ``out`` as a
+    static buffer sees the new tree. Returns ``out``.
+
+    Raises:
+        TypeError: ``geometry`` is not a validated ``TreeGeometry`` or ``out`` is not a
+            tensor.
+        KernelBoundsError: ``out`` is not int32, not one-dimensional, or shorter than
+            ``2*T``.
+    """
+    if not isinstance(geometry, TreeGeometry):
+        raise TypeError(
+            "'geometry' must be a validated TreeGeometry (from validate_tree; got "
+            f"{type(geometry).__name__})"
+        )
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"'out' must be a torch.Tensor (got {type(out).__name__})")
+    T = geometry.n_actual
+    if out.dtype != torch.int32 or out.ndim != 1 or out.shape[0] < 2 * T:
+        raise KernelBoundsError(
+            f"'out' must be a one-dimensional int32 tensor of at least 2*T={2 * T} entries "
+            f"(got {out.dtype}, shape {tuple(out.shape)})"
+        )
+    parents = tuple(geometry.parents)
+    pinned = out.device.type == "cuda"
+    host = torch.tensor([*parents, *reloaded_nodes(parents)], dtype=torch.int32)
+    if pinned:
+        host = host.pin_memory()
+    # A pinned source block is held by torch's host allocator until the copy has run.
+    out[: 2 * T].copy_(host, non_blocking=pinned)
+    return out
+
+
 def _checked(geometry: object) -> ChainGeometry | TreeGeometry:
     if not isinstance(geometry, (ChainGeometry, TreeGeometry)):
         raise TypeError(

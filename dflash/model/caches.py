@@ -63,7 +63,8 @@ import torch
 from torch import Tensor
 
 from dflash.errors import ExecutionError
-from dflash.kernels import gdn_recompute, rollback_restore
+from dflash.geometry import TreeGeometry
+from dflash.kernels import gdn_recompute, rollback_restore, tree_parents_into, tree_paths_into
 from dflash.kernels.checks import Backend
 from dflash.model.config import HybridConfig
 from dflash.model.layers import rotary_table
@@ -819,9 +820,35 @@ def _numel(shape: tuple[int, ...]) -> int:
     return out
 
 
+class TreeTables:
+    """The device tables a tree verify's kernels read, sized for ``S = max_draft`` nodes
+    and refilled (host to device, outside any graph) before each tree verify, so one CUDA
+    graph of the verify serves every tree of ``T`` nodes: ``depth [S]`` int64 (node ``t``
+    sits at the committed position + ``depth[t]``), ``paths [S, S]`` int32
+    (:func:`dflash.kernels.tree_paths_into`; a verify reads its ``[T, T]`` corner) and
+    ``parents [2S]`` int32 (:func:`dflash.kernels.tree_parents_into`, the recurrence's)."""
+
+    def __init__(self, max_draft: int, device: torch.device | str) -> None:
+        self.depth = torch.zeros(max_draft, dtype=torch.int64, device=device)
+        self.paths = torch.full((max_draft, max_draft), -1, dtype=torch.int32, device=device)
+        self.parents = torch.zeros(2 * max_draft, dtype=torch.int32, device=device)
+
+    def fill(self, tree: TreeGeometry) -> None:
+        """The tables of the validated ``tree`` (at most ``S`` nodes)."""
+        T = tree.n_actual
+        if self.depth.shape[0] < T:
+            raise CacheError(f"a tree of {T} nodes exceeds the {self.depth.shape[0]} slots")
+        pinned = self.depth.device.type == "cuda"
+        depth = torch.tensor(tree.depth, dtype=torch.int64)
+        self.depth[:T].copy_(depth.pin_memory() if pinned else depth, non_blocking=pinned)
+        tree_paths_into(tree, self.paths)
+        tree_parents_into(tree, self.parents)
+
+
 class ShardCaches:
     """One :class:`KVCache` and one :class:`RecurrentPool` for a contiguous layer range,
-    and the rotary table ``(cos, sin)`` ``[max_len, rotary_dim]`` their attention reads."""
+    the rotary table ``(cos, sin)`` ``[max_len, rotary_dim]`` their attention reads, and
+    the tables of a tree verify (:class:`TreeTables`)."""
 
     def __init__(self, kv: KVCache, pool: RecurrentPool, rope: tuple[Tensor, Tensor]) -> None:
         if rope[0].shape[0] < kv.max_len:
@@ -831,6 +858,7 @@ class ShardCaches:
         self.kv = kv
         self.pool = pool
         self.rope = rope
+        self.tree = TreeTables(pool.max_draft, pool.position.device)
 
     def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos/sin rows ``[T, rotary_dim]`` of ``positions: [T]`` (int64 on the caches' device)."""

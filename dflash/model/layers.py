@@ -494,6 +494,7 @@ class GatedDeltaNet(GroupedModule):
         ops: Ops,
         remap: tuple[Tensor, Tensor] | None = None,
         paths: Tensor | None = None,
+        tree_table: Tensor | None = None,
     ) -> Tensor:
         """``x: [B, T, hidden]`` → ``[B, T, hidden]``.
 
@@ -507,8 +508,9 @@ class GatedDeltaNet(GroupedModule):
         outputs and gates the recurrence consumed (capturing inputs: the conv and the gates
         write there directly, and the recurrence writes no state). The live state and
         ``conv_rows`` are only read (``geometry`` is the validated chain or tree; a tree
-        also passes its ``paths`` [T, T], so each node's conv window and recurrence follow
-        its ancestors).
+        also passes its ``paths`` [T, T] and the recurrence's ``tree_table``
+        (:func:`dflash.kernels.tree_parents_into`), so each node's conv window and
+        recurrence follow its ancestors).
         """
         bank, live = remap if remap is not None else (None, None)
         b, t, _ = x.shape
@@ -553,7 +555,7 @@ class GatedDeltaNet(GroupedModule):
             o = gdn_verify(
                 q, k, v, g, beta, state, capture.checkpoints, geometry,
                 snapshot=capture.snapshot, slot_bank=bank, live_slot=live,
-                tree_states=capture.tree_states, backend=backend,
+                tree_states=capture.tree_states, tree_table=tree_table, backend=backend,
             )
         o = ops.each_token(self.norm, o, z)  # [B, T, HV, V]
         return ops.linear(self.out_proj, o.reshape(b, t, self.value_dim))

@@ -25,7 +25,6 @@ import torch
 from torch import Tensor, nn
 
 from dflash.geometry import ChainGeometry, TreeGeometry
-from dflash.kernels.tree_paths import tree_paths
 from dflash.model.caches import CacheError, CaptureKind, ShardCaches
 from dflash.model.config import HybridConfig
 from dflash.model.layers import (
@@ -198,6 +197,8 @@ class TargetModel(nn.Module):
             pool.reset()
             kv.reset()
         elif mode == "verify":
+            if isinstance(geometry, TreeGeometry):  # the tables the tree's kernels read
+                caches.tree.fill(geometry)
             pool.begin_verify(
                 start_pos, t, geometry.parents if isinstance(geometry, TreeGeometry) else None
             )
@@ -233,9 +234,9 @@ class TargetModel(nn.Module):
         if tree is None:
             positions = rows  # a chain: row t at position start + t
         else:  # node t at position start + depth(t); its keys at cache row start + t
-            offsets = torch.tensor(tree.depth, dtype=torch.int64).to(hidden.device)
-            positions = pool.position[:1] + offsets
-            paths = tree_paths(tree, hidden.device)
+            # (device tables begin_layers filled: one CUDA graph serves every tree)
+            positions = pool.position[:1] + caches.tree.depth[:t]
+            paths = caches.tree.paths[:t, :t]
             tree_rows = (rows, paths)
         cos, sin = caches.rotary(positions)  # [T, rotary_dim] each
         visible = None
@@ -260,7 +261,8 @@ class TargetModel(nn.Module):
                 capture = pool.capture_views(layer_id)
                 remap = None if bank is None or live is None else (bank, live)
                 x = layer.linear_attn(
-                    x, state, conv_rows, geometry, capture, ops, remap, paths
+                    x, state, conv_rows, geometry, capture, ops, remap, paths,
+                    None if tree is None else caches.tree.parents,
                 )
                 if on_layer is not None:
                     on_layer(layer_id)

@@ -16,6 +16,7 @@ Runs the model's Triton kernels, so it needs ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -241,3 +242,77 @@ def test_dflash_drafting_in_recorded_graphs_proposes_what_the_host_path_does(
     assert g is not None
     assert ("draft", BLOCK, False) in g[0].captured_keys and not g[0].failures
     assert g[0].replays > 5
+
+
+TREE_BUDGET = 7
+
+
+def _tree_decode(
+    oracle: list[int], mode: RollbackMode, n: int
+) -> tuple[list[int], SpecDecoder, list[tuple[int, ...]]]:
+    """Tree steps on a target whose graphs replay like CUDA graphs; returns the tokens, the
+    engine and the parents of every tree drafted."""
+    from dflash.model.drafters.trees import DraftTree, SyntheticTreeDrafter
+
+    model = TargetModel.seeded(HybridConfig.tiny_default(), seed=0)
+    model.kernel_backend = "triton"
+    target = ShardedTarget(model, plan_shards(6, "cpu,cpu", "2,4"),
+                           max_len=len(PROMPT) + n + TREE_BUDGET + 1, max_draft=TREE_BUDGET)
+    target.graphs = [ShardGraphs(s.device, capture=recorded_capture) for s in target.shards]
+    shapes: list[tuple[int, ...]] = []
+
+    order = random.Random(6)
+
+    class Recording(SyntheticTreeDrafter):
+        """The synthetic tree with its nodes in a random order that keeps parents first
+        (the same tree, other slots: another parents table every step)."""
+
+        def draft_tree(self, context: list[int], last: int, budget: int,
+                       depth: int) -> DraftTree:
+            tree = super().draft_tree(context, last, budget, depth)
+            slots, placed = [0], {0}
+            while len(slots) < len(tree):
+                ready = [u for u in range(len(tree)) if u not in placed
+                         and tree.parents[u] in placed]
+                slots.append(order.choice(ready))
+                placed.add(slots[-1])
+            new = {old: i for i, old in enumerate(slots)}
+            tree = DraftTree(
+                tuple(tree.tokens[u] for u in slots),
+                tuple(-1 if u == 0 else new[tree.parents[u]] for u in slots),
+                tuple(tree.log_probs[u] for u in slots),
+            )
+            shapes.append(tree.parents)
+            return tree
+
+    drafter = Recording(PROMPT + oracle, (0.4, 0.3, 0.2), model.config.vocab_size, seed=5)
+    engine = SpecDecoder(target, drafter, block_size=BLOCK,
+                         policy=RollbackPolicy(mode=mode), tree_budget=TREE_BUDGET)
+    out = [engine.prefill(PROMPT)]
+    while len(out) < n:
+        out.extend(engine.step())
+        if out != oracle[: len(out)]:
+            break
+    return out[:n], engine, shapes
+
+
+@pytest.mark.parametrize("mode", ["checkpoint", "remap", "replay", "recompute"])
+@pytest.mark.usefixtures("record_launches")
+def test_tree_verifies_through_recorded_graphs_are_plain_greedy(
+    oracle: list[int], mode: RollbackMode
+) -> None:
+    """A tree verify is a graph of its size: the node depths, path table and parents are
+    device tables refilled before each replay, so trees of other shapes replay one graph
+    and every token is plain greedy's, in every rollback mode."""
+    out, engine, shapes = _tree_decode(oracle, mode, 28)
+    assert out == oracle[:28]
+    graphs = engine.target.graphs
+    assert graphs is not None
+    for g in graphs:
+        assert not g.failures, g.failures
+        keys = [k for k in g.captured_keys if k[0] == "verify-tree"]
+        assert keys, g.captured_keys
+    sizes = {len(p) for p in shapes}
+    replayed = [p for p in shapes if len(p) in {k[1] for k in keys}]
+    assert len(set(replayed)) >= 3, (sizes, replayed)  # several shapes under one graph
+    assert graphs[0].replays >= 5

@@ -15,6 +15,7 @@ from dflash.errors import KernelBoundsError
 from dflash.geometry import require_chain, require_tree
 from dflash.kernels import RollbackBoundsError, gdn_recompute, gdn_verify
 from dflash.kernels.checks import Backend
+from dflash.kernels.tree_paths import reloaded_nodes
 from dflash.model.caches import path_window_rows
 
 BACKENDS = [pytest.param("reference"), pytest.param("triton", marks=needs_interpreter)]
@@ -413,7 +414,7 @@ def test_tree_verify_without_checkpoints(backend: Backend, name: str) -> None:
                      require_tree(parents), out=out, tree_states=scratch, backend=backend)
     assert got is out and torch.equal(got, want)
     assert torch.equal(i["initial_state"], before), "the live state was written"
-    kept = [u for u, flag in enumerate(gdn_triton_module.reloaded_nodes(tuple(parents))) if flag]
+    kept = [u for u, flag in enumerate(reloaded_nodes(tuple(parents))) if flag]
     assert kept == {"depth-first": [0, 1], "best-first": [0, 1, 2, 3], "chain": []}[name]
     for u in range(T + 1):
         if backend == "triton" and u in kept:
@@ -464,3 +465,44 @@ def test_a_device_count_past_the_path_is_clamped_to_it(backend: Backend) -> None
                   path=torch.tensor(path), backend=backend)
     assert torch.equal(state, ckpt[:, :, 6])
     assert torch.equal(conv, sh.captured[:, :, path_window_rows(path, sh.Kc - 1)])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(TREES))
+def test_a_tree_table_walks_the_same_tree(backend: Backend, name: str) -> None:
+    """``tree_table`` (filled by tree_parents_into, as a graph's static buffer): the same
+    outputs and node states as the verify that uploads its own table — with checkpoints,
+    and without them (the reloaded nodes in the scratch)."""
+    from dflash.kernels import tree_parents_into
+
+    parents = TREES[name]
+    B, T, HK, HV, K, V = 1, len(parents), 1, 2, 16, 16
+    i = gdn_inputs(B, T, HK, HV, K, V, torch.float32, seed=8)
+    tree = require_tree(parents)
+    table = tree_parents_into(tree, torch.full((2 * T + 4,), 99, dtype=torch.int32))
+    want_ck = nan_slots(B, T, HV, K, V, torch.float32)
+    want = gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], i["initial_state"], want_ck,
+                      tree, backend=backend)
+    got_ck = nan_slots(B, T, HV, K, V, torch.float32)
+    got = gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], i["initial_state"], got_ck,
+                     tree, tree_table=table, backend=backend)
+    assert torch.equal(got, want) and torch.equal(got_ck, want_ck)
+    got = gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], i["initial_state"], None,
+                     tree, tree_table=table, tree_states=nan_slots(B, T, HV, K, V, torch.float32),
+                     backend=backend)
+    assert torch.equal(got, want)
+
+
+def test_tree_table_refusals() -> None:
+    i = gdn_inputs(1, 3, 1, 2, 16, 16, torch.float32, seed=0)
+    ck = nan_slots(1, 3, 2, 16, 16, torch.float32)
+    args = (i["q"], i["k"], i["v"], i["g"], i["beta"], i["initial_state"], ck)
+    table = torch.zeros(6, dtype=torch.int32)
+    with pytest.raises(KernelBoundsError, match="'tree_table' belongs to a tree verify"):
+        gdn_verify(*args, require_chain([-1, 0, 1]), tree_table=table)
+    for bad, match in ((table.long(), "1-dimensional torch.int32"),
+                       (table[:5], "at least 2\\*T=6"), (torch.zeros(12, dtype=torch.int32)[::2],
+                                                          "contiguous")):
+        with pytest.raises(KernelBoundsError, match=match):
+            gdn_verify(*args, require_tree([-1, 0, 0]), tree_table=bad)
+    assert ck.isnan().all()

@@ -9,7 +9,7 @@ import torch
 
 from dflash.errors import KernelBoundsError
 from dflash.geometry import require_chain, require_tree, validate_tree
-from dflash.kernels import tree_paths, tree_paths_into
+from dflash.kernels import tree_parents_into, tree_paths, tree_paths_into
 
 
 def walked(parents: tuple[int, ...]) -> list[list[int]]:
@@ -108,3 +108,29 @@ def test_bad_device_and_out_are_named() -> None:
             tree_paths_into(geometry, out)  # type: ignore[arg-type]  # bad values on purpose
         if isinstance(out, torch.Tensor):
             assert (out == 7).all(), "a refused call writes nothing"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tree_parents_into_is_the_parents_then_the_reloaded_nodes(seed: int) -> None:
+    """``out[:T]`` the parents, ``out[T:2T]`` 1 exactly for the nodes a child that is not
+    the next slot starts from (walked here from the children), the rest untouched."""
+    T = 3 + seed * 2
+    parents = random_parents(T, seed)
+    out = torch.full((2 * T + 3,), 77, dtype=torch.int32)
+    assert tree_parents_into(require_tree(parents), out) is out
+    assert out[:T].tolist() == list(parents)
+    reloaded = [int(any(p == u and c != u + 1 for c, p in enumerate(parents))) for u in range(T)]
+    assert out[T : 2 * T].tolist() == reloaded
+    assert out[2 * T :].tolist() == [77] * 3
+
+
+def test_tree_parents_into_refusals() -> None:
+    tree = require_tree((-1, 0, 0, 1))
+    with pytest.raises(TypeError, match="validated TreeGeometry"):
+        tree_parents_into(require_chain([-1, 0, 1, 2]), torch.zeros(8, dtype=torch.int32))  # type: ignore[arg-type]  # a chain on purpose
+    with pytest.raises(TypeError, match=r"'out' must be a torch\.Tensor"):
+        tree_parents_into(tree, [0] * 8)  # type: ignore[arg-type]  # a list on purpose
+    for bad in (torch.zeros(8, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int32),
+                torch.zeros(7, dtype=torch.int32)):
+        with pytest.raises(KernelBoundsError, match="at least 2\\*T=8 entries"):
+            tree_parents_into(tree, bad)

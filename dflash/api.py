@@ -17,11 +17,12 @@ their first step. A call that needs more positions than the kept target holds bu
 larger one (and a new engine, whose gate runs again). One generation runs on an ``LLM`` at
 a time.
 
-Decoding is greedy and lossless: the tokens equal plain target-only greedy decoding
-(``draft=None``), bit for bit. Sampling (``temperature``, ``top_k``, ``top_p``, ``min_p``)
-and trees (``tree_budget``: the engine verifies trees, the library's drafters do not draft
-them yet) are not available here yet: other values than the neutral ones raise
-:class:`NotSupportedYetError`.
+Decoding is lossless: the tokens equal plain target-only decoding (``draft=None``) under
+the same rule, bit for bit — greedy by default; with ``temperature`` > 0 every token is
+drawn by the seeded sampling rule (``top_k``, ``top_p``, ``min_p``, ``seed``;
+:mod:`dflash.sampling`) at its absolute position, so a seed gives the same text with and
+without speculation. Trees (``tree_budget``: the engine verifies trees, the library's
+drafters do not draft them yet) are not available here yet: :class:`NotSupportedYetError`.
 
 Stop strings: generation stops at the earliest occurrence of any of them in the decoded
 new text. ``text`` ends right before it; ``tokens`` keeps the tokens whose text (as the
@@ -81,6 +82,7 @@ from dflash.model import TargetModel
 from dflash.model.caches import capture_kind
 from dflash.model.drafters import Drafter
 from dflash.model.tokenizer import TextTokenizer, require_utf8
+from dflash.sampling import GREEDY, SamplingError, SamplingParams, sample_tokens
 
 __all__ = [
     "LLM",
@@ -108,7 +110,7 @@ class ArgumentError(UsageError):
 
 
 class NotSupportedYetError(UsageError):
-    """An argument value for a feature that is not built yet (sampling, trees)."""
+    """An argument value for a feature that is not built yet (trees in the library)."""
 
 
 class ChatTemplateError(CheckpointError):
@@ -263,6 +265,7 @@ class _Request:
     prompt: list[int]
     max_new_tokens: int
     stops: tuple[str, ...]
+    sampling: SamplingParams = GREEDY
 
 
 class _Cancelled(ExecutionError):
@@ -369,18 +372,12 @@ class LLM:
         seed: int,
         stop: str | Sequence[str] | None,
     ) -> _Request:
-        for name, value, neutral in (
-            ("temperature", temperature, 0.0),
-            ("top_k", top_k, 0),
-            ("top_p", top_p, 1.0),
-            ("min_p", min_p, 0.0),
-        ):
-            if value != neutral:
-                raise NotSupportedYetError(
-                    f"{param(name)}={value!r} is not supported yet: sampling is not built, "
-                    f"decoding is greedy (leave {param(name)} at {neutral!r})"
-                )
-        _int("seed", seed, 0, 2**63 - 1)
+        try:
+            sampling = SamplingParams(
+                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed
+            )
+        except SamplingError as exc:
+            raise ArgumentError(str(exc)) from None
         n = _int("max_new_tokens", max_new_tokens, 1)
         stops: tuple[str, ...] = ()
         if stop is not None:
@@ -394,7 +391,7 @@ class LLM:
             self._need_tokenizer("stop")
         ids = self._encode(prompt)
         check_positions(self.model, len(ids), n, self.block_size)
-        return _Request(ids, n, stops)
+        return _Request(ids, n, stops, sampling)
 
     def _need_tokenizer(self, what: str) -> TextTokenizer:
         if self.tokenizer is None:
@@ -459,7 +456,9 @@ class LLM:
             self.engine = SpecDecoder(
                 target, drafter, block_size=block, policy=self.policy,
                 verify_window=self.verify_window,  # type: ignore[arg-type]  # checked by load
+                sampling=req.sampling,
             )
+        self.engine.use_sampling(req.sampling)  # the kept engine draws by this request's rule
         prompt_len = len(req.prompt)
 
         def progress(done: int, engine: SpecDecoder) -> None:
@@ -469,20 +468,27 @@ class LLM:
         return run_generate(
             self.model, drafter, req.prompt, plan=self.plan, max_new_tokens=n,
             block_size=block, policy=self.policy, eos_id=self.eos_id, on_progress=progress,
-            target=target, engine=self.engine, stop_when=until,
+            target=target, engine=self.engine, stop_when=until, sampling=req.sampling,
         )
 
     @torch.inference_mode()
     def _plain(
         self, req: _Request, on_tokens: Callable[[list[int]], object], until: Callable[[], bool]
     ) -> GenerationResult:
-        """Plain greedy decoding, one token per target forward: the parity oracle's
-        forwards (:func:`dflash.execution.oracle.reference_greedy`), stopping at EOS."""
+        """Plain decoding, one token per target forward, each drawn by the request's rule:
+        the parity oracle's forwards (:func:`dflash.execution.oracle.reference_greedy`),
+        stopping at EOS."""
         n = req.max_new_tokens
         target = self._kept_target(len(req.prompt) + n, 1)
+        position = target.shards[-1].caches.pool.position  # the drawn token's, after each
+
+        def draw(row: torch.Tensor) -> int:
+            at = None if req.sampling.greedy else position[:1]
+            return int(sample_tokens(row, at, req.sampling))
+
         t0 = time.perf_counter()
         logits, _ = target.forward(req.prompt, "prefill", 0)
-        out = [int(logits[-1].argmax())]
+        out = [draw(logits[-1:])]
         _sync(self.plan)
         t1 = time.perf_counter()
         on_tokens(out)
@@ -491,7 +497,7 @@ class LLM:
         while len(out) < n and out[-1] != self.eos_id and not stopped:
             logits, _ = target.forward([out[-1]], "decode", committed)
             committed += 1
-            out.append(int(logits[0].argmax()))
+            out.append(draw(logits[:1]))
             on_tokens(out)
             stopped = until()
         _sync(self.plan)
@@ -553,7 +559,9 @@ class LLM:
         """Decode up to ``max_new_tokens`` tokens after ``prompt`` (text, which needs the
         model's tokenizer, or token ids). ``text`` holds the decoded new text (without a
         final EOS token) when the model has a tokenizer; ``stop``: see the module's
-        description. Returns the command line's ``--json`` object."""
+        description. ``temperature`` > 0 samples by the seeded rule (``top_k``, ``top_p``,
+        ``min_p``, ``seed``; :mod:`dflash.sampling`): the text of plain sampled decoding
+        with that seed. Returns the command line's ``--json`` object."""
         req = self._request(prompt, max_new_tokens, temperature, top_k, top_p, min_p, seed,
                             stop)
         if self.tokenizer is None:

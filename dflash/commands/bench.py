@@ -321,10 +321,11 @@ def _bench(
     harness = Harness.kept(
         model, drafter, prompt, plan, max_new_tokens=args.max_new_tokens,
         block_size=args.block_size, eos_id=args.eos_id, graphs=graphs,
-        verify_window=args.verify_window, tree_budget=args.tree_budget,
+        verify_window=args.verify_window, tree_budget=args.tree_budget, sampling=ready.sampling,
     )
     if oracle is None:
-        oracle = reference_greedy(model, plan, prompt, args.max_new_tokens, graphs=graphs)
+        oracle = reference_greedy(model, plan, prompt, args.max_new_tokens, graphs=graphs,
+                                  sampling=ready.sampling)
     oracle = oracle[: args.max_new_tokens]
     if args.eos_id is not None and args.eos_id in oracle:  # the runs stop there too
         oracle = oracle[: oracle.index(args.eos_id) + 1]

@@ -74,8 +74,25 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         "--seed",
         type=seed_value,
         default=0,
-        help="seed of the seeded models' weights, in [0, 2**63 - 1] (default 0)",
+        help="seed of the sampling noise (with --temperature > 0) and of the seeded models' "
+        "weights, in [0, 2**63 - 1] (default 0)",
     )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample at this temperature (0, the default: greedy). Every token is drawn by "
+        "one seeded rule at its absolute position, so the output is plain sampled "
+        "decoding's, seed for seed (README)",
+    )
+    p.add_argument("--top-k", type=int, default=0,
+                   help="keep the K most likely tokens when sampling (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="keep the smallest set of most likely tokens reaching probability P "
+                   "when sampling (1: off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens at least M times as likely as the most likely when "
+                   "sampling (0: off)")
     p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
@@ -281,6 +298,11 @@ def summary_table(r: GenerationResult) -> str:
         ("tokens", f"{len(r.tokens)} (stop: {r.stop_reason})"),
         ("sha256", r.sha256),
         ("drafter", r.drafter),
+        *(
+            []
+            if r.sampling is None
+            else [("sampling", ", ".join(f"{k} {v}" for k, v in r.sampling.items()))]
+        ),
         ("block size", str(r.block_size)),
         *(
             []
@@ -394,6 +416,7 @@ class Prepared:
     acceptance: float
     text: TextCodec | None = None  # how generated ids become text (None: ids only)
     eos_id: int | None = None  # --eos-id, else the model directory's EOS id
+    sampling: Any = None  # dflash.sampling.SamplingParams (None: greedy)
 
 
 class TextStreamLike(Protocol):
@@ -482,6 +505,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
     if tree_budget is not None and not 2 <= tree_budget <= MAX_SLOTS:
         raise UsageError(f"--tree-budget must be in [2, {MAX_SLOTS}] (got {tree_budget})")
     acceptance = synthetic_acceptance(args)
+    sampling = sampling_params(args)
     config = model_config(args.model)
     eos_id = args.eos_id if args.eos_id is not None else eos_for(args.model)
     if eos_id is not None and not 0 <= eos_id < config.vocab_size:
@@ -531,6 +555,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
         model_spec=args.model,
         draft_dtype=None if args.draft_dtype is None else getattr(torch, args.draft_dtype),
         tree_budget=tree_budget,
+        sampling=sampling,
     )
     if tree_budget is not None and not isinstance(drafter, (TreeDrafter, CandidateDrafter)):
         raise UsageError(
@@ -539,8 +564,23 @@ def prepare(args: argparse.Namespace) -> Prepared:
             f"{args.draft})"
         )
     return Prepared(
-        model, plan, prompt, drafter, oracle, dtype, devices, acceptance, codec, eos_id
+        model, plan, prompt, drafter, oracle, dtype, devices, acceptance, codec, eos_id, sampling
     )
+
+
+def sampling_params(args: argparse.Namespace) -> Any:
+    """``--temperature/--top-k/--top-p/--min-p/--seed`` as a checked
+    :class:`dflash.sampling.SamplingParams` (a bad value: :class:`UsageError` naming it)."""
+    from dflash.sampling import SamplingError, SamplingParams
+
+    try:
+        return SamplingParams(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            min_p=args.min_p, seed=args.seed,
+        )
+    except SamplingError as exc:
+        flag = str(exc).split("'")[1].replace("_", "-")
+        raise UsageError(f"--{flag}: {exc}") from None
 
 
 def build_model_checked(
@@ -690,10 +730,12 @@ def execute(
                                eos_id=ready.eos_id, graphs=graphs,
                                greedy_tokens=n if baseline else None, verify_window=window,
                                capture=capture_for(policy.mode),
-                               tree_budget=getattr(args, "tree_budget", None))
+                               tree_budget=getattr(args, "tree_budget", None),
+                               sampling=ready.sampling)
     else:
         harness = Harness(*what, n, args.block_size, ready.eos_id, graphs,
-                          verify_window=window, tree_budget=getattr(args, "tree_budget", None))
+                          verify_window=window, tree_budget=getattr(args, "tree_budget", None),
+                          sampling=ready.sampling)
     engine = harness.engine(policy) if keep else None
     if warm > 0:
         harness.warm_up(policy, engine, warm, baseline=baseline)

@@ -25,6 +25,7 @@ from dflash.execution.window import WindowChoice
 from dflash.model import TargetModel
 from dflash.model.caches import CaptureKind
 from dflash.model.drafters import Drafter
+from dflash.sampling import GREEDY, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class Harness:
     greedy_target: ShardedTarget | None = None  # the plain greedy runs' (oracle.greedy_target)
     verify_window: WindowChoice = "auto"  # every speculative run's (SpecDecoder)
     tree_budget: int | None = None  # every speculative run's (SpecDecoder)
+    sampling: SamplingParams = GREEDY  # every run's rule, speculative and plain
 
     @classmethod
     def kept(
@@ -63,6 +65,7 @@ class Harness:
         verify_window: WindowChoice = "auto",
         capture: CaptureKind = "states",
         tree_budget: int | None = None,
+        sampling: SamplingParams = GREEDY,
     ) -> Harness:
         """A harness with a kept speculative target for these sizes and, when
         ``greedy_tokens`` is given, a kept greedy target for that many tokens. The
@@ -77,7 +80,7 @@ class Harness:
         if greedy_tokens is not None:
             greedy = greedy_target(model, plan, len(prompt), greedy_tokens, graphs=graphs)
         return cls(model, drafter, prompt, plan, max_new_tokens, block_size, eos_id, graphs,
-                   target, greedy, verify_window, tree_budget)
+                   target, greedy, verify_window, tree_budget, sampling)
 
     def engine(self, policy: RollbackPolicy) -> SpecDecoder:
         """A :class:`SpecDecoder` on the kept target, to pass to every run as ``engine``:
@@ -85,7 +88,8 @@ class Harness:
         if self.target is None:
             raise ValueError("a kept engine needs a kept target: build the harness with kept()")
         return SpecDecoder(self.target, self.drafter, block_size=self.block_size, policy=policy,
-                           verify_window=self.verify_window, tree_budget=self.tree_budget)
+                           verify_window=self.verify_window, tree_budget=self.tree_budget,
+                           sampling=self.sampling)
 
     def speculative(
         self,
@@ -116,12 +120,14 @@ class Harness:
             oracle_tokens=oracle_tokens,
             verify_window=self.verify_window,
             tree_budget=self.tree_budget,
+            sampling=self.sampling,
         )
 
     def greedy(self, n: int) -> run.GreedyRun:
         """One timed plain greedy decode of ``n`` tokens on the kept greedy target."""
         return run.timed_greedy(
-            self.model, self.plan, self.prompt, n, graphs=self.graphs, target=self.greedy_target
+            self.model, self.plan, self.prompt, n, graphs=self.graphs, target=self.greedy_target,
+            sampling=self.sampling,
         )
 
     def warm_up(

@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Literal, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -57,6 +57,7 @@ from dflash.execution.window import VerifyWindow, WindowChoice, make_window
 from dflash.geometry import ChainGeometry, TreeGeometry, require_chain, require_tree
 from dflash.model.caches import capture_kind
 from dflash.model.drafters import DeviceDrafter, Drafter
+from dflash.model.drafters.base import CoupledDrafter
 from dflash.model.drafters.trees import (
     BranchDrafter,
     CandidateDrafter,
@@ -65,6 +66,7 @@ from dflash.model.drafters.trees import (
     accept_tree,
     best_first_tree,
 )
+from dflash.sampling import GREEDY, SamplingParams, sample_tokens
 
 
 @dataclass(frozen=True)
@@ -115,13 +117,12 @@ class Draft:
     geometry: ChainGeometry | TreeGeometry
 
 
-def greedy_acceptance(logits: Tensor, draft: Tensor) -> tuple[Tensor, Tensor]:
-    """On the device: ``logits: [T, vocab]``, ``draft: [T]`` int64 → (``t: [T]`` the
-    target's greedy tokens, ``accept_n: [1]`` = 1 + #leading ``i`` with
-    ``draft[i+1] == t[i]``). A chain accepts slots ``0 … accept_n-1``."""
-    t = logits.argmax(-1)  # [T]
+def leading_count(t: Tensor, draft: Tensor) -> Tensor:
+    """On the device: ``t: [T]`` the target's tokens, ``draft: [T]`` int64 →
+    ``accept_n: [1]`` = 1 + #leading ``i`` with ``draft[i+1] == t[i]``. A chain accepts
+    slots ``0 … accept_n-1``."""
     hits = (draft[1:] == t[:-1]).to(torch.int64)  # [T-1]
-    return t, 1 + torch.cumprod(hits, 0).sum(0, keepdim=True)
+    return 1 + torch.cumprod(hits, 0).sum(0, keepdim=True)
 
 
 def leading_accepted(d: Sequence[int], t: Sequence[int]) -> int:
@@ -134,19 +135,37 @@ def leading_accepted(d: Sequence[int], t: Sequence[int]) -> int:
 
 class AcceptanceRule(Protocol):
     """Which draft tokens the target accepts: on the device before the step's one read
-    (``t: [T]`` the target's tokens, ``count: [1]`` the accepted slots), and the same count
-    recomputed on the host from the tokens read back."""
+    (``t: [T]`` the target's tokens at the rows' absolute ``positions``, ``count: [1]`` the
+    accepted slots), and the same count recomputed on the host from the tokens read back."""
 
-    def on_device(self, logits: Tensor, draft: Tensor) -> tuple[Tensor, Tensor]: ...
+    def tokens(self, logits: Tensor, positions: Tensor | None) -> Tensor: ...
+
+    def on_device(
+        self, logits: Tensor, draft: Tensor, positions: Tensor | None
+    ) -> tuple[Tensor, Tensor]: ...
 
     def on_host(self, d: Sequence[int], t: Sequence[int]) -> int: ...
 
 
-class GreedyAcceptance:
-    """The target's argmax at every slot; a chain accepts its leading matches."""
+@dataclass(frozen=True)
+class TokenAcceptance:
+    """The target's token at every row is the sampling rule's (:mod:`dflash.sampling`:
+    greedy at temperature 0, else the seeded Gumbel draw at the row's absolute position);
+    a chain accepts its leading matches, a tree the deepest confirmed path. Plain decoding
+    under the same rule draws the same tokens, so the output is its output."""
 
-    def on_device(self, logits: Tensor, draft: Tensor) -> tuple[Tensor, Tensor]:
-        return greedy_acceptance(logits, draft)
+    params: SamplingParams = GREEDY
+
+    def tokens(self, logits: Tensor, positions: Tensor | None) -> Tensor:
+        """``logits: [T, vocab]`` whose rows draw the tokens at ``positions: [T]`` (None
+        when greedy) → ``[T]`` int64 (device)."""
+        return sample_tokens(logits, positions, self.params)
+
+    def on_device(
+        self, logits: Tensor, draft: Tensor, positions: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        t = self.tokens(logits, positions)
+        return t, leading_count(t, draft)
 
     def on_host(self, d: Sequence[int], t: Sequence[int]) -> int:
         return leading_accepted(d, t)
@@ -175,7 +194,12 @@ class SpecDecoder:
         faults: FaultInjector | None = None,
         verify_window: WindowChoice = "auto",
         tree_budget: int | None = None,
+        sampling: SamplingParams = GREEDY,
     ) -> None:
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(
+                f"'sampling' must be a SamplingParams (got {type(sampling).__name__})"
+            )
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
             raise ValueError(f"'block_size' must be an int >= 2 (got {block_size!r})")
         self.tree_budget = _check_tree_budget(tree_budget, target, drafter)
@@ -199,7 +223,10 @@ class SpecDecoder:
         self.gate = CaptureGate(requested=self.policy.fast, tolerance=self_test_tolerance(dtype))
         self._capture_for(self.policy.mode)
         self.rollback = Rollback(target, self.policy.mode, self.faults)
-        self.accept: AcceptanceRule = GreedyAcceptance()
+        self.sampling = sampling
+        self.accept: AcceptanceRule = TokenAcceptance(sampling)
+        if isinstance(drafter, CoupledDrafter):  # its guesses drawn with the target's noise
+            drafter.couple(sampling)
         self.taps = tuple(drafter.tap_layers)
         self.committed = 0  # tokens in every shard's caches
         self.context: list[int] = []  # those tokens
@@ -268,10 +295,26 @@ class SpecDecoder:
         self.window = make_window(self.verify_window, self._window_devices)
         logits, taps = self.target.forward(list(prompt), "prefill", 0, taps=self.taps)
         self.committed, self.context = len(prompt), list(prompt)
-        self.last = int(logits[-1].argmax())
+        self.last = int(self.accept.tokens(logits[-1:], self._drawn_at("prefill", 1)))
         self.target.require_position(self.committed, what="after prefill")
         self.drafts.start(tap_features(self.target, self.taps, taps, len(prompt)), self.last)
         return self.last
+
+    def _drawn_at(self, kind: Literal["prefill", "chain", "tree"], n: int) -> Tensor | None:
+        """The absolute positions of the tokens the last forward's ``n`` rows draw — the
+        sampling rule's key — on the logits' device, from the device's committed position
+        (no host value, no copy): the prefill's last row draws ``committed``; a chain's row
+        ``i`` draws ``committed + i + 1``, a tree's node ``u`` ``committed + depth(u) + 1``
+        (the tree tables the verify read). None when greedy (no key needed)."""
+        if self.sampling.greedy:
+            return None
+        caches = self.target.shards[-1].caches
+        start = caches.pool.position[:1]  # [1]: the verify does not move it
+        if kind == "prefill":
+            return start.clone()
+        if kind == "tree":
+            return start + 1 + caches.tree.depth[:n]
+        return start + torch.arange(1, n + 1, device=start.device)
 
     # -- the step -------------------------------------------------------------------------
 
@@ -292,7 +335,8 @@ class SpecDecoder:
         status_before = self.status
         fast = status_before is RollbackStatus.EFFECTIVE
         logits, taps, ids = self._verify(draft)  # logits: [T, vocab]; ids: [1, T] on device
-        t_dev, count = self.accept.on_device(logits, ids[0].to(logits.device))  # [T], [1]
+        drawn = self._drawn_at("chain", T)  # [T]: the positions the rows draw (or None)
+        t_dev, count = self.accept.on_device(logits, ids[0].to(logits.device), drawn)
         # the fast rollback is enqueued on the device's count before the one host read
         started = self.rollback.enqueue_fast(self.committed, T, count, step) if fast else None
         v = self._read_back(draft, t_dev, count, taps, status_before, undo=fast)  # one sync
@@ -317,7 +361,8 @@ class SpecDecoder:
         self.gate.arm(storages)
         status_before = self.status
         logits, taps, ids = self._verify(draft, lambda k: self.gate.after_shard(k, storages))
-        t_dev, count = self.accept.on_device(logits, ids[0].to(logits.device))
+        drawn = self._drawn_at("chain", B)
+        t_dev, count = self.accept.on_device(logits, ids[0].to(logits.device), drawn)
         v = self._read_back(draft, t_dev, count, taps, status_before, undo=False)
         valid = self.gate.judge(storages, B, v.taps, self.taps)
         saved = self.gate.save_slot(storages, v.commit_n - 1) if valid else None
@@ -357,7 +402,8 @@ class SpecDecoder:
         logits, taps, _ = self._verify(
             draft, (lambda k: self.gate.after_shard(k, storages)) if gate else None
         )
-        t = logits.argmax(-1).tolist()  # [T]: the target's token after each node's path
+        # [T]: the target's token after each node's path
+        t = self.accept.tokens(logits, self._drawn_at("tree", len(tree))).tolist()
         _, path = accept_tree(tree, t)  # the deepest confirmed node: path[-1]
         d = [tree.tokens[s] for s in path]
         saved = None
@@ -507,6 +553,19 @@ class SpecDecoder:
         return self._commit("replay_after_failure", "recovered by resume()")
 
     # -- requests between steps ----------------------------------------------------------
+
+    def use_sampling(self, sampling: SamplingParams) -> None:
+        """Draw the target's tokens by ``sampling``'s rule from the next generation on
+        (between steps only; a kept engine serves requests with different rules)."""
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(
+                f"'sampling' must be a SamplingParams (got {type(sampling).__name__})"
+            )
+        self.rollback.require_clean("use_sampling")
+        self.sampling = sampling
+        self.accept = TokenAcceptance(sampling)
+        if isinstance(self.drafter, CoupledDrafter):
+            self.drafter.couple(sampling)
 
     def request_mode(self, mode: str) -> None:
         """Ask for another rollback mode from the next step on (between steps only).

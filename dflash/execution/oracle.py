@@ -14,6 +14,7 @@ import torch
 
 from dflash.execution.shards import ShardedTarget, ShardPlan
 from dflash.model import TargetModel
+from dflash.sampling import GREEDY, SamplingParams, sample_tokens
 
 
 @torch.inference_mode()
@@ -34,8 +35,11 @@ def reference_greedy(
     graphs: bool | None = None,
     on_prefill: Callable[[], None] | None = None,
     target: ShardedTarget | None = None,
+    sampling: SamplingParams = GREEDY,
 ) -> list[int]:
-    """The ``n`` target-only greedy tokens after ``prompt``, one token per forward.
+    """The ``n`` target-only tokens after ``prompt``, one token per forward, each drawn by
+    the sampling rule (:mod:`dflash.sampling`; greedy by default) at its absolute position:
+    plain (sampled) decoding, the oracle of speculative decoding under the same rule.
 
     ``graphs``: replay each decode forward from a CUDA graph (None: wherever supported).
     ``on_prefill``: called once the prefill's token is known, before the first decode
@@ -50,13 +54,20 @@ def reference_greedy(
     else:
         target.require_serves(model, plan, max_len=len(prompt) + n, max_draft=1,
                               graphs=graphs, what="greedy decode")
+    # after a prefill or a decode the device's position is the drawn token's position
+    position = target.shards[-1].caches.pool.position
+
+    def draw(row: torch.Tensor) -> int:
+        at = None if sampling.greedy else position[:1]
+        return int(sample_tokens(row, at, sampling))
+
     logits, _ = target.forward(list(prompt), "prefill", 0)
-    out = [int(logits[-1].argmax())]
+    out = [draw(logits[-1:])]
     if on_prefill is not None:
         on_prefill()
     committed = len(prompt)
     while len(out) < n:
         logits, _ = target.forward([out[-1]], "decode", committed)
         committed += 1
-        out.append(int(logits[0].argmax()))
+        out.append(draw(logits[:1]))
     return out

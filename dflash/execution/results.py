@@ -150,6 +150,8 @@ class GenerationResult(_Frozen):
     # tree drafts: the budget (None: chains), and the slots verified per step (the chains'
     # too: the block, or the window a CPU step verified); avg_commit is the depth accepted
     tree_budget: int | None = None
+    #: the sampling rule's parameters (temperature, top_k, top_p, min_p, seed); None: greedy
+    sampling: dict[str, int | float] | None = None
     nodes_per_step: float | None = None
     # timings.tokens_per_s / timings.greedy_tokens_per_s; null when either is null
     speedup_vs_greedy: float | None = None

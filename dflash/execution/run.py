@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from dflash.execution.window import WindowChoice
 from dflash.model import TargetModel
 from dflash.model.caches import CaptureKind, capture_kind
 from dflash.model.drafters import Drafter, LookupAssistedDrafter
+from dflash.sampling import GREEDY, SamplingParams
 
 
 def _sync(plan: ShardPlan) -> None:
@@ -55,8 +57,10 @@ def timed_greedy(
     *,
     graphs: bool | None = None,
     target: ShardedTarget | None = None,
+    sampling: SamplingParams = GREEDY,
 ) -> GreedyRun:
-    """:func:`reference_greedy` of ``n`` tokens, its decode (after the prefill) timed."""
+    """:func:`reference_greedy` of ``n`` tokens (under ``sampling``), its decode (after
+    the prefill) timed."""
     marks: list[float] = []
 
     def prefilled() -> None:
@@ -64,7 +68,8 @@ def timed_greedy(
         marks.append(time.perf_counter())
 
     tokens = reference_greedy(
-        model, plan, prompt, n, graphs=graphs, on_prefill=prefilled, target=target
+        model, plan, prompt, n, graphs=graphs, on_prefill=prefilled, target=target,
+        sampling=sampling,
     )
     _sync(plan)
     decode_s = time.perf_counter() - marks[0] if marks else 0.0
@@ -193,6 +198,7 @@ def _check_engine(
     policy: RollbackPolicy,
     faults: FaultInjector | None,
     verify_window: WindowChoice,
+    sampling: SamplingParams,
 ) -> None:
     """``ValueError`` naming why a kept ``engine`` cannot run this generation."""
     if not isinstance(engine, SpecDecoder):
@@ -208,6 +214,8 @@ def _check_engine(
         problems.append(f"its rollback mode is {engine.policy.mode!r}, not {policy.mode!r}")
     if engine.verify_window != verify_window:
         problems.append(f"its verify window is {engine.verify_window!r}, not {verify_window!r}")
+    if engine.sampling != sampling:
+        problems.append(f"it samples with {engine.sampling}, not {sampling}")
     if faults is not None:
         problems.append("a run with 'faults' gets a new engine and target")
     if problems:
@@ -234,13 +242,15 @@ def generate(
     verify_window: WindowChoice = "auto",
     stop_when: Callable[[], bool] | None = None,
     tree_budget: int | None = None,
+    sampling: SamplingParams = GREEDY,
 ) -> GenerationResult:
-    """Speculative greedy decoding of ``max_new_tokens`` tokens after ``prompt``: one
-    run, its prefill and its decode timed (device-synchronised), its step statistics and
-    its rollback and capture reports.
+    """Speculative decoding of ``max_new_tokens`` tokens after ``prompt`` (greedy, or
+    drawn by ``sampling``'s seeded rule, :mod:`dflash.sampling`): one run, its prefill
+    and its decode timed (device-synchronised), its step statistics and its rollback and
+    capture reports.
 
-    ``check_parity``: compare the tokens with plain target-only greedy decoding,
-    ``oracle_tokens`` when given (greedy tokens already computed with the same settings),
+    ``check_parity``: compare the tokens with plain target-only decoding under the same
+    rule, ``oracle_tokens`` when given (tokens already computed with the same settings),
     else a :func:`reference_greedy` decode of the same number of tokens (untimed).
     ``graphs``: CUDA graphs for the decode-time forwards (None: wherever supported;
     False: eager). ``on_progress(tokens so far, engine)``: called after every step;
@@ -278,7 +288,9 @@ def generate(
         raise ValueError(f"'max_new_tokens' must be an int >= 1 (got {max_new_tokens!r})")
     policy = policy or RollbackPolicy()
     if engine is not None:
-        _check_engine(engine, target, drafter, block_size, policy, faults, verify_window)
+        _check_engine(
+            engine, target, drafter, block_size, policy, faults, verify_window, sampling
+        )
         if engine.tree_budget != tree_budget:
             raise ValueError(
                 f"'engine' drafts trees of {engine.tree_budget} nodes, not {tree_budget}"
@@ -295,7 +307,8 @@ def generate(
         )
     if engine is None:
         engine = SpecDecoder(target, drafter, block_size=block_size, policy=policy, faults=faults,
-                             verify_window=verify_window, tree_budget=tree_budget)
+                             verify_window=verify_window, tree_budget=tree_budget,
+                             sampling=sampling)
     before = _Before.of(engine)
     tokens, stop, (t0, t1, t2) = _speculative_run(
         engine, prompt, plan, max_new_tokens, eos_id, on_progress, stop_when
@@ -305,7 +318,7 @@ def generate(
     parity_sha: str | None = None
     if check_parity:
         ref = (
-            reference_greedy(model, plan, prompt, len(tokens), graphs=graphs)
+            reference_greedy(model, plan, prompt, len(tokens), graphs=graphs, sampling=sampling)
             if oracle_tokens is None
             else list(oracle_tokens)[: len(tokens)]
         )
@@ -338,6 +351,7 @@ def generate(
         checkpoint_bytes=target.checkpoint_bytes,
         capture_bytes=target.capture_bytes,
         tree_budget=tree_budget,
+        sampling=None if sampling.greedy else dataclasses.asdict(sampling),
         nodes_per_step=(sum(r.nodes for r in records) / steps) if steps else None,
         parity=parity,
         timings=Timings(

@@ -45,6 +45,7 @@ from dflash.model.tokenizer import (
     load_tokenizer,
     require_utf8,
 )
+from dflash.sampling import GREEDY, SamplingParams
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -214,6 +215,7 @@ def build_drafter(
     model_spec: str | None = None,
     draft_dtype: torch.dtype | None = None,
     tree_budget: int | None = None,
+    sampling: SamplingParams = GREEDY,
 ) -> tuple[Drafter, list[int] | None]:
     """The drafter, and for ``synthetic`` the target-only greedy tokens it was given.
 
@@ -236,8 +238,9 @@ def build_drafter(
         return make_drafter(shipped, model, seed=seed, **extra), None
     if spec != "synthetic":
         return make_drafter(spec, model, seed=seed, **extra), None
-    oracle = reference_greedy(
-        model, plan, prompt, max_new_tokens + max(block_size, tree_budget or 0)
+    oracle = reference_greedy(  # the tokens the target draws under the sampling rule
+        model, plan, prompt, max_new_tokens + max(block_size, tree_budget or 0),
+        sampling=sampling,
     )
     if tree_budget is not None:
         tree = SyntheticTreeDrafter(

@@ -217,13 +217,37 @@ def test_the_cli_refuses_a_prompt_that_is_not_utf8(capsys: pytest.CaptureFixture
     assert "dflash generate: error: --prompt is not valid UTF-8: byte 0xff at offset 6" in err
 
 
+def test_sampled_generation_is_plain_sampled_decoding_seed_for_seed(llm: LLM) -> None:
+    """``temperature`` > 0: the speculative tokens equal plain sampled decoding's
+    (``draft=None``) for the same seed, on the same kept engine as greedy requests; the
+    seed decides the text, and greedy requests afterwards are greedy again."""
+    plain = dflash.load(draft=None)
+    rule = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.02}
+    for seed in (1, 2):
+        spec = llm.generate(PROMPT, max_new_tokens=N, seed=seed, **rule)  # type: ignore[arg-type]  # floats and ints
+        ref = plain.generate(PROMPT, max_new_tokens=N, seed=seed, **rule)  # type: ignore[arg-type]  # floats and ints
+        assert spec.tokens == ref.tokens, seed
+        assert spec.sampling is not None and spec.sampling["seed"] == seed
+    one = llm.generate(PROMPT, max_new_tokens=N, temperature=1.0, seed=3)
+    other = llm.generate(PROMPT, max_new_tokens=N, temperature=1.0, seed=4)
+    assert one.tokens != other.tokens
+    assert llm.generate(PROMPT, max_new_tokens=N, temperature=1.0, seed=3).tokens == one.tokens
+    greedy = llm.generate(PROMPT, max_new_tokens=N)
+    assert greedy.sampling is None
+    assert greedy.tokens == plain.generate(PROMPT, max_new_tokens=N).tokens
+
+
 @pytest.mark.parametrize(
-    ("option", "value"),
-    [("temperature", 0.7), ("top_k", 5), ("top_p", 0.9), ("min_p", 0.05)],
+    ("option", "value", "match"),
+    [("temperature", -0.5, r"'temperature' must be a number in \[0.0, 100.0\] \(got -0.5\)"),
+     ("top_k", -1, "'top_k' must be an int"), ("top_p", 0.0, "'top_p' must be a number"),
+     ("min_p", 2.0, "'min_p' must be a number"), ("seed", -1, "'seed' must be an int")],
 )
-def test_sampling_is_refused_until_it_is_built(llm: LLM, option: str, value: float) -> None:
-    with pytest.raises(NotSupportedYetError, match=rf"'{option}'={value} is not supported yet"):
-        llm.generate(PROMPT, max_new_tokens=2, **{option: value})  # type: ignore[arg-type]
+def test_bad_sampling_arguments_are_named(
+    llm: LLM, option: str, value: float, match: str
+) -> None:
+    with pytest.raises(ArgumentError, match=match):
+        llm.generate(PROMPT, max_new_tokens=2, **{option: value})  # type: ignore[arg-type]  # bad on purpose
 
 
 def test_load_refuses_bad_arguments_naming_them() -> None:

@@ -70,7 +70,7 @@ EXPECTED: list[tuple[type[Exception], tuple[type[Exception], ...]]] = [
     (SessionError, (UsageError,)),
     (UnusableInput, (UsageError,)),
     (api.ArgumentError, (UsageError,)),  # a bad argument of dflash.load / LLM methods
-    (api.NotSupportedYetError, (UsageError,)),  # sampling or trees, not built yet
+    (api.NotSupportedYetError, (UsageError,)),  # trees in the library, not built yet
     (api.ChatTemplateError, (CheckpointError,)),
     (TextEncodingError, (UsageError,)),  # text that is not valid UTF-8
 ]

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from dflash.model.drafters.errors import DraftArgumentError
+from dflash.sampling import SamplingParams
 
 
 @runtime_checkable
@@ -55,6 +56,15 @@ class ScoredDrafter(Drafter, Protocol):
     """
 
     def confidence(self) -> list[float] | None: ...
+
+
+@runtime_checkable
+class CoupledDrafter(Drafter, Protocol):
+    """A drafter that can draw its guesses by the target's sampling rule and noise
+    (coupled drafting: a guess at position ``p`` is ``argmax(draft_logits / T + G(seed,
+    p))``, so a drafter whose distribution equals the target's is always accepted)."""
+
+    def couple(self, sampling: SamplingParams) -> None: ...
 
 
 @runtime_checkable

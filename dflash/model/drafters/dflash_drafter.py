@@ -65,6 +65,7 @@ from dflash.model.drafters.errors import (
     TargetMismatchError,
     TargetShapeMismatchError,
 )
+from dflash.sampling import SamplingParams
 
 _O_PROJ_GAIN = 4.0  # see DFlashDrafter.random
 
@@ -342,6 +343,12 @@ class DFlashDrafter(nn.Module):
     ) -> list[int]:
         """Greedy block proposal over the host cache (:meth:`HostDrafting.propose`)."""
         return self.host.propose(context, last, block_size, features)
+
+    def couple(self, sampling: SamplingParams) -> None:
+        """Draw host guesses by the target's sampling rule and noise (coupled drafting,
+        :meth:`HostDrafting.propose`); greedy guesses for :data:`dflash.sampling.GREEDY`.
+        Proposals made on the device stay argmax guesses."""
+        self.host.sampling = sampling
 
     def probabilities(self, tokens: Sequence[int]) -> list[float]:
         """The last proposal's probability of each of ``tokens``

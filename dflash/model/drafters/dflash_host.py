@@ -27,6 +27,7 @@ from dflash.model.drafters.dflash_products import (
     drafting,
 )
 from dflash.model.drafters.errors import DraftArgumentError
+from dflash.sampling import GREEDY, SamplingParams, sample_tokens
 
 
 class HostDrafting(DraftingPart):
@@ -47,6 +48,9 @@ class HostDrafting(DraftingPart):
         # the last host proposal's logits [B-1, V] (float32 or wider) with each row's max and
         # 1 / sum(exp(logit - max)): what probabilities() reads
         self._scores: tuple[Tensor, Tensor, Tensor] | None = None
+        #: the rule the target draws its tokens by: guesses are drawn with the same noise
+        #: (coupled drafting, :meth:`propose`); greedy by default
+        self.sampling: SamplingParams = GREEDY
 
     @property
     def cached_length(self) -> int:
@@ -64,7 +68,11 @@ class HostDrafting(DraftingPart):
     def propose(
         self, context: list[int], last: int, block_size: int, features: Tensor | None
     ) -> list[int]:
-        """Greedy block proposal: ``block_size - 1`` argmax tokens, one forward pass.
+        """Block proposal: ``block_size - 1`` guesses, one forward pass — the argmax of
+        each slot's logits, or, when the target samples (:attr:`sampling`), the same rule
+        drawn with the target's noise at the guess's absolute position (``len(context) +
+        i`` for guess slot ``i``, 1-based): coupled drafting, so a drafter whose
+        distribution is the target's is always accepted.
 
         ``features`` are the tap rows of the last ``T`` tokens of ``context`` (those not
         yet given, or given again); the cache keeps the ``len(context) - T`` before them.
@@ -83,12 +91,17 @@ class HostDrafting(DraftingPart):
             logits = self._host_logits(hidden[1:])  # [B-1, V]: the mask slots
             wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
             top, picked = wide.max(dim=-1)  # [B-1]: argmax's guesses (its first maximum)
-            # the softmax probability at the guess: 1 / sum(exp(logit - top))
-            probs = torch.exp(wide - top[:, None]).sum(-1).reciprocal()
+            # the softmax probability at the argmax: 1 / sum(exp(logit - top))
+            inverse = torch.exp(wide - top[:, None]).sum(-1).reciprocal()
+            probs = inverse
+            if not self.sampling.greedy:  # coupled: the target's rule and noise
+                at = len(tokens) + torch.arange(1, block_size, device=wide.device)
+                picked = sample_tokens(wide, at, self.sampling)
+                probs = torch.exp(wide.gather(1, picked[:, None])[:, 0] - top) * inverse
             # one device-to-host transfer for both (ids < 2^53 are exact in float64)
             read = torch.stack([picked.double(), probs.double()]).tolist()
         self._confidence = [float(c) for c in read[1]]
-        self._scores = (wide, top, probs)
+        self._scores = (wide, top, inverse)
         return [int(t) for t in read[0]]
 
     def probabilities(self, tokens: Sequence[int]) -> list[float]:

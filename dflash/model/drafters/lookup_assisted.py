@@ -38,6 +38,7 @@ from dflash.model.drafters.base import check_block_size, check_token
 from dflash.model.drafters.dflash_drafter import DFlashDrafter
 from dflash.model.drafters.errors import DraftArgumentError
 from dflash.model.drafters.prompt_lookup import PromptLookupDrafter
+from dflash.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,11 @@ class LookupAssistedDrafter:
         self.dflash.reset()
         self._confidence = None
         self._new_generation()
+
+    def couple(self, sampling: SamplingParams) -> None:
+        """The DFlash drafter's guesses drawn by the target's rule
+        (:meth:`DFlashDrafter.couple`); a copy from the context stays a copy."""
+        self.dflash.couple(sampling)
 
     def candidates(self, k: int) -> list[list[tuple[int, float]]]:
         """The DFlash drafter's per-slot candidates of the last proposal (a tree grows from

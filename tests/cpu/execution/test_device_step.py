@@ -17,7 +17,7 @@ from dflash.execution import (
     SpecDecoder,
     plan_shards,
 )
-from dflash.execution.engine import greedy_acceptance, leading_accepted
+from dflash.execution.engine import TokenAcceptance, leading_accepted
 from dflash.execution.graphs import GraphKey, ShardCompute, ShardGraphs, ShardOutput
 from dflash.model import TargetModel
 from dflash.model.drafters import SyntheticDrafter
@@ -35,7 +35,7 @@ def test_device_acceptance_equals_the_host_rule() -> None:
         d = [rng.randrange(vocab)] + [
             t[i] if i < k else rng.randrange(vocab) for i in range(b - 1)
         ]
-        got_t, count = greedy_acceptance(logits, torch.tensor(d))
+        got_t, count = TokenAcceptance().on_device(logits, torch.tensor(d), None)
         assert got_t.tolist() == t
         assert count.shape == (1,) and int(count) == leading_accepted(d, t)
         assert 1 + k <= int(count) <= b

@@ -177,7 +177,9 @@ def self_test_tolerance(dtype: torch.dtype) -> float:
 
 
 class SpecDecoder:
-    """Greedy chain speculative decoding on a :class:`ShardedTarget`.
+    """Speculative decoding on a :class:`ShardedTarget`: chains, or trees of at most
+    ``tree_budget`` nodes; the target's tokens drawn by ``sampling``'s rule (greedy by
+    default; :mod:`dflash.sampling`), so the output is plain decoding's under that rule.
 
     ``verify_window``: ``"auto"`` (on an all-CPU target the window the cost model says
     pays, else the whole draft) or ``"full"`` (every draft whole); see

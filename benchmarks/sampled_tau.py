@@ -9,7 +9,10 @@ rule's draw from its own logits with the target's ``G(seed, p)``) or its argmax 
 step and every seed; every run's tokens are compared with plain sampled decoding.
 
     python3 benchmarks/sampled_tau.py [--temperatures 0.7,1.0] [--prompts 6] [--tokens 64]
-        [--seeds 2] [--device cpu|cuda] [--json FILE]
+        [--seeds 2] [--tree-budget N] [--device cpu|cuda] [--json FILE]
+
+``--tree-budget N`` adds a row per temperature: trees of ``N`` nodes grown from the
+coupled drafter's candidates, its coupled proposal held whole as one branch.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--tree-budget", type=int, default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -59,7 +63,10 @@ def main() -> None:
     prompts = default_heldout_prompts(args.prompts, seed=7)
     rows = []
     for temperature in [float(t) for t in args.temperatures.split(",")]:
-        for coupled in (True, False):
+        kinds = [(True, None), (False, None)]
+        if args.tree_budget is not None:
+            kinds.append((True, args.tree_budget))
+        for coupled, budget in kinds:
             steps = committed = 0
             exact = True
             t0 = time.perf_counter()
@@ -70,21 +77,24 @@ def main() -> None:
                     if not coupled:
                         drafter.__class__ = ArgmaxDrafter
                     r = generate(model, drafter, prompt, plan=plan, max_new_tokens=args.tokens,
-                                 block_size=BLOCK, verify_window="full", sampling=rule)
+                                 block_size=BLOCK, verify_window="full", sampling=rule,
+                                 tree_budget=budget)
                     plain = reference_greedy(model, plan, prompt, len(r.tokens), sampling=rule)
                     exact &= r.tokens == plain
                     steps += r.steps
                     committed += round(r.avg_commit * r.steps)
-            row = {"temperature": temperature, "drafts": "coupled" if coupled else "argmax",
-                   "steps": steps, "tau": committed / steps, "plain_sampled": exact,
+            drafts = ("coupled" if coupled else "argmax") + ("" if budget is None else
+                                                             f" tree {budget}")
+            row = {"temperature": temperature, "drafts": drafts, "steps": steps,
+                   "tau": committed / steps, "plain_sampled": exact,
                    "seconds": time.perf_counter() - t0}
             rows.append(row)
-            print(f"T={temperature:<4} {row['drafts']:<8} tau {row['tau']:.3f}  steps {steps}  "
+            print(f"T={temperature:<4} {row['drafts']:<16} tau {row['tau']:.3f}  steps {steps}  "
                   f"plain sampled {exact}  {row['seconds']:.0f} s", flush=True)
     if args.json:
         out = {"python": platform.python_version(), "device": args.device,
                "prompts": len(prompts), "tokens": args.tokens, "seeds": args.seeds,
-               "block_size": BLOCK, "rows": rows}
+               "block_size": BLOCK, "tree_budget": args.tree_budget, "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 
 

@@ -390,11 +390,15 @@ class SpecDecoder:
                 list(self.context), self.last, self.tree_budget, self.block_size - 1
             )
         else:  # the chain proposal's per-slot distributions, grown best first
-            self.drafts.take(list(self.context), self.last)
+            proposal, _ = self.drafts.take(list(self.context), self.last)
             candidates = cast(CandidateDrafter, self.drafter).candidates(TREE_CANDIDATES)
             branch = (  # prompt lookup's copy, kept whole as one branch when there is one
                 self.drafter.tree_branch() if isinstance(self.drafter, BranchDrafter) else None
             )
+            if branch is None and not self.sampling.greedy:
+                # sampling: the proposal's draws (coupled with the target's noise when the
+                # drafter couples) are the path plain sampling is likeliest to take
+                branch = proposal
             tree = best_first_tree(self.last, candidates, self.tree_budget, branch=branch)
         draft = self._tree_draft(tree)
         storages = self.target.storages() if gate else []

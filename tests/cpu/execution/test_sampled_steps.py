@@ -138,3 +138,39 @@ def test_the_dflash_drafter_draws_its_guesses_with_the_targets_noise(
         assert guesses == want.tolist()
         out.extend(engine.step())
     assert out == _plain(tiny, prompt, len(out), rule)
+
+
+def test_sampled_trees_hold_the_coupled_proposal_as_a_branch(
+    tiny: TargetModel, prompts: dict[str, list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trees grown from a DFlash drafter's candidates under sampling hold its coupled
+    proposal whole as one branch (the path plain sampling is likeliest to take); the
+    tokens stay plain sampled decoding's."""
+    import dflash.execution.engine as engine_module
+    from dflash.model.drafters import DFlashConfig, DFlashDrafter
+    from dflash.model.drafters.trees import best_first_tree as grow
+
+    branches: list[list[int] | None] = []
+
+    def recording(*args: object, branch: list[int] | None = None, **kwargs: object) -> object:
+        branches.append(None if branch is None else list(branch))
+        return grow(*args, branch=branch, **kwargs)  # type: ignore[arg-type]  # best_first_tree's own
+
+    monkeypatch.setattr(engine_module, "best_first_tree", recording)
+    cfg = DFlashConfig.for_target(hidden_size=64, vocab_size=256, num_target_layers=6,
+                                  num_hidden_layers=2, block_size=BLOCK)
+    drafter = DFlashDrafter.random(cfg, tiny.embed_tokens.weight, tiny.lm_head.weight, seed=2)
+    proposals: list[list[int]] = []
+    propose = drafter.propose
+
+    def recorded(*args: object, **kwargs: object) -> list[int]:
+        proposals.append(propose(*args, **kwargs))  # type: ignore[arg-type]  # propose's own
+        return proposals[-1]
+
+    monkeypatch.setattr(drafter, "propose", recorded)
+    engine = SpecDecoder(_target(tiny, "6", 8), drafter, block_size=BLOCK,
+                         policy=RollbackPolicy(mode="checkpoint"), tree_budget=8, sampling=RULE)
+    prompt = prompts["digits"]
+    out = _decode(engine, prompt, N)
+    assert out == _plain(tiny, prompt, N, RULE)
+    assert branches and branches == proposals[-len(branches):]

@@ -1,0 +1,72 @@
+"""Sampled steps on a GPU at the 9B widths (skipped without CUDA): every emitted token is
+plain sampled decoding's — the seeded rule at the same absolute positions — for chains
+(CUDA-graphed steps, the device's acceptance) and trees, in every rollback mode.
+
+Run: ``python -m pytest tests/gpu/test_sampled.py -q -s``
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash.execution import (
+    RollbackMode,
+    RollbackPolicy,
+    RollbackStatus,
+    ShardedTarget,
+    SpecDecoder,
+    plan_shards,
+    reference_greedy,
+)
+from dflash.model import HybridConfig, TargetModel
+from dflash.model.drafters import SyntheticDrafter
+from dflash.model.drafters.trees import SyntheticTreeDrafter
+from dflash.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+BLOCK, BUDGET, N = 8, 24, 96
+RULE = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, min_p=0.01, seed=11)
+
+
+@pytest.fixture(scope="module")
+def model() -> TargetModel:
+    nine = HybridConfig.nine_b_shape()  # its first 8 layers: 3 recurrent + 1 attention, twice
+    config = HybridConfig(**{**nine.model_dump(), "layer_types": nine.layer_types[:8]})
+    return TargetModel.seeded(config, seed=0, dtype=torch.bfloat16, device="cuda:0")
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("mode", ["checkpoint", "remap", "replay", "recompute"])
+@torch.inference_mode()
+def test_sampled_steps_are_plain_sampled_decoding(
+    model: TargetModel, mode: RollbackMode, tree: bool
+) -> None:
+    rng = random.Random(5)
+    prompt = [rng.randrange(model.config.vocab_size) for _ in range(200)]
+    plan = plan_shards(model.config.num_hidden_layers, "cuda:0")
+    oracle = reference_greedy(model, plan, prompt, N + BUDGET, sampling=RULE)
+    greedy = reference_greedy(model, plan, prompt, N)
+    assert oracle[:N] != greedy
+    target = ShardedTarget(model, plan, max_len=len(prompt) + N + BUDGET + 1, max_draft=BUDGET)
+    vocab = model.config.vocab_size
+    drafter = (
+        SyntheticTreeDrafter(prompt + oracle, (0.5, 0.2, 0.1, 0.05), vocab, seed=3)
+        if tree else SyntheticDrafter(prompt + oracle, 0.8, vocab, seed=3)
+    )
+    engine = SpecDecoder(
+        target, drafter, block_size=BLOCK, policy=RollbackPolicy(mode=mode),
+        tree_budget=BUDGET if tree else None, sampling=RULE,
+    )
+    out = [engine.prefill(prompt)]
+    while len(out) < N:
+        out.extend(engine.step())
+    assert out[:N] == oracle[:N]
+    steps = engine.records[1:]
+    commit = sum(r.accept_n for r in steps) / len(steps)
+    print(f"\n{mode} {'tree' if tree else 'chain'}: {len(steps)} steps, commit {commit:.2f}")
+    assert commit > 1.5
+    if mode != "replay":
+        assert engine.status is RollbackStatus.EFFECTIVE and engine.counts["fast"] == len(steps)

@@ -56,6 +56,7 @@ import torch
 
 from dflash.errors import CheckpointError, ExecutionError, UsageError, param
 from dflash.execution.engine import SpecDecoder
+from dflash.execution.oracle import next_token
 from dflash.execution.policy import RollbackPolicy, RollbackStatus, parse_mode
 from dflash.execution.results import (
     CaptureReport,
@@ -82,7 +83,7 @@ from dflash.model import TargetModel
 from dflash.model.caches import capture_kind
 from dflash.model.drafters import Drafter
 from dflash.model.tokenizer import TextTokenizer, require_utf8
-from dflash.sampling import GREEDY, SamplingError, SamplingParams, sample_tokens
+from dflash.sampling import GREEDY, SamplingError, SamplingParams
 
 __all__ = [
     "LLM",
@@ -480,15 +481,9 @@ class LLM:
         stopping at EOS."""
         n = req.max_new_tokens
         target = self._kept_target(len(req.prompt) + n, 1)
-        position = target.shards[-1].caches.pool.position  # the drawn token's, after each
-
-        def draw(row: torch.Tensor) -> int:
-            at = None if req.sampling.greedy else position[:1]
-            return int(sample_tokens(row, at, req.sampling))
-
         t0 = time.perf_counter()
         logits, _ = target.forward(req.prompt, "prefill", 0)
-        out = [draw(logits[-1:])]
+        out = [next_token(target, logits[-1:], req.sampling)]
         _sync(self.plan)
         t1 = time.perf_counter()
         on_tokens(out)
@@ -497,7 +492,7 @@ class LLM:
         while len(out) < n and out[-1] != self.eos_id and not stopped:
             logits, _ = target.forward([out[-1]], "decode", committed)
             committed += 1
-            out.append(draw(logits[:1]))
+            out.append(next_token(target, logits[:1], req.sampling))
             on_tokens(out)
             stopped = until()
         _sync(self.plan)

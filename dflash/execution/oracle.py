@@ -54,20 +54,21 @@ def reference_greedy(
     else:
         target.require_serves(model, plan, max_len=len(prompt) + n, max_draft=1,
                               graphs=graphs, what="greedy decode")
-    # after a prefill or a decode the device's position is the drawn token's position
-    position = target.shards[-1].caches.pool.position
-
-    def draw(row: torch.Tensor) -> int:
-        at = None if sampling.greedy else position[:1]
-        return int(sample_tokens(row, at, sampling))
-
     logits, _ = target.forward(list(prompt), "prefill", 0)
-    out = [draw(logits[-1:])]
+    out = [next_token(target, logits[-1:], sampling)]
     if on_prefill is not None:
         on_prefill()
     committed = len(prompt)
     while len(out) < n:
         logits, _ = target.forward([out[-1]], "decode", committed)
         committed += 1
-        out.append(draw(logits[:1]))
+        out.append(next_token(target, logits[:1], sampling))
     return out
+
+
+def next_token(target: ShardedTarget, row: torch.Tensor, sampling: SamplingParams) -> int:
+    """The token plain decoding draws from ``row`` (``[1, vocab]``, the last logits of a
+    prefill or a decode on ``target``): after either forward the device's committed
+    position is the drawn token's position, the sampling rule's key."""
+    at = None if sampling.greedy else target.shards[-1].caches.pool.position[:1]
+    return int(sample_tokens(row, at, sampling))

@@ -19,7 +19,12 @@ from dflash.execution import (
     reference_greedy,
 )
 from dflash.model import TargetModel
-from dflash.model.drafters import PromptLookupDrafter, SyntheticDrafter
+from dflash.model.drafters import (
+    DFlashConfig,
+    DFlashDrafter,
+    PromptLookupDrafter,
+    SyntheticDrafter,
+)
 from dflash.model.drafters.trees import SyntheticTreeDrafter
 from dflash.sampling import SamplingParams
 
@@ -39,6 +44,13 @@ def _decode(engine: SpecDecoder, prompt: list[int], n: int) -> list[int]:
     while len(out) < n:
         out.extend(engine.step())
     return out[:n]
+
+
+def _dflash(model: TargetModel) -> DFlashDrafter:
+    """A seeded DFlash drafter of the tiny target's shape (it couples: CoupledDrafter)."""
+    cfg = DFlashConfig.for_target(hidden_size=64, vocab_size=256, num_target_layers=6,
+                                  num_hidden_layers=2, block_size=BLOCK)
+    return DFlashDrafter.random(cfg, model.embed_tokens.weight, model.lm_head.weight, seed=2)
 
 
 def _target(model: TargetModel, split: str, slots: int) -> ShardedTarget:
@@ -119,12 +131,9 @@ def test_the_dflash_drafter_draws_its_guesses_with_the_targets_noise(
     (greedy: the argmax); every token still plain sampled decoding's."""
     import torch
 
-    from dflash.model.drafters import DFlashConfig, DFlashDrafter
     from dflash.sampling import sample_tokens
 
-    cfg = DFlashConfig.for_target(hidden_size=64, vocab_size=256, num_target_layers=6,
-                                  num_hidden_layers=2, block_size=BLOCK)
-    drafter = DFlashDrafter.random(cfg, tiny.embed_tokens.weight, tiny.lm_head.weight, seed=2)
+    drafter = _dflash(tiny)
     engine = SpecDecoder(_target(tiny, "6", BLOCK), drafter, block_size=BLOCK,
                          policy=RollbackPolicy(mode="checkpoint"), sampling=rule)
     prompt = prompts["digits"]
@@ -147,7 +156,6 @@ def test_sampled_trees_hold_the_coupled_proposal_as_a_branch(
     proposal whole as one branch (the path plain sampling is likeliest to take); the
     tokens stay plain sampled decoding's."""
     import dflash.execution.engine as engine_module
-    from dflash.model.drafters import DFlashConfig, DFlashDrafter
     from dflash.model.drafters.trees import best_first_tree as grow
 
     branches: list[list[int] | None] = []
@@ -157,9 +165,7 @@ def test_sampled_trees_hold_the_coupled_proposal_as_a_branch(
         return grow(*args, branch=branch, **kwargs)  # type: ignore[arg-type]  # best_first_tree's own
 
     monkeypatch.setattr(engine_module, "best_first_tree", recording)
-    cfg = DFlashConfig.for_target(hidden_size=64, vocab_size=256, num_target_layers=6,
-                                  num_hidden_layers=2, block_size=BLOCK)
-    drafter = DFlashDrafter.random(cfg, tiny.embed_tokens.weight, tiny.lm_head.weight, seed=2)
+    drafter = _dflash(tiny)
     proposals: list[list[int]] = []
     propose = drafter.propose
 

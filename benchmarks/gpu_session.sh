@@ -10,8 +10,8 @@
 #   bash benchmarks/gpu_session.sh trees   # tree GPU tests (every mode, tree recompute kernels), then
 #                                          # dflash bench A/B/A checkpoint vs recompute with trees of
 #                                          # 64 and 16 nodes (9B, 27B at 64) and the chain (9B, block 16)
-#   bash benchmarks/gpu_session.sh sampling # tests/gpu/test_sampled.py, then dflash bench at
-#                                          # temperature 0.7 and 0 (9B, block 16, A/B/A)
+#   bash benchmarks/gpu_session.sh sampling # the rule's GPU tests, benchmarks/sampling_cost.py,
+#                                          # dflash bench sampled (9B synthetic; default pair)
 #   bash benchmarks/gpu_session.sh wide    # the wide-verify linear: GPU tests + benchmarks/linear_wide.py
 #   bash benchmarks/gpu_session.sh kernels # benchmarks/kernels.py (kernels-sweep: with its config sweep)
 #   bash benchmarks/gpu_session.sh cli     # dflash generate on two GPUs, every drafter
@@ -95,16 +95,27 @@ for phase in "$@"; do
       done
       ;;
     sampling)
-      # sampled steps on the GPU (every mode, chains and trees), then dflash bench at
-      # temperature 0.7 against the same bench greedy (the rule's cost per step)
-      python3 -m pytest tests/gpu/test_sampled.py -q -s -p no:cacheprovider 2>&1 \
-        | tee "$OUT/gpu_tests_sampled.log" | tail -12
-      for temp in 0.7 0; do
+      # the rule's kernels and sampled steps on the GPU (every mode, chains, trees, coupled
+      # device drafting), the rule's cost in a 9B verify step, then dflash bench: the 9B
+      # shape (synthetic drafter) at temperature 0.7 and 0, the default pair at 0.7, 1.0, 0
+      python3 -m pytest tests/gpu/test_sample_kernels.py tests/gpu/test_sampled.py -q -s \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_sampled.log" | tail -20
+      timeout "${COST_TIMEOUT:-300}" python3 benchmarks/sampling_cost.py \
+        --json "$OUT/sampling_cost.json" 2>&1 | tee "$OUT/sampling_cost.log" | tail -18
+      for temp in ${NINE_TEMPS:-0.7 0}; do
         name=bench_sampled_nine_t$temp
         timeout "${BENCH_TIMEOUT:-300}" python3 -m dflash.cli bench --model nine-b-shape \
           --draft synthetic --acceptance 0.874 --block-size 16 --prompt-len 1024 \
           --max-new-tokens 256 --temperature "$temp" --seed 1 --a checkpoint --b recompute \
           --warmup 1 --runs 3 --out "$OUT/$name.json" --plot '' > "$OUT/$name.log" 2>&1
+        echo "$name rc=$?"; tail -8 "$OUT/$name.log"
+      done
+      for temp in ${DEFAULT_TEMPS:-0.7 1.0 0}; do
+        name=bench_sampled_default_t$temp
+        timeout "${BENCH_TIMEOUT:-300}" python3 -m dflash.cli bench --model default \
+          --prompt-len 64 --max-new-tokens 256 --temperature "$temp" --seed 1 \
+          --a checkpoint --b recompute --warmup 1 --runs 3 --out "$OUT/$name.json" \
+          --plot '' > "$OUT/$name.log" 2>&1
         echo "$name rc=$?"; tail -8 "$OUT/$name.log"
       done
       ;;

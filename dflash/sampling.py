@@ -1,22 +1,27 @@
 """The one sampling rule of every decoder: a token is a deterministic function of
 ``(seed, absolute position, the model's logits at that position)``.
 
-The token at position ``p`` is ``argmax_v (l_v / T + G(seed, p, v))`` over the vocabulary
-the filters leave (top-k, then top-p, then min-p, each on the softmax of what the previous
-one left), where ``l`` are the logits at ``p`` and ``G`` is standard Gumbel noise,
+The token at position ``p`` is ``argmax_v (s_v + G(seed, p, v))`` over the vocabulary the
+filters leave, where ``s = l · (1/T)`` are the logits at ``p`` scaled in float32 (the
+reciprocal of the temperature rounded to float32) and ``G`` is standard Gumbel noise,
 ``-log(-log(u))``, from a uniform ``u`` that a counter-based generator derives from
 ``(seed, p, v)`` alone (Philox4x32 with 10 rounds, keyed by the seed, counter ``(v, p, 0,
-0)``). ``T = 0`` is greedy: the argmax of the logits.
+0)``). The filters — top-k, then top-p on the softmax of what top-k left, then min-p —
+each keep a prefix of the tokens ordered by ``s`` descending, then token id
+(:func:`filter_floors`). ``T = 0`` is greedy: the argmax of the logits.
 
 So a one-row decode and row ``i`` of a verify that computes the same logits (M-invariant
 kernels) draw the same token at the same position: plain sampled decoding is the oracle,
 and a speculative step that accepts a drafted token exactly when it equals the target's
 sampled token emits plain sampled decoding's text, seed for seed, bit for bit. Gumbel-max
-draws token ``v`` with probability ``softmax(l / T)_v`` over the kept tokens.
+draws token ``v`` with probability ``softmax(s)_v`` over the kept tokens.
 
-Every operation is elementwise, an exact comparison, or (top-p only) a reduction over one
-row computed by itself, so a row's token never depends on how many rows the call holds.
-Everything runs on the logits' device without a host read.
+Every operation is elementwise, an exact comparison or maximum, a sort, or (top-p only) a
+sum over one row computed by one program, so a row's token never depends on how many rows
+the call holds. Everything runs on the logits' device without a host read: on CUDA the
+draw is one Triton kernel pair (:func:`~dflash.kernels.gumbel_argmax`) and top-p's sums one
+Triton kernel (:func:`~dflash.kernels.top_p_count`), on CPU their torch references —
+the same functions in a plain decode, a verify and a drafter's coupled guesses.
 """
 
 from __future__ import annotations
@@ -28,11 +33,10 @@ import torch
 from torch import Tensor
 
 from dflash.errors import UsageError
-
-_MASK32 = 0xFFFFFFFF
-_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85  # Philox4x32 key increments (Weyl constants)
-_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57  # Philox4x32 round multipliers
-_ROUNDS = 10
+from dflash.kernels.checks import Backend
+from dflash.kernels.sample import gumbel_argmax
+from dflash.kernels.sample_reference import gumbel_noise, philox
+from dflash.kernels.top_p import top_p_count
 
 
 class SamplingError(UsageError):
@@ -80,51 +84,13 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
-def _mulhilo(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
-    """``(hi, lo)`` 32-bit halves of the 64-bit product of the constant ``a`` and ``b``
-    (uint32 values held in int64), from 16-bit pieces so no int64 product overflows."""
-    a_lo, a_hi = a & 0xFFFF, a >> 16
-    b_lo, b_hi = b & 0xFFFF, b >> 16
-    p0, p1, p2, p3 = a_lo * b_lo, a_lo * b_hi, a_hi * b_lo, a_hi * b_hi
-    mid = (p0 >> 16) + (p1 & 0xFFFF) + (p2 & 0xFFFF)
-    lo = ((mid & 0xFFFF) << 16) | (p0 & 0xFFFF)
-    hi = (p3 + (p1 >> 16) + (p2 >> 16) + (mid >> 16)) & _MASK32
-    return hi, lo
-
-
-def philox(seed: int, c0: Tensor, c1: Tensor) -> Tensor:
-    """Philox4x32-10's first output word for counters ``(c0, c1, 0, 0)`` (int64 tensors of
-    uint32 values, broadcast together) under the key ``(seed mod 2**32, seed >> 32)``; a
-    uint32 value in an int64 tensor."""
-    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
-    x0 = (c0 & _MASK32) + 0 * c1  # both counters broadcast to one shape
-    x1 = (c1 & _MASK32) + 0 * c0
-    x2 = torch.zeros_like(x0)
-    x3 = torch.zeros_like(x0)
-    for _ in range(_ROUNDS):
-        hi_b, lo_b = _mulhilo(_ROUND_B, x2)
-        hi_a, lo_a = _mulhilo(_ROUND_A, x0)
-        x0, x1, x2, x3 = hi_b ^ x1 ^ k0, lo_b, hi_a ^ x3 ^ k1, lo_a
-        k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
-    return x0
-
-
-def gumbel_noise(seed: int, positions: Tensor, vocab: int) -> Tensor:
-    """``G(seed, p, v)`` for every row's position ``p`` (``positions: [T]`` int64) and
-    token ``v < vocab``: ``[T, vocab]`` float32 standard Gumbel noise, always finite. The
-    uniform is ``(top 23 bits of Philox + 0.5) / 2**23``: exact in float32, at least
-    ``2**-24`` and at most ``1 - 2**-24`` (the float32 just below 1), so neither
-    logarithm meets 0."""
-    v = torch.arange(vocab, dtype=torch.int64, device=positions.device)
-    bits = philox(seed, v[None, :], positions[:, None].to(torch.int64))
-    u = ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
-    return -torch.log(-torch.log(u))
-
-
 def sample_tokens(logits: Tensor, positions: Tensor | None, params: SamplingParams) -> Tensor:
     """The rule's token for every row: ``logits: [T, vocab]`` (any float dtype) whose rows
     draw the tokens at absolute ``positions: [T]`` (int64, on the logits' device; None is
-    allowed when greedy) → ``[T]`` int64, on the device, without a host read."""
+    allowed when greedy) → ``[T]`` int64, on the device, without a host read.
+
+    The filters become one floor per row (:func:`filter_floors`); the draw is
+    :func:`~dflash.kernels.gumbel_argmax` (Triton on CUDA, its torch reference on CPU)."""
     if params.greedy:
         return logits.argmax(-1)
     if positions is None or positions.shape != logits.shape[:1]:
@@ -133,31 +99,91 @@ def sample_tokens(logits: Tensor, positions: Tensor | None, params: SamplingPara
             f"(got {None if positions is None else tuple(positions.shape)} for "
             f"{logits.shape[0]} rows)"
         )
-    scaled = logits.to(torch.float32) / params.temperature  # [T, V]
-    vocab = scaled.shape[-1]
-    keep = torch.ones_like(scaled, dtype=torch.bool)
-    if 0 < params.top_k < vocab:  # the k largest; ties at the boundary broken by token id
-        order = torch.sort(scaled, dim=-1, descending=True, stable=True).indices
-        keep = torch.zeros_like(keep).scatter_(-1, order[:, : params.top_k], True)
+    inv_t = inverse_temperature(params)
+    floors = filter_floors(logits, inv_t, params)
+    floor, floor_id = floors if floors is not None else (None, None)
+    return gumbel_argmax(logits, positions, params.seed, inv_t, floor, floor_id,
+                         backend=_backend(logits))
+
+
+def _backend(logits: Tensor) -> Backend:
+    """The rule's kernels run Triton on CUDA and their torch references elsewhere (as the
+    model's kernels on CPU), so every decoder on one device draws with the same code."""
+    return "auto" if logits.is_cuda else "reference"
+
+
+def inverse_temperature(params: SamplingParams) -> float:
+    """``1 / temperature`` rounded to float32: the factor every row's logits are scaled by
+    (a float32 multiply, the same in the kernel and in torch)."""
+    return float(torch.tensor(1.0 / params.temperature, dtype=torch.float32))
+
+
+def filter_floors(
+    logits: Tensor, inv_t: float, params: SamplingParams
+) -> tuple[Tensor, Tensor] | None:
+    """The filters of ``params`` as one floor per row: ``(floor [T] float32, floor_id [T]
+    int64)`` such that row ``i`` keeps token ``v`` when ``s_v > floor[i]``, or ``s_v ==
+    floor[i]`` and ``v <= floor_id[i]`` (``s = float32(logits) * inv_t``); None when no
+    filter is on. Every filter keeps a prefix of the tokens ordered by ``s`` descending,
+    then token id, so together they keep the shortest of their prefixes:
+
+    - top-k: the first ``k`` of that order;
+    - top-p: the first tokens whose exclusive running sum of ``softmax(s)`` (over what
+      top-k kept, summed in that order) is below ``top_p`` (:func:`~dflash.kernels.top_p_count`);
+    - min-p: ``s_v >= max(s) + log(min_p)`` (probability at least ``min_p`` times the top).
+
+    The sort, the k-th value and the counts are exact, and top-p's sums run one row per
+    program, so no row depends on the others."""
+    vocab = logits.shape[-1]
+    if not (0 < params.top_k < vocab or params.top_p < 1.0 or params.min_p > 0.0):
+        return None
+    s = logits.to(torch.float32) * inv_t  # [T, V]
+    rows = s.shape[0]
+    floor = torch.full((rows,), -math.inf, dtype=torch.float32, device=s.device)
+    floor_id = torch.full((rows,), vocab - 1, dtype=torch.int64, device=s.device)
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(s, params.top_k, dim=-1).values[:, -1:]  # [T, 1], exact
+        ties = s == kth
+        need = params.top_k - (s > kth).sum(-1, keepdim=True)  # >= 1 of the tied tokens
+        reached = ties & (ties.cumsum(-1) >= need)
+        first = reached.to(torch.int8).argmax(-1)  # the first index holding the max
+        floor, floor_id = _stricter((floor, floor_id), (kth[:, 0], first))
     if params.top_p < 1.0:
-        keep = keep & _top_p(torch.where(keep, scaled, -math.inf), params.top_p)
-    if params.min_p > 0.0:  # p_v >= min_p * p_max, i.e. s_v - s_max >= log(min_p)
-        kept = torch.where(keep, scaled, -math.inf)
-        top = kept.max(-1, keepdim=True).values
-        keep = keep & (kept - top >= math.log(params.min_p))
-    noisy = torch.where(keep, scaled + gumbel_noise(params.seed, positions, vocab), -math.inf)
-    return noisy.argmax(-1)
+        kept = _keep(s, floor, floor_id)
+        ranked, order = torch.sort(torch.where(kept, s, -math.inf), dim=-1, descending=True,
+                                   stable=True)
+        count = top_p_count(ranked.contiguous(), params.top_p, backend=_backend(s))
+        last = (count - 1)[:, None]  # [T, 1]
+        floor, floor_id = _stricter(
+            (floor, floor_id), (ranked.gather(1, last)[:, 0], order.gather(1, last)[:, 0])
+        )
+    if params.min_p > 0.0:
+        low = s.max(-1).values + math.log(params.min_p)
+        floor, floor_id = _stricter((floor, floor_id), (low, torch.full_like(floor_id, vocab)))
+    return floor, floor_id
 
 
-def _top_p(scaled: Tensor, top_p: float) -> Tensor:
-    """The smallest set of most probable tokens whose probability reaches ``top_p`` (the
-    most probable always kept; ties ordered by token id), one row at a time so each row's
-    sums never depend on the others."""
-    keep = torch.zeros_like(scaled, dtype=torch.bool)
-    for i in range(scaled.shape[0]):
-        row = scaled[i : i + 1]
-        probs = torch.softmax(row, dim=-1)
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass ahead of each
-        keep[i].scatter_(-1, order[0], (before < top_p)[0])
-    return keep
+def _keep(s: Tensor, floor: Tensor, floor_id: Tensor) -> Tensor:
+    """``[T, V]`` bool: the tokens a floor keeps."""
+    ids = torch.arange(s.shape[-1], device=s.device)[None, :]
+    f = floor[:, None]
+    return (s > f) | ((s == f) & (ids <= floor_id[:, None]))
+
+
+def _stricter(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """Row by row, the floor that keeps the shorter prefix (a higher value, or the same
+    value and a lower id)."""
+    take_b = (b[0] > a[0]) | ((b[0] == a[0]) & (b[1] < a[1]))
+    return torch.where(take_b, b[0], a[0]), torch.where(take_b, b[1], a[1])
+
+
+__all__ = [
+    "GREEDY",
+    "SamplingError",
+    "SamplingParams",
+    "filter_floors",
+    "gumbel_noise",
+    "inverse_temperature",
+    "philox",
+    "sample_tokens",
+]

@@ -18,6 +18,9 @@
 - :func:`linear`: ``x @ weight.T + bias`` whose rows do not depend on the row count M.
 - :func:`decode_attention`: causal decode/verify attention against a static KV cache,
   rows independent of the number of query rows, ``start`` read on the device.
+- :func:`gumbel_argmax`: the sampling rule's seeded Gumbel-max draw, one token per row
+  (Philox noise keyed by seed, position and token; an optional per-row floor);
+  :func:`top_p_count`: how many of a sorted row's most probable entries top-p keeps.
 
 Entry points validate every argument first (a bad value raises
 :class:`~dflash.errors.KernelBoundsError`, a ``ValueError``; a non-tensor ``TypeError``),
@@ -40,6 +43,10 @@ from dflash.kernels.rmsnorm import rms_norm
 from dflash.kernels.rmsnorm_reference import rms_norm_reference
 from dflash.kernels.rollback import RollbackBoundsError, rollback_restore
 from dflash.kernels.rollback_reference import rollback_restore_reference
+from dflash.kernels.sample import gumbel_argmax
+from dflash.kernels.sample_reference import gumbel_argmax_reference
+from dflash.kernels.top_p import top_p_count
+from dflash.kernels.top_p_reference import top_p_count_reference
 from dflash.kernels.tree_paths import tree_parents_into, tree_paths, tree_paths_into
 
 __all__ = [
@@ -54,12 +61,16 @@ __all__ = [
     "gdn_recompute_reference",
     "gdn_verify",
     "gdn_verify_reference",
+    "gumbel_argmax",
+    "gumbel_argmax_reference",
     "linear",
     "linear_reference",
     "rms_norm",
     "rms_norm_reference",
     "rollback_restore",
     "rollback_restore_reference",
+    "top_p_count",
+    "top_p_count_reference",
     "tree_parents_into",
     "tree_paths",
     "tree_paths_into",

@@ -70,3 +70,45 @@ def test_sampled_steps_are_plain_sampled_decoding(
     assert commit > 1.5
     if mode != "replay":
         assert engine.status is RollbackStatus.EFFECTIVE and engine.counts["fast"] == len(steps)
+
+
+@pytest.mark.parametrize("mode", ["checkpoint", "recompute"])
+@torch.inference_mode()
+def test_coupled_dflash_drafting_on_the_device_is_plain_sampled_decoding(
+    model: TargetModel, mode: RollbackMode
+) -> None:
+    """The DFlash drafter drafts on the device inside the graphs with the target's rule
+    and noise (coupled): the tokens are plain sampled decoding's, the drafting step is
+    captured, and its guesses differ from the argmax guesses of the same drafter."""
+    from dflash.model.drafters import DFlashConfig, DFlashDrafter
+
+    cfg = DFlashConfig.for_target(
+        hidden_size=model.config.hidden_size, vocab_size=model.config.vocab_size,
+        num_target_layers=8, num_hidden_layers=2, block_size=BLOCK,
+    )
+    rng = random.Random(9)
+    prompt = [rng.randrange(model.config.vocab_size) for _ in range(128)]
+    plan = plan_shards(model.config.num_hidden_layers, "cuda:0")
+    rule = SamplingParams(temperature=1.0, seed=21)
+    oracle = reference_greedy(model, plan, prompt, N + BLOCK, sampling=rule)
+    drafts = {}
+    for coupled in (True, False):
+        drafter = DFlashDrafter.random(cfg, model.embed_tokens.weight, model.lm_head.weight,
+                                       seed=4)
+        target = ShardedTarget(model, plan, max_len=len(prompt) + N + BLOCK + 1,
+                               max_draft=BLOCK)
+        engine = SpecDecoder(target, drafter, block_size=BLOCK,
+                             policy=RollbackPolicy(mode=mode), sampling=rule)
+        assert engine.device_drafter is not None
+        if not coupled:  # the same drafter's argmax guesses, for the comparison
+            drafter.couple(SamplingParams())
+        out = [engine.prefill(prompt)]
+        while len(out) < N:
+            out.extend(engine.step())
+        assert out[:N] == oracle[:N], f"coupled={coupled}"
+        graphs = target.graphs
+        assert graphs is not None and ("draft", BLOCK, False) in graphs[0].captured_keys
+        drafts[coupled] = [r.draft for r in engine.records]
+        commit = sum(r.accept_n for r in engine.records) / len(engine.records)
+        print(f"\n{mode} dflash on device, coupled={coupled}: commit {commit:.2f}")
+    assert drafts[True][0] != drafts[False][0]  # the same pending token, other guesses

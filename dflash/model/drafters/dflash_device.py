@@ -2,7 +2,9 @@
 
 ``start_device`` / ``set_device_inputs`` / ``device_step``: the same maths as drafting on
 the host, over a static-capacity context cache, for a step whose accepted count is still
-on the device. The cache holds ``capacity`` positions per layer; a step projects a fixed
+on the device. Guesses are the argmax of each slot's logits, or, when the target samples,
+the same rule drawn with the target's noise (coupled drafting, :meth:`DeviceDrafting.couple`).
+The cache holds ``capacity`` positions per layer; a step projects a fixed
 ``B`` rows (the verify's tap rows, of which the first ``commit_n`` are committed), writes
 their keys/values at the drafter's device position, advances it by ``commit_n`` and runs
 the block over every cached position with the uncommitted ones masked out. No host value
@@ -22,6 +24,7 @@ from torch import Tensor
 from dflash.model.drafters.base import check_block_size, check_token
 from dflash.model.drafters.dflash_products import DrafterWeights, DraftingPart, drafting
 from dflash.model.drafters.errors import DraftArgumentError
+from dflash.sampling import GREEDY, SamplingParams, sample_tokens
 
 
 class _DeviceCache:
@@ -59,8 +62,19 @@ class DeviceDrafting(DraftingPart):
         super().__init__(drafter)
         self._device: _DeviceCache | None = None
         #: bumped whenever the device buffers are allocated anew (graphs of the old ones
-        #: must be dropped: they hold their addresses)
+        #: must be dropped: they hold their addresses) or the sampling rule changes (the
+        #: graphs hold its parameters)
         self.device_buffers_version = 0
+        #: the rule the target draws its tokens by: the device guesses are drawn with the
+        #: same noise at their absolute positions (coupled drafting); greedy by default
+        self.sampling: SamplingParams = GREEDY
+
+    def couple(self, sampling: SamplingParams) -> None:
+        """Draw the device guesses by ``sampling``'s rule (see :attr:`sampling`); a change
+        drops the captured drafting steps."""
+        if sampling != self.sampling:
+            self.sampling = sampling
+            self.device_buffers_version += 1
 
     @drafting
     @torch.no_grad()
@@ -156,4 +170,9 @@ class DeviceDrafting(DraftingPart):
         visible = torch.cat([ctx_visible, dev.block_visible])[None, None]  # [1, 1, C+B]
         visible = visible.expand(1, dev.block_size, -1)
         hidden = d.run_block(x, q_pos, dev.kv, dev.key_index[None], visible)[0]  # [B, H]
-        return d.logits(hidden[1:]).argmax(dim=-1)
+        logits = d.logits(hidden[1:])  # [B-1, V]
+        if self.sampling.greedy:
+            return logits.argmax(dim=-1)
+        # coupled: guess slot i (1-based) draws position `position + i`, as the target's
+        # chain row i - 1 does, with the target's rule and noise
+        return sample_tokens(logits, q_pos[0, 1:], self.sampling)

@@ -345,10 +345,11 @@ class DFlashDrafter(nn.Module):
         return self.host.propose(context, last, block_size, features)
 
     def couple(self, sampling: SamplingParams) -> None:
-        """Draw host guesses by the target's sampling rule and noise (coupled drafting,
-        :meth:`HostDrafting.propose`); greedy guesses for :data:`dflash.sampling.GREEDY`.
-        Proposals made on the device stay argmax guesses."""
+        """Draw guesses by the target's sampling rule and noise (coupled drafting), on the
+        host (:meth:`HostDrafting.propose`) and on the device (:meth:`DeviceDrafting.couple`);
+        greedy guesses for :data:`dflash.sampling.GREEDY`."""
         self.host.sampling = sampling
+        self.on_device.couple(sampling)
 
     def probabilities(self, tokens: Sequence[int]) -> list[float]:
         """The last proposal's probability of each of ``tokens``

@@ -11,6 +11,7 @@ import torch
 
 from dflash.model.drafters import DeviceDrafter, DFlashConfig, DFlashDrafter
 from dflash.model.drafters.errors import DraftArgumentError
+from dflash.sampling import GREEDY, SamplingParams
 
 H, VOCAB, TARGET_LAYERS, B = 64, 256, 6, 5
 
@@ -27,6 +28,7 @@ def _pair(**changes: object) -> tuple[DFlashDrafter, DFlashDrafter]:
             DFlashDrafter.random(cfg, embed, head, seed=3))
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.5, top_k=40, seed=5)])
 @pytest.mark.parametrize("changes", [
     {},
     {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 4},
@@ -34,10 +36,15 @@ def _pair(**changes: object) -> tuple[DFlashDrafter, DFlashDrafter]:
      "is_causal": False},
 ])
 def test_device_proposals_equal_the_host_path_after_commits_of_every_length(
-    changes: dict[str, object],
+    changes: dict[str, object], sampling: SamplingParams
 ) -> None:
+    """Greedy, and coupled to a sampling rule (the guesses drawn with the target's noise at
+    their absolute positions: the device's position, the host's context length)."""
     host, dev = _pair(**changes)
     assert isinstance(dev, DeviceDrafter)
+    host.couple(sampling)
+    dev.couple(sampling)
+    argmax = _pair(**changes)[0]  # the same drafter, uncoupled
     rng = random.Random(1)
     width = host.config.feature_size
     n, total = 7, 7 + 12 * B
@@ -45,8 +52,10 @@ def test_device_proposals_equal_the_host_path_after_commits_of_every_length(
     context = [rng.randrange(VOCAB - 1) for _ in range(total + B)]
     last = context[n]
     want = host.propose(context[:n], last, B, feats[:n])
+    argmax.propose(context[:n], last, B, feats[:n])
     got = dev.start_device(feats[:n], last, capacity=total + 2 * B, block_size=B)
     assert got.dtype == torch.int64 and got.tolist() == want
+    differs = 0  # proposals the coupled draw changed from the argmax's
     for step in range(12):
         commit = 1 + step % B  # 1 … B rows committed
         tokens = torch.tensor([rng.randrange(VOCAB - 1) for _ in range(B)])
@@ -59,6 +68,8 @@ def test_device_proposals_equal_the_host_path_after_commits_of_every_length(
         n += commit
         want = host.propose(context[:n], last, B, rows[:commit])
         assert got.tolist() == want, f"step {step}, commit {commit}"
+        differs += want != argmax.propose(context[:n], last, B, rows[:commit])
+    assert (differs > 0) != sampling.greedy, differs
 
 
 def test_device_drafting_arguments_are_named() -> None:
@@ -95,6 +106,13 @@ def test_new_buffers_bump_the_version() -> None:
     assert dev.device_buffers_version == v
     dev.start_device(feats, 1, capacity=64, block_size=B)  # larger: new buffers
     assert dev.device_buffers_version == v + 1
+    rule = SamplingParams(temperature=0.7, seed=1)
+    dev.couple(rule)  # the captured steps hold the rule: they must be dropped
+    assert dev.device_buffers_version == v + 2
+    dev.couple(rule)  # the same rule: kept
+    assert dev.device_buffers_version == v + 2
+    dev.couple(GREEDY)
+    assert dev.device_buffers_version == v + 3
 
 
 def test_a_deleted_drafter_is_freed_at_once_and_its_parts_say_so() -> None:

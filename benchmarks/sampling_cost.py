@@ -1,0 +1,156 @@
+"""What the sampling rule adds to a verify step, on the seeded 9B-shaped model.
+
+For a graphed verify forward of ``T`` rows (a chain at the 9B shape, bf16, one GPU) and
+the plain decode forward (``T = 1``), measures host-synchronised wall time per call of
+
+- the forward, then the greedy acceptance (argmax, the leading-match count) and the step's
+  one host read;
+- the same with each sampling rule's acceptance instead (the seeded Gumbel draw at the
+  rows' absolute positions, and its filters);
+
+and, from CUDA events over many back-to-back calls, the GPU time of each rule's
+acceptance alone on the forward's logits. The added cost is the sampled wall minus the
+greedy wall, as a share of the greedy step. GPU only; about a minute on an H200.
+
+    python benchmarks/sampling_cost.py [--rows 16] [--calls 32] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dflash.execution import ShardedTarget, plan_shards
+from dflash.execution.engine import TokenAcceptance, chain_of
+from dflash.model import HybridConfig, TargetModel
+from dflash.sampling import GREEDY, SamplingParams
+
+RULES: dict[str, SamplingParams] = {
+    "greedy": GREEDY,
+    "T0.7": SamplingParams(temperature=0.7, seed=1),
+    "T1.0": SamplingParams(temperature=1.0, seed=1),
+    "T0.7 top_k 50": SamplingParams(temperature=0.7, top_k=50, seed=1),
+    "T0.7 min_p 0.05": SamplingParams(temperature=0.7, min_p=0.05, seed=1),
+    "T0.7 top_p 0.95": SamplingParams(temperature=0.7, top_p=0.95, seed=1),
+    "T0.7 all filters": SamplingParams(temperature=0.7, top_k=50, top_p=0.95, min_p=0.05,
+                                       seed=1),
+}
+
+
+def _wall(run: Callable[[], object], calls: int, warmup: int) -> float:
+    """Wall ms per call of ``run`` after ``warmup`` calls (host-synchronised)."""
+    for _ in range(warmup):
+        run()
+    gc.collect()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        run()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e3
+
+
+def _gpu(run: Callable[[], object], calls: int) -> float:
+    """GPU ms per call of ``run`` from CUDA events around ``calls`` back-to-back calls."""
+    run()
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch's stub
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch's stub
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(calls):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return float(start.elapsed_time(end)) / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=16, help="verify rows T")
+    ap.add_argument("--calls", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    config = HybridConfig.nine_b_shape()
+    model = TargetModel.seeded(config, seed=0, dtype=torch.bfloat16, device="cuda:0")
+    rng = random.Random(0)
+    prompt = [rng.randrange(config.vocab_size) for _ in range(args.prompt_len)]
+    plan = plan_shards(config.num_hidden_layers, "cuda:0")
+    rows: list[dict[str, Any]] = []
+    with torch.inference_mode():
+        for T in (1, args.rows):
+            # a decode moves the position every call; a verify is undone every call
+            room = len(RULES) * (args.warmup + args.calls + 2) + 8 if T == 1 else T + 8
+            target = ShardedTarget(model, plan, max_len=args.prompt_len + room, max_draft=T)
+            target.forward(prompt, "prefill", 0)
+            state = {"pos": len(prompt)}
+            ids = torch.tensor([[rng.randrange(config.vocab_size) for _ in range(T)]],
+                               device="cuda:0")
+            positions = torch.arange(len(prompt) + 1, len(prompt) + T + 1, device="cuda:0")
+            last: dict[str, torch.Tensor] = {}
+
+            def forward(target: ShardedTarget = target, ids: torch.Tensor = ids,
+                        T: int = T, state: dict[str, int] = state) -> torch.Tensor:
+                if T == 1:
+                    logits, _ = target.forward(ids, "decode", state["pos"])
+                    state["pos"] += 1
+                    return logits
+                logits, _ = target.forward(ids, "verify", state["pos"], geometry=chain_of(T))
+                for shard in target.shards:
+                    shard.caches.pool.restore_pre_verify()
+                    shard.truncate_kv(state["pos"])
+                return logits
+
+            last["logits"] = forward()
+            greedy_wall = 0.0
+            for name, params in RULES.items():
+                rule = TokenAcceptance(params)
+                at = None if params.greedy else positions
+
+                def step(rule: TokenAcceptance = rule, at: torch.Tensor | None = at,
+                         forward: Callable[[], torch.Tensor] = forward,
+                         ids: torch.Tensor = ids) -> None:
+                    logits = forward()
+                    t, count = rule.on_device(logits, ids[0], at)
+                    torch.cat([t, count]).tolist()  # the step's one host read
+
+                def accept(rule: TokenAcceptance = rule, at: torch.Tensor | None = at,
+                           last: dict[str, torch.Tensor] = last,
+                           ids: torch.Tensor = ids) -> None:
+                    rule.on_device(last["logits"], ids[0], at)
+
+                wall = _wall(step, args.calls, args.warmup)
+                gpu = _gpu(accept, args.calls * 4)
+                if params.greedy:
+                    greedy_wall = wall
+                added = (wall - greedy_wall) / greedy_wall * 100
+                rows.append({"rows": T, "rule": name, "step_wall_ms": wall,
+                             "accept_gpu_ms": gpu, "added_pct": added})
+                print(f"T={T:<3} {name:<18} step {wall:7.3f} ms  acceptance GPU "
+                      f"{gpu * 1e3:8.1f} us  added {added:+6.2f} %", flush=True)
+            del target
+            gc.collect()
+            torch.cuda.empty_cache()
+    print("\n| T | rule | step wall ms | acceptance GPU µs | added to the step |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['rows']} | {r['rule']} | {float(r['step_wall_ms']):.3f} | "
+              f"{float(r['accept_gpu_ms']) * 1e3:.1f} | {float(r['added_pct']):+.2f} % |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"prompt_len": args.prompt_len, "calls": args.calls,
+                       "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                       "rows": rows}, f, indent=2)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -110,10 +110,12 @@ for phase in "$@"; do
           --warmup 1 --runs 3 --out "$OUT/$name.json" --plot '' > "$OUT/$name.log" 2>&1
         echo "$name rc=$?"; tail -8 "$OUT/$name.log"
       done
+      DEFAULT_PROMPT=$'import os\nimport sys\n\n\ndef main(argv):\n    """Parse the command line and run."""\n    parser = argparse.ArgumentParser('
       for temp in ${DEFAULT_TEMPS:-0.7 1.0 0}; do
         name=bench_sampled_default_t$temp
+        # a prompt in the pair's domain (Python source): a random one is noise to it
         timeout "${BENCH_TIMEOUT:-300}" python3 -m dflash.cli bench --model default \
-          --prompt-len 64 --max-new-tokens 256 --temperature "$temp" --seed 1 \
+          --prompt "$DEFAULT_PROMPT" --max-new-tokens 256 --temperature "$temp" --seed 1 \
           --a checkpoint --b recompute --warmup 1 --runs 3 --out "$OUT/$name.json" \
           --plot '' > "$OUT/$name.log" 2>&1
         echo "$name rc=$?"; tail -8 "$OUT/$name.log"

@@ -128,46 +128,52 @@ def filter_floors(
     then token id, so together they keep the shortest of their prefixes:
 
     - top-k: the first ``k`` of that order;
-    - top-p: the first tokens whose exclusive running sum of ``softmax(s)`` (over what
-      top-k kept, summed in that order) is below ``top_p`` (:func:`~dflash.kernels.top_p_count`);
+    - top-p: the first tokens whose exclusive running sum of ``softmax(s)`` over what top-k
+      kept (the row, or its ``k`` first tokens), summed in that order, is below ``top_p``
+      (:func:`~dflash.kernels.top_p_count`);
     - min-p: ``s_v >= max(s) + log(min_p)`` (probability at least ``min_p`` times the top).
 
-    The sort, the k-th value and the counts are exact, and top-p's sums run one row per
-    program, so no row depends on the others."""
+    The order is that of one exact int64 key per token (:func:`_order_keys`): top-k is a
+    selection of the ``k`` largest keys, top-p a sort of the keys top-k kept, and top-p's
+    sums run one row per program, so no row depends on the others."""
     vocab = logits.shape[-1]
-    if not (0 < params.top_k < vocab or params.top_p < 1.0 or params.min_p > 0.0):
+    top_k = 0 < params.top_k < vocab
+    if not (top_k or params.top_p < 1.0 or params.min_p > 0.0):
         return None
-    s = logits.to(torch.float32) * inv_t  # [T, V]
+    s = logits.to(torch.float32) * inv_t + 0.0  # [T, V]; + 0.0: -0.0 becomes +0.0
     rows = s.shape[0]
     floor = torch.full((rows,), -math.inf, dtype=torch.float32, device=s.device)
     floor_id = torch.full((rows,), vocab - 1, dtype=torch.int64, device=s.device)
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(s, params.top_k, dim=-1).values[:, -1:]  # [T, 1], exact
-        ties = s == kth
-        need = params.top_k - (s > kth).sum(-1, keepdim=True)  # >= 1 of the tied tokens
-        reached = ties & (ties.cumsum(-1) >= need)
-        first = reached.to(torch.int8).argmax(-1)  # the first index holding the max
-        floor, floor_id = _stricter((floor, floor_id), (kth[:, 0], first))
-    if params.top_p < 1.0:
-        kept = _keep(s, floor, floor_id)
-        ranked, order = torch.sort(torch.where(kept, s, -math.inf), dim=-1, descending=True,
-                                   stable=True)
-        count = top_p_count(ranked.contiguous(), params.top_p, backend=_backend(s))
-        last = (count - 1)[:, None]  # [T, 1]
-        floor, floor_id = _stricter(
-            (floor, floor_id), (ranked.gather(1, last)[:, 0], order.gather(1, last)[:, 0])
-        )
+    if top_k or params.top_p < 1.0:
+        keys = _order_keys(s)
+        # the kept prefix in order: [T, k] (top-k), or the whole row sorted (top-p alone)
+        ranked = (torch.topk(keys, params.top_k, dim=-1).values if top_k
+                  else torch.sort(keys, dim=-1, descending=True).values)
+        order = _LOW - (ranked & _LOW)  # [T, n] the token ids, in order
+        scores = s.gather(1, order)  # [T, n] their scores, descending
+        last = torch.full((rows, 1), scores.shape[1] - 1, dtype=torch.int64, device=s.device)
+        if params.top_p < 1.0:
+            count = top_p_count(scores.contiguous(), params.top_p, backend=_backend(s))
+            last = (count - 1)[:, None]
+        floor, floor_id = scores.gather(1, last)[:, 0], order.gather(1, last)[:, 0]
     if params.min_p > 0.0:
         low = s.max(-1).values + math.log(params.min_p)
         floor, floor_id = _stricter((floor, floor_id), (low, torch.full_like(floor_id, vocab)))
     return floor, floor_id
 
 
-def _keep(s: Tensor, floor: Tensor, floor_id: Tensor) -> Tensor:
-    """``[T, V]`` bool: the tokens a floor keeps."""
-    ids = torch.arange(s.shape[-1], device=s.device)[None, :]
-    f = floor[:, None]
-    return (s > f) | ((s == f) & (ids <= floor_id[:, None]))
+#: the low 32 bits of an order key: ``_LOW - token id``
+_LOW = (1 << 32) - 1
+
+
+def _order_keys(s: Tensor) -> Tensor:
+    """``[T, V]`` int64 keys, distinct, ordered as the tokens by ``s`` descending, then id:
+    the float32 bits mapped to an order-preserving int32 (negative values' magnitude bits
+    flipped) in the high half, ``2**32 - 1 - id`` in the low half. ``s`` holds no -0.0."""
+    bits = s.view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    ids = torch.arange(s.shape[-1], device=s.device, dtype=torch.int64)
+    return ordered * (1 << 32) + (_LOW - ids)
 
 
 def _stricter(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:

@@ -348,7 +348,7 @@ def summary_table(r: GenerationResult) -> str:
         ("text", text_row(r)),
         ("prefill", f"{r.timings.prefill_s:.3f} s"),
         ("decode", decode_row(r)),
-        ("speed-up vs plain greedy", speedup_row(r)),
+        (f"speed-up vs plain {'greedy' if r.sampling is None else 'sampled'}", speedup_row(r)),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
@@ -372,7 +372,8 @@ def speedup_row(r: GenerationResult) -> str:
     if r.speedup_vs_greedy is not None and greedy is not None:
         runs = len(r.timings.greedy_decode_runs_s)
         how = f"; medians of {runs} alternating runs each" if runs > 1 else ""
-        return f"{r.speedup_vs_greedy:.2f}x (greedy {greedy:.1f} tokens/s{how})"
+        plain = "greedy" if r.sampling is None else "sampled"
+        return f"{r.speedup_vs_greedy:.2f}x ({plain} {greedy:.1f} tokens/s{how})"
     if greedy is None and r.timings.greedy_decode_s is None:
         return "not measured (--no-baseline)"
     return "none (no decode step: the only token came from prefill)"

@@ -51,6 +51,7 @@ def test_the_summary_names_the_rule(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", *ARGS, "--temperature", "0.5", "--top-k", "7"]) == 0
     err = capsys.readouterr().err
     assert "sampling" in err and "temperature 0.5" in err and "top_k 7" in err
+    assert "speed-up vs plain sampled" in err  # its own baseline, by name
 
 
 def test_bench_runs_sampled(capsys: pytest.CaptureFixture[str]) -> None:
@@ -64,6 +65,10 @@ def test_bench_runs_sampled(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0, err
     report = json.loads(out)
     assert report["correct"] is True
+    assert report["setup"]["sampling"] == {
+        "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 2
+    }
+    assert "plain target-only sampled:" in err and "vs plain sampled:" in err
 
 
 @pytest.mark.parametrize(

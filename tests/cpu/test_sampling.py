@@ -165,3 +165,39 @@ def test_temperature_zero_is_the_argmax() -> None:
 def test_bad_parameters_are_named(change: dict[str, object], match: str) -> None:
     with pytest.raises(SamplingError, match=match):
         SamplingParams(**change)  # type: ignore[arg-type]  # bad values on purpose
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_k=7, seed=0),
+    SamplingParams(temperature=0.5, top_p=0.8, seed=0),
+    SamplingParams(temperature=1.0, top_k=12, top_p=0.6, seed=0),
+    SamplingParams(temperature=2.0, min_p=0.3, seed=0),
+    SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05, seed=0),
+])
+def test_floors_keep_the_defined_prefix_with_ties(params: SamplingParams) -> None:
+    """On rows full of ties (and both signs of zero), each floor keeps exactly the prefix
+    the filters define over the tokens ordered by score descending, then id."""
+    from dflash.kernels.top_p_reference import top_p_count_reference
+    from dflash.sampling import filter_floors, inverse_temperature
+
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randint(-3, 3, (8, 50), generator=gen).float()
+    logits[0, :10] = -0.0  # -0.0 and +0.0 are the same score
+    logits[0, 10:20] = 0.0
+    inv_t = inverse_temperature(params)
+    floors = filter_floors(logits, inv_t, params)
+    assert floors is not None
+    floor, floor_id = floors
+    s = logits * inv_t
+    for r in range(8):
+        row = s[r].tolist()
+        order = sorted(range(50), key=lambda v: (-row[v], v))
+        kept = order[: params.top_k] if params.top_k else order
+        if params.top_p < 1.0:
+            scores = torch.tensor([[row[v] for v in kept]])
+            kept = kept[: int(top_p_count_reference(scores, params.top_p))]
+        if params.min_p > 0.0:
+            kept = [v for v in kept if row[v] >= max(row) + math.log(params.min_p)]
+        f, fid = float(floor[r]), int(floor_id[r])
+        got = [v for v in range(50) if row[v] > f or (row[v] == f and v <= fid)]
+        assert sorted(kept) == got, r

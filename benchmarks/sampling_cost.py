@@ -71,6 +71,35 @@ def _gpu(run: Callable[[], object], calls: int) -> float:
     return float(start.elapsed_time(end)) / calls
 
 
+def _profile(rows: int) -> None:
+    """Each rule's acceptance on random ``[rows, vocab]`` bf16 logits under torch.profiler:
+    the CUDA kernels it runs, by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = HybridConfig.nine_b_shape().vocab_size
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(rows, vocab, generator=gen, device="cuda") * 4).to(torch.bfloat16)
+    ids = torch.zeros(rows, dtype=torch.int64, device="cuda")
+    positions = torch.arange(rows, device="cuda")
+    for name, params in RULES.items():
+        rule = TokenAcceptance(params)
+        at = None if params.greedy else positions
+        for _ in range(3):
+            rule.on_device(logits, ids, at)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                rule.on_device(logits, ids, at)
+            torch.cuda.synchronize()
+        print(f"== {name} (T={rows}; per call, µs)")
+        events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        events.sort(key=lambda e: -e.self_device_time_total)
+        total = sum(e.self_device_time_total for e in events) / 10
+        print(f"   total GPU {total:8.1f}")
+        for e in events[:6]:
+            print(f"   {e.self_device_time_total / 10:8.1f}  {e.key[:90]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=16, help="verify rows T")
@@ -78,7 +107,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="only profile each rule's acceptance on random logits (no model): "
+                         "its CUDA kernels by total time")
     args = ap.parse_args()
+    if args.profile:
+        _profile(args.rows)
+        return
     config = HybridConfig.nine_b_shape()
     model = TargetModel.seeded(config, seed=0, dtype=torch.bfloat16, device="cuda:0")
     rng = random.Random(0)

@@ -133,9 +133,9 @@ def filter_floors(
       (:func:`~dflash.kernels.top_p_count`);
     - min-p: ``s_v >= max(s) + log(min_p)`` (probability at least ``min_p`` times the top).
 
-    The order is that of one exact int64 key per token (:func:`_order_keys`): top-k is a
-    selection of the ``k`` largest keys, top-p a sort of the keys top-k kept, and top-p's
-    sums run one row per program, so no row depends on the others."""
+    The order is exact: top-k selects the ``k`` largest of one distinct int64 key per
+    token (:func:`_order_keys`), top-p alone sorts the scores stably; top-p's sums run one
+    row per program, so no row depends on the others."""
     vocab = logits.shape[-1]
     top_k = 0 < params.top_k < vocab
     if not (top_k or params.top_p < 1.0 or params.min_p > 0.0):
@@ -145,12 +145,14 @@ def filter_floors(
     floor = torch.full((rows,), -math.inf, dtype=torch.float32, device=s.device)
     floor_id = torch.full((rows,), vocab - 1, dtype=torch.int64, device=s.device)
     if top_k or params.top_p < 1.0:
-        keys = _order_keys(s)
-        # the kept prefix in order: [T, k] (top-k), or the whole row sorted (top-p alone)
-        ranked = (torch.topk(keys, params.top_k, dim=-1).values if top_k
-                  else torch.sort(keys, dim=-1, descending=True).values)
-        order = _LOW - (ranked & _LOW)  # [T, n] the token ids, in order
-        scores = s.gather(1, order)  # [T, n] their scores, descending
+        # the kept prefix in order: [T, k] (top-k: the k largest keys), or the whole row
+        # (top-p alone: a stable sort of the scores, whose ties keep the ids' order)
+        if top_k:
+            ranked = torch.topk(_order_keys(s), params.top_k, dim=-1).values
+            order = _LOW - (ranked & _LOW)  # [T, k] the token ids, in order
+            scores = s.gather(1, order)  # [T, k] their scores, descending
+        else:
+            scores, order = torch.sort(s, dim=-1, descending=True, stable=True)
         last = torch.full((rows, 1), scores.shape[1] - 1, dtype=torch.int64, device=s.device)
         if params.top_p < 1.0:
             count = top_p_count(scores.contiguous(), params.top_p, backend=_backend(s))

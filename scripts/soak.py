@@ -6,9 +6,11 @@ or two CPU shards, a prompt (1–40 tokens, some repetitive), a block size (2–
 (synthetic with a random acceptance against the greedy oracle, prompt-lookup, or the seeded
 DFlash drafter), a starting rollback mode, and between steps: mode requests, capture storage
 rebuilds, injected faults at every rollback phase (failing recoveries included, completed with
-``resume``), and verify attempts while poisoned. Every emitted token is compared with
-:func:`dflash.model.greedy_generate` of the same model and prompt; the first difference, or
-any unexpected exception, stops the run with a replayable description and exit status 1.
+``resume``), and verify attempts while poisoned; a quarter of the episodes sample by a
+random seeded rule. Every emitted token is compared with :func:`dflash.model.greedy_generate`
+of the same model and prompt (plain sampled decoding, :func:`dflash.execution.reference_greedy`,
+under a rule); the first difference, or any unexpected exception, stops the run with a
+replayable description and exit status 1.
 
     python scripts/soak.py --steps 100000 --seed 1 --report specs/soak-report.json
     python scripts/soak.py --seed 1 --replay 1234     # one episode again, verbosely
@@ -45,6 +47,7 @@ from dflash.execution import (
     ShardedTarget,
     SpecDecoder,
     plan_shards,
+    reference_greedy,
 )
 from dflash.execution.policy import parse_mode
 from dflash.execution.session import tree_rank_probs
@@ -52,6 +55,7 @@ from dflash.model import TargetModel, greedy_generate
 from dflash.model.config import HybridConfig
 from dflash.model.drafters import Drafter, make_drafter
 from dflash.model.drafters.trees import SyntheticTreeDrafter
+from dflash.sampling import GREEDY, SamplingParams
 
 MODES = ("replay", "checkpoint", "remap", "recompute")
 DRAFTERS = ("synthetic", "prompt-lookup", "dflash")
@@ -82,6 +86,7 @@ class Episode:
     p_fault: float  # per step: probability of arming a fault
     event_seed: int  # seeds the between-steps events
     tree_budget: int | None = None  # tree drafts of at most that many nodes (None: chains)
+    sampling: dict[str, Any] | None = None  # the sampling rule's parameters (None: greedy)
 
 
 def episode_rng(seed: int, index: int) -> random.Random:
@@ -164,6 +169,16 @@ def draw_episode(seed: int, index: int) -> Episode:
     # (synthetic, with a rank distribution from its acceptance)
     if episode.drafter in ("synthetic", "dflash") and rng.random() < 1 / 3:
         episode.tree_budget = rng.choice([2, 3, 4, 6, 8, 12, 16])
+    # sampling, drawn after the trees for the same reason: a quarter of the episodes draw
+    # by a random seeded rule, compared with plain sampled decoding under it
+    if rng.random() < 1 / 4:
+        episode.sampling = {
+            "temperature": rng.choice([0.3, 0.7, 1.0, 1.5]),
+            "top_k": rng.choice([0, 0, 3, 20]),
+            "top_p": rng.choice([1.0, 1.0, 0.9, 0.5]),
+            "min_p": rng.choice([0.0, 0.0, 0.05]),
+            "seed": rng.randrange(2**40),
+        }
     return episode
 
 
@@ -243,7 +258,13 @@ def _build(ep: Episode) -> tuple[TargetModel, list[int], SpecDecoder, ArmedFault
     model = TargetModel.seeded(config, seed=ep.model_seed, dtype=dtype)
     B = ep.block_size
     slots = max(B, ep.tree_budget or 0)  # what a verify may write: a block, or a tree
-    oracle = greedy_generate(model, ep.prompt, ep.max_new_tokens + slots + 1)
+    rule = GREEDY if ep.sampling is None else SamplingParams(**ep.sampling)
+    n = ep.max_new_tokens + slots + 1
+    oracle = (  # plain (sampled) decoding: one token per forward
+        greedy_generate(model, ep.prompt, n) if rule.greedy
+        else reference_greedy(model, plan_shards(config.num_hidden_layers, "cpu"), ep.prompt,
+                              n, sampling=rule)
+    )
     drafter: Drafter
     if ep.drafter == "synthetic" and ep.tree_budget is not None:
         drafter = cast(Drafter, SyntheticTreeDrafter(
@@ -276,6 +297,7 @@ def _build(ep: Episode) -> tuple[TargetModel, list[int], SpecDecoder, ArmedFault
         policy=RollbackPolicy(mode=parse_mode(ep.mode, source="mode")),
         tree_budget=ep.tree_budget,
         faults=faults,
+        sampling=rule,
     )
     return model, oracle, engine, faults
 
@@ -535,7 +557,9 @@ def main(argv: list[str] | None = None) -> int:
                 "acceptance vs the greedy oracle) / prompt-lookup / seeded dflash; start "
                 "mode replay/checkpoint/remap; request_mode and rebuild_storage between "
                 "steps; faults at every phase incl. failing recoveries + resume; oracle "
-                "dflash.model.greedy_generate, every emitted token compared"
+                "dflash.model.greedy_generate, or plain sampled decoding for the quarter of "
+                "episodes drawn by a random seeded rule (temperature, top-k, top-p, min-p), "
+                "every emitted token compared"
             ),
         }
 

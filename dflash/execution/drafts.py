@@ -151,6 +151,9 @@ class DeviceDrafts(_Checked):
         first = self.target.shards[0]
         rows = stack_tap_features({k: v.to(first.device) for k, v in taps.items()}, self.taps)
         drafter = self.device_drafter
+        # the drafter's buffers and sampling rule may have changed since the last step
+        # (``couple`` between steps): a graph captured on the old ones is dropped
+        graphs[0].bind("draft", (id(drafter), drafter.device_buffers_version))
         with first.on_device():
             drafter.set_device_inputs(rows, count.to(first.device), t.to(first.device))
             out: Tensor = graphs[0].run_static(("draft", self.block_size, False),

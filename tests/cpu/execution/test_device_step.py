@@ -379,3 +379,35 @@ def test_forward_takes_the_ids_uploaded_once_and_refuses_a_malformed_tensor(
         with pytest.raises(ValueError, match=r"must be \[1, T\] int64 on cpu \(got " + named):
             target.forward(bad, "verify", len(prompt), geometry=chain_of(2))
     assert target.shards[0].caches.pool.length == len(prompt)  # nothing ran
+
+
+def test_a_new_drafting_rule_between_steps_drops_the_captured_drafting_step(
+    tiny: TargetModel, greedy: Callable[..., list[int]], prompts: dict[str, list[int]]
+) -> None:
+    """The device drafter's step is captured with its sampling rule: coupling it to another
+    rule between steps drops that graph (the next step runs it eagerly, the one after
+    captures it again), and the tokens stay the target's."""
+    from dflash.model.drafters import DFlashConfig, DFlashDrafter
+    from dflash.sampling import SamplingParams
+
+    cfg = DFlashConfig.for_target(
+        hidden_size=64, vocab_size=256, num_target_layers=6, num_hidden_layers=2, block_size=4
+    )
+    drafter = DFlashDrafter.random(cfg, tiny.embed_tokens.weight, tiny.lm_head.weight, seed=2)
+    prompt, oracle = prompts["repeat"], greedy("repeat", 40)
+    target = ShardedTarget(tiny, plan_shards(6, "cpu"), max_len=64, max_draft=4)
+    target.graphs = [ShardGraphs(s.device, capture=_stand_in_capture) for s in target.shards]
+    engine = SpecDecoder(target, drafter, block_size=4, policy=RollbackPolicy(mode="checkpoint"))
+    out = [engine.prefill(prompt)]
+    for _ in range(3):
+        out.extend(engine.step())
+    key = ("draft", 4, False)
+    assert key in target.graphs[0].captured_keys
+    drafter.couple(SamplingParams(temperature=1.0, seed=3))
+    out.extend(engine.step())
+    assert key not in target.graphs[0].captured_keys  # dropped: this step ran it eagerly
+    out.extend(engine.step())
+    assert key in target.graphs[0].captured_keys
+    while len(out) < 24:
+        out.extend(engine.step())
+    assert out[:24] == oracle[:24]

@@ -21,11 +21,11 @@ import argparse
 import gc
 import json
 import random
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from profile_step import _wall  # the same host-synchronised wall time per call
 
 from dflash.execution import ShardedTarget, plan_shards
 from dflash.execution.engine import TokenAcceptance, chain_of
@@ -42,19 +42,6 @@ RULES: dict[str, SamplingParams] = {
     "T0.7 all filters": SamplingParams(temperature=0.7, top_k=50, top_p=0.95, min_p=0.05,
                                        seed=1),
 }
-
-
-def _wall(run: Callable[[], object], calls: int, warmup: int) -> float:
-    """Wall ms per call of ``run`` after ``warmup`` calls (host-synchronised)."""
-    for _ in range(warmup):
-        run()
-    gc.collect()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        run()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e3
 
 
 def _gpu(run: Callable[[], object], calls: int) -> float:

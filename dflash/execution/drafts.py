@@ -127,14 +127,11 @@ class DeviceDrafts(_Checked):
         """The first proposal now, from the prompt's features (eager); the rest inside the
         steps, replayed from the first shard's graphs."""
         assert features is not None  # a device drafter has taps
-        graphs = self.target.graphs
-        assert graphs is not None  # draft_source chose this source for a graphed target
         first, drafter = self.target.shards[0], self.device_drafter
         with first.on_device():
             guesses = drafter.start_device(
                 features, last, self.target.max_len + self.block_size, self.block_size
             )
-        graphs[0].bind("draft", (id(drafter), drafter.device_buffers_version))
         self._next = [int(g) for g in guesses.tolist()]
 
     def take(self, context: list[int], last: int) -> tuple[list[int], list[float] | None]:
@@ -151,8 +148,8 @@ class DeviceDrafts(_Checked):
         first = self.target.shards[0]
         rows = stack_tap_features({k: v.to(first.device) for k, v in taps.items()}, self.taps)
         drafter = self.device_drafter
-        # the drafter's buffers and sampling rule may have changed since the last step
-        # (``couple`` between steps): a graph captured on the old ones is dropped
+        # the drafter's buffers (a new prefill's start) or its sampling rule (``couple``)
+        # may have changed since the last step: a graph captured on the old ones is dropped
         graphs[0].bind("draft", (id(drafter), drafter.device_buffers_version))
         with first.on_device():
             drafter.set_device_inputs(rows, count.to(first.device), t.to(first.device))

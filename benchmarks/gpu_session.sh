@@ -12,6 +12,8 @@
 #                                          # 64 and 16 nodes (9B, 27B at 64) and the chain (9B, block 16)
 #   bash benchmarks/gpu_session.sh sampling # the rule's GPU tests, benchmarks/sampling_cost.py,
 #                                          # dflash bench sampled (9B synthetic; default pair)
+#   bash benchmarks/gpu_session.sh filters # the filters' GPU tests, sampling_cost.py (+ --profile),
+#                                          # dflash bench with top-k 20, top-p 0.95 (9B; default pair)
 #   bash benchmarks/gpu_session.sh wide    # the wide-verify linear: GPU tests + benchmarks/linear_wide.py
 #   bash benchmarks/gpu_session.sh kernels # benchmarks/kernels.py (kernels-sweep: with its config sweep)
 #   bash benchmarks/gpu_session.sh cli     # dflash generate on two GPUs, every drafter
@@ -39,6 +41,8 @@ for i in range(torch.cuda.device_count()):
 PY
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee -a "$OUT/env.txt"
 dflash() { python3 -m dflash.cli "$@"; }
+# a prompt in the default pair's domain (Python source): a random one is noise to it
+DEFAULT_PROMPT=$'import os\nimport sys\n\n\ndef main(argv):\n    """Parse the command line and run."""\n    parser = argparse.ArgumentParser('
 for phase in "$@"; do
   case "$phase" in
     tests)
@@ -110,7 +114,6 @@ for phase in "$@"; do
           --warmup 1 --runs 3 --out "$OUT/$name.json" --plot '' > "$OUT/$name.log" 2>&1
         echo "$name rc=$?"; tail -8 "$OUT/$name.log"
       done
-      DEFAULT_PROMPT=$'import os\nimport sys\n\n\ndef main(argv):\n    """Parse the command line and run."""\n    parser = argparse.ArgumentParser('
       for temp in ${DEFAULT_TEMPS:-0.7 1.0 0}; do
         name=bench_sampled_default_t$temp
         # a prompt in the pair's domain (Python source): a random one is noise to it
@@ -120,6 +123,30 @@ for phase in "$@"; do
           --plot '' > "$OUT/$name.log" 2>&1
         echo "$name rc=$?"; tail -8 "$OUT/$name.log"
       done
+      ;;
+    filters)
+      # the filters' floors as a Triton histogram: the kernels' and sampled steps' GPU
+      # tests, the rule's cost in a 9B verify step (and its kernels' profile), then dflash
+      # bench with Qwen's recommended filters on the 9B shape and the default pair
+      python3 -m pytest tests/gpu/test_sample_kernels.py tests/gpu/test_sampled.py -q -s \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_filters.log" | tail -20
+      timeout "${COST_TIMEOUT:-300}" python3 benchmarks/sampling_cost.py \
+        --json "$OUT/sampling_cost.json" 2>&1 | tee "$OUT/sampling_cost.log" | tail -22
+      timeout "${COST_TIMEOUT:-300}" python3 benchmarks/sampling_cost.py --profile \
+        > "$OUT/sampling_profile.log" 2>&1; echo "profile rc=$?"
+      name=bench_filters_nine
+      timeout "${BENCH_TIMEOUT:-300}" python3 -m dflash.cli bench --model nine-b-shape \
+        --draft synthetic --acceptance 0.874 --block-size 16 --prompt-len 1024 \
+        --max-new-tokens 256 --temperature 0.6 --top-k 20 --top-p 0.95 --seed 1 \
+        --a checkpoint --b recompute --warmup 1 --runs 3 --out "$OUT/$name.json" \
+        --plot '' > "$OUT/$name.log" 2>&1
+      echo "$name rc=$?"; tail -8 "$OUT/$name.log"
+      name=bench_filters_default
+      timeout "${BENCH_TIMEOUT:-300}" python3 -m dflash.cli bench --model default \
+        --prompt "$DEFAULT_PROMPT" --max-new-tokens 256 --temperature 0.6 --top-k 20 \
+        --top-p 0.95 --seed 1 --a checkpoint --b recompute --warmup 1 --runs 3 \
+        --out "$OUT/$name.json" --plot '' > "$OUT/$name.log" 2>&1
+      echo "$name rc=$?"; tail -8 "$OUT/$name.log"
       ;;
     wide)
       python3 -m pytest tests/gpu/test_minv_kernels.py -q -p no:cacheprovider 2>&1 \

@@ -8,8 +8,9 @@ the plain decode forward (``T = 1``), measures host-synchronised wall time per c
 - the same with each sampling rule's acceptance instead (the seeded Gumbel draw at the
   rows' absolute positions, and its filters);
 
-and, from CUDA events over many back-to-back calls, the GPU time of each rule's
-acceptance alone on the forward's logits. The added cost is the sampled wall minus the
+and, from CUDA events, the GPU time of each rule's acceptance alone on the forward's
+logits: over many back-to-back calls (launch gaps included) and inside one CUDA graph
+(the kernels alone). The added cost is the sampled wall minus the
 greedy wall, as a share of the greedy step. GPU only; about a minute on an H200.
 
     python benchmarks/sampling_cost.py [--rows 16] [--calls 32] [--json out.json]
@@ -41,6 +42,9 @@ RULES: dict[str, SamplingParams] = {
     "T0.7 top_p 0.95": SamplingParams(temperature=0.7, top_p=0.95, seed=1),
     "T0.7 all filters": SamplingParams(temperature=0.7, top_k=50, top_p=0.95, min_p=0.05,
                                        seed=1),
+    "T0.6 top_k 20 top_p 0.95": SamplingParams(temperature=0.6, top_k=20, top_p=0.95,
+                                               seed=1),
+    "T1.0 top_p 0.95": SamplingParams(temperature=1.0, top_p=0.95, seed=1),
 }
 
 
@@ -56,6 +60,27 @@ def _gpu(run: Callable[[], object], calls: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return float(start.elapsed_time(end)) / calls
+
+
+def _graphed(run: Callable[[], object], calls: int) -> float:
+    """GPU ms per call of ``run`` with no launch gaps: ``calls`` calls captured in one CUDA
+    graph, its replays timed by CUDA events."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            run()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch's stub
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch's stub
+    start.record()
+    for _ in range(4):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return float(start.elapsed_time(end)) / (4 * calls)
 
 
 def _profile(rows: int) -> None:
@@ -151,21 +176,29 @@ def main() -> None:
 
                 wall = _wall(step, args.calls, args.warmup)
                 gpu = _gpu(accept, args.calls * 4)
+                try:
+                    graphed = _graphed(accept, 10)
+                except RuntimeError as e:  # a capture failure is reported, not fatal
+                    print(f"T={T} {name}: graph capture failed: {e}", flush=True)
+                    graphed = float("nan")
                 if params.greedy:
                     greedy_wall = wall
                 added = (wall - greedy_wall) / greedy_wall * 100
                 rows.append({"rows": T, "rule": name, "step_wall_ms": wall,
-                             "accept_gpu_ms": gpu, "added_pct": added})
+                             "accept_gpu_ms": gpu, "accept_graphed_ms": graphed,
+                             "added_pct": added})
                 print(f"T={T:<3} {name:<18} step {wall:7.3f} ms  acceptance GPU "
-                      f"{gpu * 1e3:8.1f} us  added {added:+6.2f} %", flush=True)
+                      f"{gpu * 1e3:8.1f} us (graphed {graphed * 1e3:6.1f})  "
+                      f"added {added:+6.2f} %", flush=True)
             del target
             gc.collect()
             torch.cuda.empty_cache()
-    print("\n| T | rule | step wall ms | acceptance GPU µs | added to the step |")
-    print("|---|---|---|---|---|")
+    print("\n| T | rule | step wall ms | acceptance GPU µs | graphed µs | added to the step |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['rows']} | {r['rule']} | {float(r['step_wall_ms']):.3f} | "
-              f"{float(r['accept_gpu_ms']) * 1e3:.1f} | {float(r['added_pct']):+.2f} % |")
+              f"{float(r['accept_gpu_ms']) * 1e3:.1f} | "
+              f"{float(r['accept_graphed_ms']) * 1e3:.1f} | {float(r['added_pct']):+.2f} % |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"prompt_len": args.prompt_len, "calls": args.calls,

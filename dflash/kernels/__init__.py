@@ -20,7 +20,8 @@
   rows independent of the number of query rows, ``start`` read on the device.
 - :func:`gumbel_argmax`: the sampling rule's seeded Gumbel-max draw, one token per row
   (Philox noise keyed by seed, position and token; an optional per-row floor);
-  :func:`top_p_count`: how many of a sorted row's most probable entries top-p keeps.
+  :func:`filter_floors`: the top-k, top-p and min-p filters as that floor (a histogram of
+  the 16-bit logits, no sort).
 
 Entry points validate every argument first (a bad value raises
 :class:`~dflash.errors.KernelBoundsError`, a ``ValueError``; a non-tensor ``TypeError``),
@@ -33,6 +34,8 @@ from dflash.kernels.attention import decode_attention
 from dflash.kernels.attention_reference import decode_attention_reference
 from dflash.kernels.conv import causal_conv1d_capture
 from dflash.kernels.conv_reference import causal_conv1d_capture_reference
+from dflash.kernels.filter import filter_floors
+from dflash.kernels.filter_reference import filter_floors_reference
 from dflash.kernels.gates import gdn_gates
 from dflash.kernels.gates_reference import gdn_gates_reference
 from dflash.kernels.gdn import gdn_recompute, gdn_verify
@@ -45,8 +48,6 @@ from dflash.kernels.rollback import RollbackBoundsError, rollback_restore
 from dflash.kernels.rollback_reference import rollback_restore_reference
 from dflash.kernels.sample import gumbel_argmax
 from dflash.kernels.sample_reference import gumbel_argmax_reference
-from dflash.kernels.top_p import top_p_count
-from dflash.kernels.top_p_reference import top_p_count_reference
 from dflash.kernels.tree_paths import tree_parents_into, tree_paths, tree_paths_into
 
 __all__ = [
@@ -55,6 +56,8 @@ __all__ = [
     "causal_conv1d_capture_reference",
     "decode_attention",
     "decode_attention_reference",
+    "filter_floors",
+    "filter_floors_reference",
     "gdn_gates",
     "gdn_gates_reference",
     "gdn_recompute",
@@ -69,8 +72,6 @@ __all__ = [
     "rms_norm_reference",
     "rollback_restore",
     "rollback_restore_reference",
-    "top_p_count",
-    "top_p_count_reference",
     "tree_parents_into",
     "tree_paths",
     "tree_paths_into",

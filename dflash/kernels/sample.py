@@ -38,9 +38,10 @@ def gumbel_argmax(
         seed: an int in ``[0, 2**63)``.
         inv_temperature: a positive finite float (``1 / temperature``, used as float32).
         floor, floor_id: both None (every token kept) or ``[T]`` float32 and ``[T]``
-            int64: row ``i`` keeps ``v`` when ``s_v > floor[i]``, or ``s_v == floor[i]``
-            and ``v <= floor_id[i]`` (a prefix of the tokens ordered by ``s`` descending,
-            then id).
+            int64: row ``i`` keeps ``v`` when its logit ``l_v = float32(logits[i, v])``
+            has ``l_v > floor[i]``, or ``l_v == floor[i]`` and ``v <= floor_id[i]`` (a
+            prefix of the tokens ordered by logit descending, then id:
+            :func:`~dflash.kernels.filter_floors`).
         out: None or a contiguous ``[T]`` int64 tensor that receives the tokens.
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see ``gdn_verify``).
 

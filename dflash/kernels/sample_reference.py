@@ -73,15 +73,16 @@ def gumbel_argmax_reference(
 ) -> Tensor:
     """Row ``i``'s token ``argmax_v (s_v + G(seed, positions[i], v))`` over the kept
     tokens, ``s = float32(logits) * float32(inv_temperature)``; kept: every token, or with
-    ``floor`` / ``floor_id`` those with ``s_v > floor[i]``, or ``s_v == floor[i]`` and
-    ``v <= floor_id[i]``. The first maximum wins; a NaN ranks as ``+inf``."""
+    ``floor`` / ``floor_id`` those whose logit ``l_v = float32(logits)`` has ``l_v >
+    floor[i]``, or ``l_v == floor[i]`` and ``v <= floor_id[i]``. The first maximum wins;
+    a NaN ranks as ``+inf``."""
     vocab = logits.shape[-1]
-    s = logits.to(torch.float32) * inv_temperature
-    noisy = s + gumbel_noise(seed, positions, vocab)
+    l = logits.to(torch.float32)
+    noisy = l * inv_temperature + gumbel_noise(seed, positions, vocab)
     if floor is not None and floor_id is not None:
         ids = torch.arange(vocab, device=logits.device)[None, :]
         f, fid = floor[:, None].to(torch.float32), floor_id[:, None]
-        keep = (s > f) | ((s == f) & (ids <= fid))
+        keep = (l > f) | ((l == f) & (ids <= fid))
         noisy = torch.where(keep, noisy, -math.inf)
     noisy = torch.where(torch.isnan(noisy), math.inf, noisy)
     tokens = noisy.argmax(-1)

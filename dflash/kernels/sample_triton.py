@@ -4,10 +4,11 @@ draw over a vocabulary, in two launches.
 ``gumbel_argmax_chunk_kernel``: a ``[T, chunks]`` grid; each program scales its chunk of
 one row's logits, adds the Gumbel noise Philox derives from ``(seed, position, token)``
 (``tl.philox``: the bits of the torch reference), drops the tokens under the row's floor
-and keeps the chunk's maximum and its first index. ``gumbel_argmax_reduce_kernel``: one
-program per row picks the largest chunk maximum, the lowest index among equals. A maximum
-is exact whatever the order it is taken in, so a row's token depends on that row alone —
-the same in a one-row decode and in any row of a verify (M-invariance).
+(a floor on the logits: :mod:`dflash.kernels.filter`) and keeps the chunk's maximum and
+its first index. ``gumbel_argmax_reduce_kernel``: one program per row picks the largest
+chunk maximum, the lowest index among equals. A maximum is exact whatever the order it is
+taken in, so a row's token depends on that row alone — the same in a one-row decode and
+in any row of a verify (M-invariance).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def gumbel_argmax_chunk_kernel(  # type: ignore[no-untyped-def]  # Triton pointe
     i_c = tl.program_id(1)
     o_v = i_c * BV + tl.arange(0, BV)
     m_v = o_v < V
-    s = tl.load(logits + i_t * V + o_v, mask=m_v, other=0).to(tl.float32) * inv_t
+    l = tl.load(logits + i_t * V + o_v, mask=m_v, other=0).to(tl.float32)
+    s = l * inv_t
     p = tl.load(positions + i_t)
     zero = tl.zeros([BV], dtype=tl.uint32)
     bits, _, _, _ = tl.philox(seed, o_v.to(tl.uint32), (zero + p).to(tl.uint32), zero, zero)
@@ -40,7 +42,7 @@ def gumbel_argmax_chunk_kernel(  # type: ignore[no-untyped-def]  # Triton pointe
     if HAS_FLOOR:
         f = tl.load(floor + i_t)
         fid = tl.load(floor_id + i_t)
-        keep = (s > f) | ((s == f) & (o_v.to(tl.int64) <= fid))
+        keep = (l > f) | ((l == f) & (o_v.to(tl.int64) <= fid))
         x = tl.where(keep, x, float("-inf"))
     x = tl.where(x != x, float("inf"), x)  # NaN ranks as +inf
     x = tl.where(m_v, x, float("-inf"))

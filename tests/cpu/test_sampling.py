@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from dflash.kernels.checks import INTERPRET
+from dflash.kernels.checks import INTERPRET, Backend
 from dflash.sampling import (
     GREEDY,
     SamplingError,
@@ -167,37 +167,67 @@ def test_bad_parameters_are_named(change: dict[str, object], match: str) -> None
         SamplingParams(**change)  # type: ignore[arg-type]  # bad values on purpose
 
 
+def oracle_kept(row_logits: list[float], params: SamplingParams) -> list[int]:
+    """The tokens the filters keep, by their definition in plain Python: the tokens ordered
+    by float32 logit descending, then id; top-k's first ``k``; top-p's weights
+    ``floor(exp(float64(s_v - m)) * 2**32)`` (``s`` the float32 scaled logits, ``m`` the
+    first token's) kept while the weights before them sum below ``float32(top_p) * Z``;
+    min-p's ``s_v >= m + float32(log(min_p))``."""
+    def f32(x: float) -> float:
+        return float(torch.tensor(x, dtype=torch.float32))
+
+    it = f32(1.0 / params.temperature)
+    row = [f32(x) + 0.0 for x in row_logits]
+    s = [f32(x * it) for x in row]
+    order = sorted(range(len(row)), key=lambda v: (-row[v], v))
+    kept = order[: params.top_k] if 0 < params.top_k < len(row) else order
+    m = s[order[0]]
+    if params.top_p < 1.0:
+        w = [math.floor(math.exp(f32(s[v] - m)) * 2**32) for v in kept]
+        target = f32(params.top_p) * sum(w)
+        n = max(1, sum(1 for j in range(len(kept)) if sum(w[:j]) < target))
+        kept = kept[:n]
+    if params.min_p > 0.0:
+        low = f32(m + f32(math.log(params.min_p)))
+        kept = [v for v in kept if s[v] >= low]
+    return kept
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0, top_k=7, seed=0),
     SamplingParams(temperature=0.5, top_p=0.8, seed=0),
     SamplingParams(temperature=1.0, top_k=12, top_p=0.6, seed=0),
     SamplingParams(temperature=2.0, min_p=0.3, seed=0),
     SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05, seed=0),
+    SamplingParams(temperature=0.7, top_p=0.999, seed=0),
 ])
-def test_floors_keep_the_defined_prefix_with_ties(params: SamplingParams) -> None:
+@pytest.mark.parametrize(("dtype", "backend"), [
+    (torch.float32, "reference"),
+    (torch.bfloat16, "reference"),
+    pytest.param(torch.bfloat16, "triton", marks=pytest.mark.skipif(
+        not INTERPRET, reason="the Triton histogram on CPU needs TRITON_INTERPRET=1")),
+])
+def test_floors_keep_the_defined_prefix_with_ties(
+    params: SamplingParams, dtype: torch.dtype, backend: Backend
+) -> None:
     """On rows full of ties (and both signs of zero), each floor keeps exactly the prefix
-    the filters define over the tokens ordered by score descending, then id."""
-    from dflash.kernels.top_p_reference import top_p_count_reference
-    from dflash.sampling import filter_floors, inverse_temperature
+    the filters define (:func:`oracle_kept`): the torch reference in float32 and bfloat16,
+    and the Triton histogram of the bfloat16 logits."""
+    from dflash.kernels import filter_floors
+    from dflash.sampling import inverse_temperature
 
     gen = torch.Generator().manual_seed(4)
-    logits = torch.randint(-3, 3, (8, 50), generator=gen).float()
-    logits[0, :10] = -0.0  # -0.0 and +0.0 are the same score
+    logits = (torch.randint(-6, 6, (8, 50), generator=gen) / 2).to(dtype)
+    logits[0, :10] = -0.0  # -0.0 and +0.0 are the same logit
     logits[0, 10:20] = 0.0
+    logits[1, 5] = -math.inf
     inv_t = inverse_temperature(params)
-    floors = filter_floors(logits, inv_t, params)
-    assert floors is not None
-    floor, floor_id = floors
-    s = logits * inv_t
+    floor, floor_id = filter_floors(
+        logits, inv_t, params.top_k, params.top_p, params.min_p, backend=backend
+    )
+    l32 = logits.float()
     for r in range(8):
-        row = s[r].tolist()
-        order = sorted(range(50), key=lambda v: (-row[v], v))
-        kept = order[: params.top_k] if params.top_k else order
-        if params.top_p < 1.0:
-            scores = torch.tensor([[row[v] for v in kept]])
-            kept = kept[: int(top_p_count_reference(scores, params.top_p))]
-        if params.min_p > 0.0:
-            kept = [v for v in kept if row[v] >= max(row) + math.log(params.min_p)]
+        row = l32[r].tolist()
         f, fid = float(floor[r]), int(floor_id[r])
         got = [v for v in range(50) if row[v] > f or (row[v] == f and v <= fid)]
-        assert sorted(kept) == got, r
+        assert sorted(oracle_kept(row, params)) == got, r

@@ -1,5 +1,5 @@
 """The sampling rule's kernels on a GPU at Qwen3.5's vocabulary (skipped without CUDA):
-the Gumbel-max draw and the top-p cut against their torch references, rows that do not
+the Gumbel-max draw and the filters' floors against their torch references, rows that do not
 depend on the call, every output written, and unbiased frequencies.
 
 Run: ``python -m pytest tests/gpu/test_sample_kernels.py -q -s``
@@ -12,10 +12,8 @@ import math
 import pytest
 import torch
 
-from dflash.kernels import gumbel_argmax, gumbel_argmax_reference
+from dflash.kernels import filter_floors, gumbel_argmax, gumbel_argmax_reference
 from dflash.kernels.sample_reference import gumbel_noise
-from dflash.kernels.top_p import top_p_count
-from dflash.kernels.top_p_reference import top_p_count_reference
 from dflash.sampling import SamplingParams, sample_tokens
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -44,14 +42,28 @@ def test_gumbel_argmax_matches_the_reference_at_full_vocabulary() -> None:
     print(f"\ngumbel_argmax: {int((got == ref).sum())}/64 rows equal the reference")
 
 
-def test_top_p_count_matches_the_reference_at_full_vocabulary() -> None:
-    s = torch.sort(_logits(16, 1, torch.float32) / 0.7, dim=-1, descending=True).values
-    out = torch.full((16,), POISON, dtype=torch.int64, device="cuda")
-    got = top_p_count(s, 0.95, out=out)
-    ref = top_p_count_reference(s, 0.95)
-    assert got is out and (got >= 1).all()
-    assert (got - ref).abs().max() <= 1, (got.tolist(), ref.tolist())
-    print(f"\ntop_p_count: {int((got == ref).sum())}/16 rows equal the reference")
+@pytest.mark.parametrize(("top_k", "top_p", "min_p"), [
+    (50, 1.0, 0.0), (0, 0.95, 0.0), (20, 0.8, 0.0), (0, 1.0, 0.05), (50, 0.95, 0.05),
+    (1000, 0.99, 0.0),
+])
+def test_filter_floors_match_the_reference_at_full_vocabulary(
+    top_k: int, top_p: float, min_p: float
+) -> None:
+    """The Triton histogram's floors equal the sorting reference's on 64 bfloat16 rows at
+    three temperatures: wide random rows and peaked ones (a few large logits)."""
+    logits = _logits(64, 1)
+    logits[32:] = (logits[32:].float() * 0.25).to(torch.bfloat16)
+    logits[32:, :40] += 12.0
+    for temperature in (0.6, 1.0, 1.5):
+        inv_t = float(torch.tensor(1 / temperature, dtype=torch.float32))
+        out = (torch.full((64,), math.nan, device="cuda"),
+               torch.full((64,), POISON, dtype=torch.int64, device="cuda"))
+        got = filter_floors(logits, inv_t, top_k, top_p, min_p, out=out, backend="triton")
+        ref = filter_floors(logits, inv_t, top_k, top_p, min_p, backend="reference")
+        assert got[0] is out[0] and not torch.isnan(got[0]).any() and (got[1] != POISON).all()
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), temperature
+    alone = filter_floors(logits[40:41].clone(), inv_t, top_k, top_p, min_p)
+    assert float(alone[0][0]) == float(got[0][40]) and int(alone[1][0]) == int(got[1][40])
 
 
 @pytest.mark.parametrize("params", [

@@ -36,15 +36,15 @@ def margins(logits: torch.Tensor, positions: torch.Tensor, seed: int, inv_t: flo
 
 
 def floors_from(logits: torch.Tensor, inv_t: float, keep_n: list[int]) -> tuple[torch.Tensor, ...]:
-    """Floors keeping the first ``keep_n[i]`` tokens of row ``i`` in (score desc, id)
-    order, and the kept mask."""
-    s = logits.float() * inv_t
-    order = torch.sort(s, dim=-1, descending=True, stable=True).indices
+    """Floors keeping the first ``keep_n[i]`` tokens of row ``i`` in (logit desc, id)
+    order, and the kept mask (a floor is a logit: ``inv_t`` does not change the order)."""
+    l = logits.float()
+    order = torch.sort(l, dim=-1, descending=True, stable=True).indices
     last = torch.tensor(keep_n)[:, None] - 1
     floor_id = order.gather(1, last)[:, 0]
-    floor = s.gather(1, floor_id[:, None])[:, 0]
-    ids = torch.arange(s.shape[1])[None]
-    keep = (s > floor[:, None]) | ((s == floor[:, None]) & (ids <= floor_id[:, None]))
+    floor = l.gather(1, floor_id[:, None])[:, 0]
+    ids = torch.arange(l.shape[1])[None]
+    keep = (l > floor[:, None]) | ((l == floor[:, None]) & (ids <= floor_id[:, None]))
     return floor, floor_id, keep
 
 

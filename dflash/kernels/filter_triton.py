@@ -1,0 +1,341 @@
+"""Triton kernels of :func:`~dflash.kernels.filter.filter_floors` for 16-bit logits
+(bfloat16 or float16): the filters' floors without ordering the vocabulary.
+
+A 16-bit logit has 65,536 possible values, so a row's order (logit descending, then id) is
+a histogram of its tokens over those values, read from the top. Only the tokens that can
+decide a cut are counted: global atomics cost about 30 µs per million tokens on an H200,
+so counting a whole 248,320-token vocabulary for 16 rows would cost over 100 µs. Six
+launches:
+
+1. ``filter_maxima_kernel`` (``[T, chunks]``): the top bin of each group of 256 tokens.
+2. ``filter_bound_kernel`` (one program per row): the lowest bin that can matter. With
+   top-k, the ``k``-th largest group maximum (``k`` tokens lie at or above it, so the
+   ``k``-th token does); with top-p alone, the lowest bin whose top-p weight can be
+   positive (every bin below weighs 0); with min-p alone, bin 0.
+3. ``filter_hist_kernel`` (``[T, chunks]``): each token at or above the bound adds one to
+   the bin of its logit's bits, mapped to an order-preserving index (``-0.0`` counted as
+   ``+0.0``). Integer atomics: the counts do not depend on the order they land in.
+4. ``filter_scan_kernel`` (one program per row): walks the bins from the top, in blocks,
+   carrying integer sums. Every token of a bin has the same logit, hence the same scaled
+   score and top-p weight, so a bin's weight is its count times one token's. The walk
+   finds the bin where top-k's count reaches ``k`` and the bin where top-p's mass reaches
+   ``top_p * Z``, and min-p's lowest kept bin, and leaves the cut's bin and its rank among
+   the bin's tokens (or, when min-p is the strictest, the finished floor). A min-p floor
+   under the bound is never the strictest: the cut of top-k or top-p lies above it.
+5. ``filter_ties_count_kernel`` (``[T, chunks]``): how many tokens of each chunk lie in the
+   cut's bin.
+6. ``filter_ties_pick_kernel`` (``[T, chunks]``): the chunk that holds the cut's rank finds
+   the token (ties are ordered by id) and writes its id.
+
+Each row's result depends on that row alone (M-invariance) and equals the torch
+reference's (``filter_reference.py``), whose weights use the same float64 ``exp``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: tokens per program of the histogram and tie launches
+CHUNK = 4096
+#: one bin per 16-bit pattern
+NBINS = 1 << 16
+#: bins per step of the scan
+SCAN_BLOCK = 4096
+#: groups per chunk whose top bins bound the histogram from below
+GROUPS = 16
+
+
+@triton.jit
+def _bin_of(bits):  # type: ignore[no-untyped-def]  # Triton values are untyped
+    """The order-preserving bin of 16-bit float patterns (int32 in [0, 65536))."""
+    u = tl.where(bits == 0x8000, 0, bits)  # -0.0 is +0.0
+    return tl.where(u < 0x8000, u + 0x8000, 0xFFFF - u)
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def _logit_of(b, IS_BF16: tl.constexpr):  # type: ignore[no-untyped-def]  # untyped values
+    """The float32 logit of bins ``b`` (int32), the inverse of :func:`_bin_of`."""
+    u = tl.where(b >= 0x8000, b - 0x8000, 0xFFFF - b)
+    if IS_BF16:
+        x = (u << 16).to(tl.float32, bitcast=True)
+    else:
+        x = u.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return x + 0.0
+
+
+@triton.jit
+def _weight(s, m):  # type: ignore[no-untyped-def]  # Triton values are untyped
+    """``floor(exp(float64(s - m)) * 2**32)`` as int64 (a NaN or positive difference is 0)."""
+    d = s - m
+    d = tl.where(d != d, 0.0, d)
+    d = tl.minimum(d, 0.0)
+    e = tl.exp(d.to(tl.float64))
+    return tl.floor(e * 4294967296.0).to(tl.int64)
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def filter_maxima_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
+    bits16, maxima,  # [T, V] int16 (the logits' bits); [T, chunks * SUB] int32
+    V, BV: tl.constexpr, SUB: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    i_c = tl.program_id(1)
+    o_v = i_c * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    u = tl.load(bits16 + i_t * V + o_v, mask=m_v, other=0).to(tl.int32) & 0xFFFF
+    b = tl.reshape(tl.where(m_v, _bin_of(u), -1), [SUB, BV // SUB])
+    o_s = tl.arange(0, SUB)
+    tl.store(maxima + (i_t * tl.num_programs(1) + i_c) * SUB + o_s, tl.max(b, 1))
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def filter_bound_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
+    maxima, bound,  # [T, n] int32 (the groups' top bins); [T] int32
+    n, inv_t, top_k,
+    HAS_K: tl.constexpr, HAS_P: tl.constexpr, IS_BF16: tl.constexpr, BN: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    o = tl.arange(0, BN)
+    x = tl.load(maxima + i_t * n + o, mask=o < n, other=-1)
+    top = tl.max(x, 0)
+    if HAS_K:
+        # the k-th largest group maximum: k tokens lie at or above it, so the k-th token does
+        b = 0
+        if top_k <= n:
+            ranked = tl.sort(x, descending=True)
+            b = tl.sum(tl.where(o == top_k - 1, ranked, 0), 0)
+    elif HAS_P:
+        # the lowest bin whose weight can be positive: s - m >= log(2**-32) (-22.18...),
+        # with a margin (a bin of weight 0 in the histogram costs nothing)
+        m = _logit_of(top, IS_BF16) * inv_t
+        lo = 0
+        hi = top
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _logit_of(mid, IS_BF16) * inv_t - m >= -22.25:
+                hi = mid
+            else:
+                lo = mid + 1
+        b = lo
+    else:
+        b = 0  # min-p alone: every token
+    tl.store(bound + i_t, b)
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def filter_hist_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
+    bits16, bound, hist,  # [T, V] int16; [T] int32; [T, NBINS] int32, zeroed
+    V, BV: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    o_v = tl.program_id(1) * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    u = tl.load(bits16 + i_t * V + o_v, mask=m_v, other=0).to(tl.int32) & 0xFFFF
+    b = _bin_of(u)
+    m_b = m_v & (b >= tl.load(bound + i_t))
+    tl.atomic_add(hist + i_t * 65536 + b, 1, mask=m_b, sem="relaxed")
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def filter_scan_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
+    hist, floor, floor_id, cut_bin, cut_rank,  # [T, NBINS] i32; [T] f32, i64, i32, i64
+    inv_t, top_k, top_p, log_min_p, V,
+    HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
+    IS_BF16: tl.constexpr, BB: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    p_h = hist + i_t * 65536
+    o = tl.arange(0, BB)
+    # the top nonempty bin (a row holds at least one token): m is its scaled logit
+    top = -1
+    hi = 65536
+    while (top < 0) & (hi > 0):  # hi > 0: a guard, the bound never empties a row
+        c = tl.load(p_h + (hi - 1 - o))
+        first = tl.min(tl.where(c > 0, o, BB), 0)
+        top = tl.where(first < BB, hi - 1 - first, -1)
+        hi -= BB
+    top = tl.maximum(top, 0)
+    m = _logit_of(top, IS_BF16) * inv_t
+    start = (top // BB + 1) * BB  # the walks begin with the top bin's block
+    cut = top
+    rank = tl.zeros([], dtype=tl.int64) + 1
+    total = tl.zeros([], dtype=tl.int64)  # top-p's Z
+    if HAS_K:
+        # the bin where the running count reaches k; Z: the weights of the first k tokens
+        run_c = tl.zeros([], dtype=tl.int64)
+        run_w = tl.zeros([], dtype=tl.int64)
+        found = 0
+        hi = start
+        while (found == 0) & (hi > 0):
+            b = hi - 1 - o
+            c = tl.load(p_h + b).to(tl.int64)
+            cc = run_c + tl.cumsum(c, 0)
+            first = tl.min(tl.where((cc >= top_k) & (c > 0), o, BB), 0)
+            sel = o == first
+            if first < BB:
+                found = 1
+                cut = hi - 1 - first
+                rank = top_k - tl.sum(tl.where(sel, cc - c, 0), 0)
+            if HAS_P:  # Z of the k kept tokens: the weights before the cut's bin, and rank
+                w = _weight(_logit_of(b, IS_BF16) * inv_t, m)
+                cw = c * w
+                if first < BB:
+                    w_before = tl.sum(tl.where(sel, run_w + tl.cumsum(cw, 0) - cw, 0), 0)
+                    total = w_before + rank * tl.sum(tl.where(sel, w, 0), 0)
+                run_w += tl.sum(cw, 0)
+            run_c += tl.sum(c, 0)
+            hi -= BB
+    elif HAS_P:
+        # Z: every weight, down to the first block whose lowest bin weighs 0
+        hi = start
+        go = 1
+        while go != 0:
+            b = hi - 1 - o
+            c = tl.load(p_h + b).to(tl.int64)
+            w = _weight(_logit_of(b, IS_BF16) * inv_t, m)
+            total += tl.sum(c * w, 0)
+            hi -= BB
+            go = tl.where((hi > 0) & (tl.min(w, 0) > 0), 1, 0)
+    if HAS_P:
+        # the first bin where the running mass of the kept tokens reaches top_p * Z
+        target = top_p * total.to(tl.float64)
+        k_bin = cut
+        k_rank = rank
+        run_w = tl.zeros([], dtype=tl.int64)
+        found = 0
+        hi = start
+        while (found == 0) & (hi > 0):
+            b = hi - 1 - o
+            c = tl.load(p_h + b).to(tl.int64)
+            if HAS_K:
+                c = tl.where(b > k_bin, c, tl.where(b == k_bin, k_rank, 0))
+            w = _weight(_logit_of(b, IS_BF16) * inv_t, m)
+            cw = c * w
+            cum = run_w + tl.cumsum(cw, 0)
+            first = tl.min(tl.where((cum.to(tl.float64) >= target) & (c > 0), o, BB), 0)
+            sel = o == first
+            if first < BB:
+                found = 1
+                cut = hi - 1 - first
+                before = tl.sum(tl.where(sel, cum - cw, 0), 0)
+                w_cut = tl.maximum(tl.sum(tl.where(sel, w, 0), 0), 1)
+                # the smallest r >= 1 with before + r * w_cut >= target, exact in float64
+                need = (target - before.to(tl.float64)) / w_cut.to(tl.float64)
+                r = tl.maximum(tl.ceil(need), 1.0).to(tl.int64)
+                below = (before + (r - 1) * w_cut).to(tl.float64) >= target
+                r = tl.where((r > 1) & below, r - 1, r)
+                r = tl.where((before + r * w_cut).to(tl.float64) < target, r + 1, r)
+                rank = r
+            run_w += tl.sum(cw, 0)
+            hi -= BB
+    done = 0
+    if HAS_MIN_P:
+        # min-p's floor: the lowest nonempty bin whose scaled logit reaches m + log(min_p)
+        low = m + log_min_p
+        lowest = top
+        hi = start
+        go = 1
+        while go != 0:
+            b = hi - 1 - o
+            c = tl.load(p_h + b)
+            s = _logit_of(b, IS_BF16) * inv_t
+            lowest = tl.minimum(lowest, tl.min(tl.where((c > 0) & (s >= low), b, 65536), 0))
+            hi -= BB
+            go = tl.where((hi > 0) & (tl.min(s, 0) >= low), 1, 0)
+        if (HAS_K | HAS_P) == 0:
+            done = 1
+        if lowest > cut:
+            done = 1
+        if done != 0:
+            cut = lowest
+    tl.store(floor + i_t, _logit_of(cut, IS_BF16))
+    tl.store(cut_bin + i_t, cut)
+    if done != 0:
+        tl.store(floor_id + i_t, tl.zeros([], dtype=tl.int64) + (V - 1))
+        tl.store(cut_rank + i_t, 0)
+    else:
+        tl.store(cut_rank + i_t, rank)
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def filter_ties_count_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
+    bits16, cut_bin, cut_rank, counts,  # [T, V] i16; [T] i32, i64; [T, chunks] i32
+    V, chunks, BV: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    i_c = tl.program_id(1)
+    n = 0
+    if tl.load(cut_rank + i_t) > 0:
+        o_v = i_c * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        u = tl.load(bits16 + i_t * V + o_v, mask=m_v, other=0).to(tl.int32) & 0xFFFF
+        n = tl.sum((m_v & (_bin_of(u) == tl.load(cut_bin + i_t))).to(tl.int32), 0)
+    tl.store(counts + i_t * chunks + i_c, n)
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def filter_ties_pick_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
+    bits16, cut_bin, cut_rank, counts, floor_id,  # ...; [T, chunks] i32; [T] i64
+    V, chunks, BV: tl.constexpr, BC: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    i_c = tl.program_id(1)
+    rank = tl.load(cut_rank + i_t)
+    o_c = tl.arange(0, BC)
+    n_c = tl.load(counts + i_t * chunks + o_c, mask=o_c < chunks, other=0).to(tl.int64)
+    before = tl.sum(tl.where(o_c < i_c, n_c, 0), 0)
+    mine = tl.sum(tl.where(o_c == i_c, n_c, 0), 0)
+    if (rank > before) & (rank <= before + mine):
+        o_v = i_c * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        u = tl.load(bits16 + i_t * V + o_v, mask=m_v, other=0).to(tl.int32) & 0xFFFF
+        tie = (m_v & (_bin_of(u) == tl.load(cut_bin + i_t))).to(tl.int64)
+        at = tl.min(tl.where((tie > 0) & (tl.cumsum(tie, 0) == rank - before), o_v, V), 0)
+        tl.store(floor_id + i_t, at.to(tl.int64))
+
+
+def launch_filter_floors(
+    logits: torch.Tensor, inv_temperature: float, top_k: int, top_p: float, min_p: float,
+    floor: torch.Tensor, floor_id: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the four kernels on validated inputs: ``logits`` contiguous ``[T, V]``
+    bfloat16 or float16, at least one filter on (``0 < top_k < V``, ``top_p < 1`` or
+    ``min_p > 0``); the floors land in ``floor`` / ``floor_id``."""
+    import math
+
+    T, V = logits.shape
+    device = logits.device
+    bits16 = logits.view(torch.int16)
+    chunks = triton.cdiv(V, CHUNK)
+    hist = torch.zeros(T, NBINS, dtype=torch.int32, device=device)
+    maxima = torch.empty(T, chunks * GROUPS, dtype=torch.int32, device=device)
+    bound = torch.empty(T, dtype=torch.int32, device=device)
+    cut_bin = torch.empty(T, dtype=torch.int32, device=device)
+    cut_rank = torch.empty(T, dtype=torch.int64, device=device)
+    counts = torch.empty(T, chunks, dtype=torch.int32, device=device)
+    has_k = 0 < top_k < V
+    filter_maxima_kernel[(T, chunks)](bits16, maxima, V, BV=CHUNK, SUB=GROUPS, num_warps=4)
+    n = chunks * GROUPS
+    filter_bound_kernel[(T,)](
+        maxima, bound, n, inv_temperature, top_k if has_k else 0,
+        HAS_K=has_k, HAS_P=top_p < 1.0, IS_BF16=logits.dtype == torch.bfloat16,
+        BN=max(16, triton.next_power_of_2(n)), num_warps=8,
+    )
+    filter_hist_kernel[(T, chunks)](bits16, bound, hist, V, BV=CHUNK, num_warps=4)
+    filter_scan_kernel[(T,)](
+        hist, floor, floor_id, cut_bin, cut_rank,
+        inv_temperature, top_k if has_k else 0, top_p,
+        math.log(min_p) if min_p > 0 else 0.0, V,
+        HAS_K=has_k, HAS_P=top_p < 1.0, HAS_MIN_P=min_p > 0.0,
+        IS_BF16=logits.dtype == torch.bfloat16, BB=SCAN_BLOCK, num_warps=8,
+    )
+    filter_ties_count_kernel[(T, chunks)](
+        bits16, cut_bin, cut_rank, counts, V, chunks, BV=CHUNK, num_warps=4
+    )
+    filter_ties_pick_kernel[(T, chunks)](
+        bits16, cut_bin, cut_rank, counts, floor_id, V, chunks,
+        BV=CHUNK, BC=max(16, triton.next_power_of_2(chunks)), num_warps=4,
+    )
+    return floor, floor_id

@@ -4,27 +4,32 @@
 A 16-bit logit has 65,536 possible values, so a row's order (logit descending, then id) is
 a histogram of its tokens over those values, read from the top. Only the tokens that can
 decide a cut are counted: global atomics cost about 30 µs per million tokens on an H200,
-so counting a whole 248,320-token vocabulary for 16 rows would cost over 100 µs. Six
-launches:
+so counting a whole 248,320-token vocabulary for 16 rows would cost over 100 µs. Up to
+eight launches:
 
 1. ``filter_maxima_kernel`` (``[T, chunks]``): the top bin of each group of 256 tokens.
-2. ``filter_bound_kernel`` (one program per row): the lowest bin that can matter. With
-   top-k, the ``k``-th largest group maximum (``k`` tokens lie at or above it, so the
-   ``k``-th token does); with top-p alone, the lowest bin whose top-p weight can be
-   positive (every bin below weighs 0); with min-p alone, bin 0.
-3. ``filter_hist_kernel`` (``[T, chunks]``): each token at or above the bound adds one to
-   the bin of its logit's bits, mapped to an order-preserving index (``-0.0`` counted as
+2. ``filter_bound_kernel`` (one program per row): the row's top bin (the scaled logit
+   ``m`` every weight is relative to) and, with top-k, the lowest bin that can matter:
+   the ``k``-th largest group maximum (``k`` tokens lie at or above it, so the ``k``-th
+   token does).
+3. Top-p alone, whose cut may lie deep in a flat row: ``filter_mass_kernel`` (``[T,
+   chunks]``) sums every token's top-p weight into 64 buckets of ``s - m`` (integer sums,
+   exact in any order), and min-p's lowest kept bin; ``filter_nucleus_kernel`` (one
+   program per row) finds the bucket where the running mass reaches ``top_p * Z``, and the
+   mass above it. Only that bucket's tokens are counted next.
+4. ``filter_hist_kernel`` (``[T, chunks]``): each token that can matter adds one to the
+   bin of its logit's bits, mapped to an order-preserving index (``-0.0`` counted as
    ``+0.0``). Integer atomics: the counts do not depend on the order they land in.
-4. ``filter_scan_kernel`` (one program per row): walks the bins from the top, in blocks,
+5. ``filter_scan_kernel`` (one program per row): walks the bins from the top, in blocks,
    carrying integer sums. Every token of a bin has the same logit, hence the same scaled
    score and top-p weight, so a bin's weight is its count times one token's. The walk
    finds the bin where top-k's count reaches ``k`` and the bin where top-p's mass reaches
    ``top_p * Z``, and min-p's lowest kept bin, and leaves the cut's bin and its rank among
    the bin's tokens (or, when min-p is the strictest, the finished floor). A min-p floor
-   under the bound is never the strictest: the cut of top-k or top-p lies above it.
-5. ``filter_ties_count_kernel`` (``[T, chunks]``): how many tokens of each chunk lie in the
+   under the histogram's bound is never the strictest: the cut of top-k lies above it.
+6. ``filter_ties_count_kernel`` (``[T, chunks]``): how many tokens of each chunk lie in the
    cut's bin.
-6. ``filter_ties_pick_kernel`` (``[T, chunks]``): the chunk that holds the cut's rank finds
+7. ``filter_ties_pick_kernel`` (``[T, chunks]``): the chunk that holds the cut's rank finds
    the token (ties are ordered by id) and writes its id.
 
 Each row's result depends on that row alone (M-invariance) and equals the torch
@@ -45,6 +50,10 @@ NBINS = 1 << 16
 SCAN_BLOCK = 4096
 #: groups per chunk whose top bins bound the histogram from below
 GROUPS = 16
+#: top-p's coarse buckets of scaled logits below the top (equal slices of 22.25)
+BUCKETS = 64
+#: tokens per step of the mass pass (its one-hot sums hold MASS_BLOCK x BUCKETS values)
+MASS_BLOCK = 256
 
 
 @triton.jit
@@ -92,71 +101,118 @@ def filter_maxima_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
 def filter_bound_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
-    maxima, bound,  # [T, n] int32 (the groups' top bins); [T] int32
-    n, inv_t, top_k,
-    HAS_K: tl.constexpr, HAS_P: tl.constexpr, IS_BF16: tl.constexpr, BN: tl.constexpr,
+    maxima, tops, bound,  # [T, n] int32 (the groups' top bins); [T] int32; [T] int32
+    n, top_k,
+    HAS_K: tl.constexpr, BN: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
     o = tl.arange(0, BN)
     x = tl.load(maxima + i_t * n + o, mask=o < n, other=-1)
     top = tl.max(x, 0)
-    if HAS_K:
+    b = 0  # every token
+    if HAS_K:  # noqa: SIM102  # a compile-time branch around a run-time one
         # the k-th largest group maximum: k tokens lie at or above it, so the k-th token does
-        b = 0
         if top_k <= n:
             ranked = tl.sort(x, descending=True)
             b = tl.sum(tl.where(o == top_k - 1, ranked, 0), 0)
-    elif HAS_P:
-        # the lowest bin whose weight can be positive: s - m >= log(2**-32) (-22.18...),
-        # with a margin (a bin of weight 0 in the histogram costs nothing)
-        m = _logit_of(top, IS_BF16) * inv_t
-        lo = 0
-        hi = top
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if _logit_of(mid, IS_BF16) * inv_t - m >= -22.25:
-                hi = mid
-            else:
-                lo = mid + 1
-        b = lo
-    else:
-        b = 0  # min-p alone: every token
+    tl.store(tops + i_t, top)
     tl.store(bound + i_t, b)
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def _bucket(s, m, NB: tl.constexpr):  # type: ignore[no-untyped-def]  # untyped values
+    """Top-p's coarse bucket of scaled logits ``s`` below the top ``m``: ``NB`` equal
+    slices of ``[m - 22.25, m]`` (every weight below weighs 0, and lands in the last)."""
+    d = s - m
+    d = tl.where(d != d, 0.0, d)
+    k = tl.minimum(tl.maximum(-d, 0.0) * (NB / 22.25), NB - 1.0)
+    return tl.floor(k).to(tl.int32)
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def filter_mass_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
+    bits16, tops, masses, lowest,  # [T, V] i16; [T] i32; [T, chunks, NB] i64; [T, chunks] i32
+    inv_t, log_min_p, V,
+    HAS_MIN_P: tl.constexpr, IS_BF16: tl.constexpr,
+    BV: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    i_c = tl.program_id(1)
+    m = _logit_of(tl.load(tops + i_t), IS_BF16) * inv_t
+    low = m + log_min_p
+    o_b = tl.arange(0, NB)
+    acc = tl.zeros([NB], dtype=tl.int64)
+    least = 65536
+    for sub in tl.static_range(0, BV, BS):
+        o_v = i_c * BV + sub + tl.arange(0, BS)
+        m_v = o_v < V
+        u = tl.load(bits16 + i_t * V + o_v, mask=m_v, other=0).to(tl.int32) & 0xFFFF
+        b = _bin_of(u)
+        sv = _logit_of(b, IS_BF16) * inv_t
+        w = tl.where(m_v, _weight(sv, m), 0)
+        hit = _bucket(sv, m, NB)[:, None] == o_b[None, :]
+        acc += tl.sum(tl.where(hit, w[:, None], 0), 0)
+        if HAS_MIN_P:
+            least = tl.minimum(least, tl.min(tl.where(m_v & (sv >= low), b, 65536), 0))
+    tl.store(masses + ((i_t * tl.num_programs(1) + i_c) * NB) + o_b, acc)
+    tl.store(lowest + i_t * tl.num_programs(1) + i_c, least)
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def filter_nucleus_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
+    masses, lowest, bucket, above, total, least,  # partials; [T] i32, i64, i64, i32
+    top_p, chunks,
+    HAS_MIN_P: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    o_c = tl.arange(0, BC)
+    o_b = tl.arange(0, NB)
+    p_m = masses + (i_t * chunks + o_c[:, None]) * NB + o_b[None, :]
+    per = tl.sum(tl.load(p_m, mask=(o_c < chunks)[:, None], other=0), 0)  # [NB], exact
+    z = tl.sum(per, 0)
+    cum = tl.cumsum(per, 0)
+    target = top_p * z.to(tl.float64)
+    first = tl.min(tl.where((cum.to(tl.float64) >= target) & (per > 0), o_b, NB), 0)
+    first = tl.minimum(first, NB - 1)
+    tl.store(bucket + i_t, first)
+    tl.store(above + i_t, tl.sum(tl.where(o_b == first, cum - per, 0), 0))
+    tl.store(total + i_t, z)
+    if HAS_MIN_P:
+        x = tl.load(lowest + i_t * chunks + o_c, mask=o_c < chunks, other=65536)
+        tl.store(least + i_t, tl.min(x, 0))
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
 def filter_hist_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
-    bits16, bound, hist,  # [T, V] int16; [T] int32; [T, NBINS] int32, zeroed
-    V, BV: tl.constexpr,
+    bits16, bound, tops, bucket, hist,  # [T, V] i16; [T] i32 x3; [T, NBINS] i32, zeroed
+    inv_t, V,
+    COARSE: tl.constexpr, IS_BF16: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
     o_v = tl.program_id(1) * BV + tl.arange(0, BV)
     m_v = o_v < V
     u = tl.load(bits16 + i_t * V + o_v, mask=m_v, other=0).to(tl.int32) & 0xFFFF
     b = _bin_of(u)
-    m_b = m_v & (b >= tl.load(bound + i_t))
+    if COARSE:
+        m = _logit_of(tl.load(tops + i_t), IS_BF16) * inv_t
+        m_b = m_v & (_bucket(_logit_of(b, IS_BF16) * inv_t, m, NB) == tl.load(bucket + i_t))
+    else:
+        m_b = m_v & (b >= tl.load(bound + i_t))
     tl.atomic_add(hist + i_t * 65536 + b, 1, mask=m_b, sem="relaxed")
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
 def filter_scan_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
-    hist, floor, floor_id, cut_bin, cut_rank,  # [T, NBINS] i32; [T] f32, i64, i32, i64
+    hist, tops, above, totals, least,  # [T, NBINS] i32; [T] i32, i64, i64, i32
+    floor, floor_id, cut_bin, cut_rank,  # [T] f32, i64, i32, i64
     inv_t, top_k, top_p, log_min_p, V,
     HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-    IS_BF16: tl.constexpr, BB: tl.constexpr,
+    COARSE: tl.constexpr, IS_BF16: tl.constexpr, BB: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
     p_h = hist + i_t * 65536
     o = tl.arange(0, BB)
-    # the top nonempty bin (a row holds at least one token): m is its scaled logit
-    top = -1
-    hi = 65536
-    while (top < 0) & (hi > 0):  # hi > 0: a guard, the bound never empties a row
-        c = tl.load(p_h + (hi - 1 - o))
-        first = tl.min(tl.where(c > 0, o, BB), 0)
-        top = tl.where(first < BB, hi - 1 - first, -1)
-        hi -= BB
-    top = tl.maximum(top, 0)
+    top = tl.load(tops + i_t)  # the row's top bin: m is its scaled logit
     m = _logit_of(top, IS_BF16) * inv_t
     start = (top // BB + 1) * BB  # the walks begin with the top bin's block
     cut = top
@@ -188,22 +244,15 @@ def filter_scan_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are u
             run_c += tl.sum(c, 0)
             hi -= BB
     elif HAS_P:
-        # Z: every weight, down to the first block whose lowest bin weighs 0
-        hi = start
-        go = 1
-        while go != 0:
-            b = hi - 1 - o
-            c = tl.load(p_h + b).to(tl.int64)
-            w = _weight(_logit_of(b, IS_BF16) * inv_t, m)
-            total += tl.sum(c * w, 0)
-            hi -= BB
-            go = tl.where((hi > 0) & (tl.min(w, 0) > 0), 1, 0)
+        total = tl.load(totals + i_t)  # Z: every weight, summed by the mass pass
     if HAS_P:
         # the first bin where the running mass of the kept tokens reaches top_p * Z
         target = top_p * total.to(tl.float64)
         k_bin = cut
         k_rank = rank
         run_w = tl.zeros([], dtype=tl.int64)
+        if COARSE:  # the histogram holds the cut's bucket only: the mass above it is known
+            run_w = tl.load(above + i_t)
         found = 0
         hi = start
         while (found == 0) & (hi > 0):
@@ -233,17 +282,21 @@ def filter_scan_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are u
     done = 0
     if HAS_MIN_P:
         # min-p's floor: the lowest nonempty bin whose scaled logit reaches m + log(min_p)
-        low = m + log_min_p
         lowest = top
-        hi = start
-        go = 1
-        while go != 0:
-            b = hi - 1 - o
-            c = tl.load(p_h + b)
-            s = _logit_of(b, IS_BF16) * inv_t
-            lowest = tl.minimum(lowest, tl.min(tl.where((c > 0) & (s >= low), b, 65536), 0))
-            hi -= BB
-            go = tl.where((hi > 0) & (tl.min(s, 0) >= low), 1, 0)
+        if COARSE:  # found by the mass pass, which sees every token
+            lowest = tl.load(least + i_t)
+        else:
+            low = m + log_min_p
+            hi = start
+            go = 1
+            while go != 0:
+                b = hi - 1 - o
+                c = tl.load(p_h + b)
+                s = _logit_of(b, IS_BF16) * inv_t
+                kept = (c > 0) & (s >= low)
+                lowest = tl.minimum(lowest, tl.min(tl.where(kept, b, 65536), 0))
+                hi -= BB
+                go = tl.where((hi > 0) & (tl.min(s, 0) >= low), 1, 0)
         if (HAS_K | HAS_P) == 0:
             done = 1
         if lowest > cut:
@@ -300,8 +353,8 @@ def launch_filter_floors(
     logits: torch.Tensor, inv_temperature: float, top_k: int, top_p: float, min_p: float,
     floor: torch.Tensor, floor_id: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the four kernels on validated inputs: ``logits`` contiguous ``[T, V]``
-    bfloat16 or float16, at least one filter on (``0 < top_k < V``, ``top_p < 1`` or
+    """Launch the kernels on validated inputs: ``logits`` contiguous ``[T, V]`` bfloat16
+    or float16, at least one filter on (``0 < top_k < V``, ``top_p < 1`` or
     ``min_p > 0``); the floors land in ``floor`` / ``floor_id``."""
     import math
 
@@ -309,27 +362,45 @@ def launch_filter_floors(
     device = logits.device
     bits16 = logits.view(torch.int16)
     chunks = triton.cdiv(V, CHUNK)
+    has_k, has_p, has_min_p = 0 < top_k < V, top_p < 1.0, min_p > 0.0
+    coarse = has_p and not has_k
+    is_bf16 = logits.dtype == torch.bfloat16
+    log_min_p = math.log(min_p) if has_min_p else 0.0
+
+    def ints(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype, device=device)
+
     hist = torch.zeros(T, NBINS, dtype=torch.int32, device=device)
-    maxima = torch.empty(T, chunks * GROUPS, dtype=torch.int32, device=device)
-    bound = torch.empty(T, dtype=torch.int32, device=device)
-    cut_bin = torch.empty(T, dtype=torch.int32, device=device)
-    cut_rank = torch.empty(T, dtype=torch.int64, device=device)
-    counts = torch.empty(T, chunks, dtype=torch.int32, device=device)
-    has_k = 0 < top_k < V
+    maxima, tops, bound = ints(T, chunks * GROUPS), ints(T), ints(T)
+    bucket, least, cut_bin, counts = ints(T), ints(T), ints(T), ints(T, chunks)
+    above, totals, cut_rank = (ints(T, dtype=torch.int64) for _ in range(3))
     filter_maxima_kernel[(T, chunks)](bits16, maxima, V, BV=CHUNK, SUB=GROUPS, num_warps=4)
     n = chunks * GROUPS
     filter_bound_kernel[(T,)](
-        maxima, bound, n, inv_temperature, top_k if has_k else 0,
-        HAS_K=has_k, HAS_P=top_p < 1.0, IS_BF16=logits.dtype == torch.bfloat16,
-        BN=max(16, triton.next_power_of_2(n)), num_warps=8,
+        maxima, tops, bound, n, top_k if has_k else 0,
+        HAS_K=has_k, BN=max(16, triton.next_power_of_2(n)), num_warps=8,
     )
-    filter_hist_kernel[(T, chunks)](bits16, bound, hist, V, BV=CHUNK, num_warps=4)
+    if coarse:
+        masses, lowest = ints(T, chunks, BUCKETS, dtype=torch.int64), ints(T, chunks)
+        filter_mass_kernel[(T, chunks)](
+            bits16, tops, masses, lowest, inv_temperature, log_min_p, V,
+            HAS_MIN_P=has_min_p, IS_BF16=is_bf16, BV=CHUNK, BS=MASS_BLOCK, NB=BUCKETS,
+            num_warps=4,
+        )
+        filter_nucleus_kernel[(T,)](
+            masses, lowest, bucket, above, totals, least, top_p, chunks,
+            HAS_MIN_P=has_min_p, BC=max(16, triton.next_power_of_2(chunks)), NB=BUCKETS,
+            num_warps=4,
+        )
+    filter_hist_kernel[(T, chunks)](
+        bits16, bound, tops, bucket, hist, inv_temperature, V,
+        COARSE=coarse, IS_BF16=is_bf16, BV=CHUNK, NB=BUCKETS, num_warps=4,
+    )
     filter_scan_kernel[(T,)](
-        hist, floor, floor_id, cut_bin, cut_rank,
-        inv_temperature, top_k if has_k else 0, top_p,
-        math.log(min_p) if min_p > 0 else 0.0, V,
-        HAS_K=has_k, HAS_P=top_p < 1.0, HAS_MIN_P=min_p > 0.0,
-        IS_BF16=logits.dtype == torch.bfloat16, BB=SCAN_BLOCK, num_warps=8,
+        hist, tops, above, totals, least, floor, floor_id, cut_bin, cut_rank,
+        inv_temperature, top_k if has_k else 0, top_p, log_min_p, V,
+        HAS_K=has_k, HAS_P=has_p, HAS_MIN_P=has_min_p, COARSE=coarse,
+        IS_BF16=is_bf16, BB=SCAN_BLOCK, num_warps=8,
     )
     filter_ties_count_kernel[(T, chunks)](
         bits16, cut_bin, cut_rank, counts, V, chunks, BV=CHUNK, num_warps=4

@@ -24,7 +24,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from dflash.commands.settings import DEFAULT_PROMPT, cli_message, set_cpu_threads
@@ -35,6 +35,7 @@ from dflash.execution.results import GenerationResult
 
 if TYPE_CHECKING:
     from dflash.execution.window import WindowChoice
+    from dflash.sampling import SamplingParams
 
 #: unusable arguments, model or checkpoint: exit 2 (LayerSplitError, RollbackConfigError,
 #: SessionError and the drafters' argument errors are UsageErrors). Any other exception
@@ -403,6 +404,12 @@ def synthetic_acceptance(args: argparse.Namespace) -> float:
     return float(p)
 
 
+def _greedy() -> SamplingParams:
+    from dflash.sampling import GREEDY  # torch loads only when a command runs
+
+    return GREEDY
+
+
 @dataclass(frozen=True)
 class Prepared:
     """What one generation (or one bench) needs, built from the shared options."""
@@ -417,7 +424,7 @@ class Prepared:
     acceptance: float
     text: TextCodec | None = None  # how generated ids become text (None: ids only)
     eos_id: int | None = None  # --eos-id, else the model directory's EOS id
-    sampling: Any = None  # dflash.sampling.SamplingParams (None: greedy)
+    sampling: SamplingParams = field(default_factory=_greedy)
 
 
 class TextStreamLike(Protocol):
@@ -569,7 +576,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
     )
 
 
-def sampling_params(args: argparse.Namespace) -> Any:
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """``--temperature/--top-k/--top-p/--min-p/--seed`` as a checked
     :class:`dflash.sampling.SamplingParams` (a bad value: :class:`UsageError` naming it)."""
     from dflash.sampling import SamplingError, SamplingParams
@@ -726,17 +733,18 @@ def execute(
     n, keep = args.max_new_tokens, warm > 0 or repeats > 1
     what = (ready.model, ready.drafter, ready.prompt, ready.plan)
     window: WindowChoice = args.verify_window  # argparse's choices are the literals
+    sampling = ready.sampling
     if keep:
         harness = Harness.kept(*what, max_new_tokens=n, block_size=args.block_size,
                                eos_id=ready.eos_id, graphs=graphs,
                                greedy_tokens=n if baseline else None, verify_window=window,
                                capture=capture_for(policy.mode),
                                tree_budget=getattr(args, "tree_budget", None),
-                               sampling=ready.sampling)
+                               sampling=sampling)
     else:
         harness = Harness(*what, n, args.block_size, ready.eos_id, graphs,
                           verify_window=window, tree_budget=getattr(args, "tree_budget", None),
-                          sampling=ready.sampling)
+                          sampling=sampling)
     engine = harness.engine(policy) if keep else None
     if warm > 0:
         harness.warm_up(policy, engine, warm, baseline=baseline)

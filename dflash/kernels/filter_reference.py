@@ -97,7 +97,7 @@ def filter_floors_reference(
     if min_p > 0.0:
         s = l * inv_temperature
         m = l.max(-1).values * inv_temperature
-        low = m + torch.tensor(math.log(min_p), dtype=torch.float32, device=l.device)
+        low = m + float(torch.tensor(math.log(min_p), dtype=torch.float32))  # no copy
         smallest = torch.where(s >= low[:, None], l, math.inf).min(-1).values
         floor, floor_id = stricter(
             (floor, floor_id), (smallest, torch.full_like(floor_id, V - 1))

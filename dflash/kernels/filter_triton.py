@@ -52,8 +52,8 @@ SCAN_BLOCK = 4096
 GROUPS = 16
 #: top-p's coarse buckets of scaled logits below the top (equal slices of 22.25)
 BUCKETS = 64
-#: tokens per step of the mass pass (its one-hot sums hold MASS_BLOCK x BUCKETS values)
-MASS_BLOCK = 256
+#: tokens per step of the mass pass (one [BUCKETS, MASS_BLOCK] x [MASS_BLOCK, 16] product)
+MASS_BLOCK = 128
 
 
 @triton.jit
@@ -141,17 +141,30 @@ def filter_mass_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are u
     m = _logit_of(tl.load(tops + i_t), IS_BF16) * inv_t
     low = m + log_min_p
     o_b = tl.arange(0, NB)
+    # a weight (an integer of at most 2**32) as three 11-bit parts, exact in float16 and
+    # split in float64: a one-hot matrix product sums each part per bucket exactly in
+    # float32 (at most BS * 2047 < 2**24)
+    o_p = tl.arange(0, 16)
+    scale = tl.where(o_p == 0, 1, tl.where(o_p == 1, 2048, 4194304)).to(tl.int64)
     acc = tl.zeros([NB], dtype=tl.int64)
     least = 65536
-    for sub in tl.static_range(0, BV, BS):
+    for sub in range(0, BV, BS):
         o_v = i_c * BV + sub + tl.arange(0, BS)
         m_v = o_v < V
         u = tl.load(bits16 + i_t * V + o_v, mask=m_v, other=0).to(tl.int32) & 0xFFFF
         b = _bin_of(u)
         sv = _logit_of(b, IS_BF16) * inv_t
-        w = tl.where(m_v, _weight(sv, m), 0)
-        hit = _bucket(sv, m, NB)[:, None] == o_b[None, :]
-        acc += tl.sum(tl.where(hit, w[:, None], 0), 0)
+        w = tl.where(m_v, _weight(sv, m), 0).to(tl.float64)  # exact: below 2**53
+        p2 = tl.floor(w * (1.0 / 4194304.0))
+        r2 = w - p2 * 4194304.0
+        p1 = tl.floor(r2 * (1.0 / 2048.0))
+        p0 = r2 - p1 * 2048.0
+        parts = tl.where(o_p[None, :] == 0, p0[:, None],
+                         tl.where(o_p[None, :] == 1, p1[:, None],
+                                  tl.where(o_p[None, :] == 2, p2[:, None], 0.0)))
+        hit = (o_b[:, None] == _bucket(sv, m, NB)[None, :]).to(tl.float16)  # [NB, BS]
+        sums = tl.dot(hit, parts.to(tl.float16))  # [NB, 16] float32, exact
+        acc += tl.sum(sums.to(tl.int64) * scale[None, :], 1)
         if HAS_MIN_P:
             least = tl.minimum(least, tl.min(tl.where(m_v & (sv >= low), b, 65536), 0))
     tl.store(masses + ((i_t * tl.num_programs(1) + i_c) * NB) + o_b, acc)

@@ -29,6 +29,8 @@ from dflash.sampling import SamplingParams
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 BLOCK, BUDGET, N = 8, 24, 96
 RULE = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, min_p=0.01, seed=11)
+#: top-p alone (with min-p): the filters' coarse mass pass, whose cut may lie deep in a row
+RULE_P = SamplingParams(temperature=1.0, top_p=0.9, min_p=0.001, seed=12)
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +40,17 @@ def model() -> TargetModel:
     return TargetModel.seeded(config, seed=0, dtype=torch.bfloat16, device="cuda:0")
 
 
+@pytest.mark.parametrize("rule", [RULE, RULE_P], ids=["k-p-min", "p-min"])
 @pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("mode", ["checkpoint", "remap", "replay", "recompute"])
 @torch.inference_mode()
 def test_sampled_steps_are_plain_sampled_decoding(
-    model: TargetModel, mode: RollbackMode, tree: bool
+    model: TargetModel, mode: RollbackMode, tree: bool, rule: SamplingParams
 ) -> None:
     rng = random.Random(5)
     prompt = [rng.randrange(model.config.vocab_size) for _ in range(200)]
     plan = plan_shards(model.config.num_hidden_layers, "cuda:0")
-    oracle = reference_greedy(model, plan, prompt, N + BUDGET, sampling=RULE)
+    oracle = reference_greedy(model, plan, prompt, N + BUDGET, sampling=rule)
     greedy = reference_greedy(model, plan, prompt, N)
     assert oracle[:N] != greedy
     target = ShardedTarget(model, plan, max_len=len(prompt) + N + BUDGET + 1, max_draft=BUDGET)
@@ -58,7 +61,7 @@ def test_sampled_steps_are_plain_sampled_decoding(
     )
     engine = SpecDecoder(
         target, drafter, block_size=BLOCK, policy=RollbackPolicy(mode=mode),
-        tree_budget=BUDGET if tree else None, sampling=RULE,
+        tree_budget=BUDGET if tree else None, sampling=rule,
     )
     out = [engine.prefill(prompt)]
     while len(out) < N:

@@ -65,7 +65,7 @@ from dflash.execution.results import (
     Timings,
     token_sha256,
 )
-from dflash.execution.run import check_positions, decode_rate
+from dflash.execution.run import check_positions, decode_rate, spec_capacity
 from dflash.execution.run import generate as run_generate
 from dflash.execution.session import (
     DTYPES,
@@ -77,7 +77,7 @@ from dflash.execution.session import (
     parse_dtype,
     tokenizer_for,
 )
-from dflash.execution.shards import ShardedTarget, ShardPlan, plan_shards
+from dflash.execution.shards import DEFAULT_PREFILL_CHUNK, ShardedTarget, ShardPlan, plan_shards
 from dflash.geometry import MAX_SLOTS
 from dflash.model import TargetModel
 from dflash.model.caches import capture_kind
@@ -163,6 +163,8 @@ def load(
     verify_window: str = "auto",
     draft_dtype: str | torch.dtype | None = None,
     seed: int = 0,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+    max_context: int | None = None,
 ) -> LLM:
     """Build a target model and a drafter, ready to generate.
 
@@ -187,6 +189,12 @@ def load(
             ``"full"`` (every draft whole).
         draft_dtype: the DFlash drafter's parameter dtype (None: the target's).
         seed: seed of seeded models and drafters.
+        prefill_chunk: prompt tokens per prefill forward (None: a whole prompt in one);
+            a long prompt needs the caches plus one chunk's activations.
+        max_context: the caches hold this many tokens (prompt and output, at most the
+            model's ``max_position_embeddings``), sized once at the first call and checked
+            against the device's free memory before they are allocated; a request past it
+            is refused. None: sized per request, grown as requests grow.
 
     Raises :class:`dflash.errors.UsageError` subclasses naming the bad argument, and
     checkpoint / config errors naming the file.
@@ -208,6 +216,8 @@ def load(
         )
     _int("block_size", block_size, 2, MAX_SLOTS)
     _int("seed", seed, 0, 2**63 - 1)
+    if prefill_chunk is not None:
+        _int("prefill_chunk", prefill_chunk, 1)
     if verify_window not in WINDOWS:
         raise ArgumentError(
             f"{param('verify_window')} must be one of {', '.join(WINDOWS)} (got {verify_window!r})"
@@ -224,6 +234,8 @@ def load(
     else:
         raise ArgumentError(f"{param('device')} must be a str or a list of str (got {device!r})")
     config = model_config(model)
+    if max_context is not None:
+        _int("max_context", max_context, 1, config.max_position_embeddings)
     try:
         plan = plan_shards(config.num_hidden_layers, devices, layer_split)
     except UsageError as exc:
@@ -253,6 +265,8 @@ def load(
         policy=policy,
         block_size=block_size,
         verify_window=verify_window,
+        prefill_chunk=prefill_chunk,
+        max_context=max_context,
         tokenizer=tokenizer_for(model),
         eos_id=eos_for(model),
         directory=model_directory(model),
@@ -351,8 +365,11 @@ class LLM:
         tokenizer: TextTokenizer | None,
         eos_id: int | None,
         directory: Path | None,
+        prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+        max_context: int | None = None,
     ) -> None:
         self.model, self.drafter, self.plan = model, drafter, plan
+        self.prefill_chunk, self.max_context = prefill_chunk, max_context
         self.policy, self.block_size, self.verify_window = policy, block_size, verify_window
         self.tokenizer, self.eos_id, self.directory = tokenizer, eos_id, directory
         self.target: ShardedTarget | None = None  # kept across calls
@@ -391,7 +408,7 @@ class LLM:
                 require_utf8(s, "stop")
             self._need_tokenizer("stop")
         ids = self._encode(prompt)
-        check_positions(self.model, len(ids), n, self.block_size)
+        check_positions(self.model, len(ids), n, self.block_size, self.max_context)
         return _Request(ids, n, stops, sampling)
 
     def _need_tokenizer(self, what: str) -> TextTokenizer:
@@ -438,12 +455,16 @@ class LLM:
 
     def _kept_target(self, need: int, max_draft: int) -> ShardedTarget:
         """The kept target, or a larger one (and no engine) when it holds fewer than
-        ``need`` positions."""
+        ``need`` positions; with ``max_context`` one of that size, built once."""
         if self.target is None or self.target.max_len < need:
             self.target = self.engine = None  # free the old caches first
+            capacity = (
+                self._capacity(need) if self.max_context is None
+                else spec_capacity(0, self.max_context, self.block_size)
+            )
             self.target = ShardedTarget(
-                self.model, self.plan, max_len=self._capacity(need), max_draft=max_draft,
-                capture=capture_kind(self.policy.mode),
+                self.model, self.plan, max_len=capacity, max_draft=max_draft,
+                capture=capture_kind(self.policy.mode), prefill_chunk=self.prefill_chunk,
             )
         return self.target
 
@@ -470,6 +491,7 @@ class LLM:
             self.model, drafter, req.prompt, plan=self.plan, max_new_tokens=n,
             block_size=block, policy=self.policy, eos_id=self.eos_id, on_progress=progress,
             target=target, engine=self.engine, stop_when=until, sampling=req.sampling,
+            prefill_chunk=self.prefill_chunk,
         )
 
     @torch.inference_mode()
@@ -482,7 +504,7 @@ class LLM:
         n = req.max_new_tokens
         target = self._kept_target(len(req.prompt) + n, 1)
         t0 = time.perf_counter()
-        logits, _ = target.forward(req.prompt, "prefill", 0)
+        logits, _ = target.prefill(req.prompt, 0)
         out = [next_token(target, logits[-1:], req.sampling)]
         _sync(self.plan)
         t1 = time.perf_counter()

@@ -32,6 +32,7 @@ from dflash.commands.generate import (
     Prepared,
     add_generation_options,
     decoding_failures,
+    prefill_chunk,
     prepare,
     report_error,
     usage_errors,
@@ -323,16 +324,18 @@ def _bench(
         model, drafter, prompt, plan, max_new_tokens=args.max_new_tokens,
         block_size=args.block_size, eos_id=args.eos_id, graphs=graphs,
         verify_window=args.verify_window, tree_budget=args.tree_budget, sampling=ready.sampling,
+        prefill_chunk=prefill_chunk(args), max_context=args.max_context,
     )
     if oracle is None:
         oracle = reference_greedy(model, plan, prompt, args.max_new_tokens, graphs=graphs,
-                                  sampling=ready.sampling)
+                                  sampling=ready.sampling, prefill_chunk=prefill_chunk(args))
     oracle = oracle[: args.max_new_tokens]
     if args.eos_id is not None and args.eos_id in oracle:  # the runs stop there too
         oracle = oracle[: oracle.index(args.eos_id) + 1]
     oracle_sha = token_sha256(oracle)
     harness = dataclasses.replace(
-        harness, greedy_target=greedy_target(model, plan, len(prompt), len(oracle), graphs=graphs)
+        harness, greedy_target=greedy_target(model, plan, len(prompt), len(oracle), graphs=graphs,
+                                             prefill_chunk=prefill_chunk(args))
     )
 
     def measure(mode: RollbackMode, name: str) -> Phase:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -194,6 +195,22 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         "--acceptance); off by default",
     )
     p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=4096,
+        help="prompt tokens per prefill forward (default 4096; 0: the whole prompt in one): "
+        "a long prompt needs the caches plus one chunk's activations, never a "
+        "prompt-by-prompt tensor",
+    )
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="size the caches for N tokens (prompt and output; at most the model's "
+        "max_position_embeddings) instead of this run's prompt + --max-new-tokens; checked "
+        "against the device's free memory before anything is allocated",
+    )
+    p.add_argument(
         "--draft-dtype",
         choices=("float32", "bfloat16", "float16", "float64"),
         default=None,
@@ -294,6 +311,33 @@ class Progress:
             self.stream.flush()
 
 
+class PrefillProgress:
+    """Progress of a prefill that takes several chunks, one line on a terminal (stderr):
+    tokens done, tokens/s so far and the time left at that rate."""
+
+    def __init__(self, total: int, chunk: int | None, stream: TextIO, enabled: bool) -> None:
+        self.stream = stream
+        self.enabled = enabled and chunk is not None and total > chunk and is_terminal(stream)
+        self._start: float | None = None
+        self._first = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if self._start is None:  # the first chunk: its tokens over its time from now on
+            self._start, self._first = now, done
+            return
+        rate = (done - self._first) / max(now - self._start, 1e-9)
+        eta = (total - done) / rate if rate > 0 else 0.0
+        self.stream.write(
+            f"\rprefill {done:,}/{total:,} tokens  {rate:,.0f} tokens/s  ETA {eta:.0f} s   "
+        )
+        if done == total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
 def summary_table(r: GenerationResult) -> str:
     rows = [
         ("tokens", f"{len(r.tokens)} (stop: {r.stop_reason})"),
@@ -347,7 +391,11 @@ def summary_table(r: GenerationResult) -> str:
         ("devices / split", f"{','.join(r.devices)} / {','.join(map(str, r.layer_split))}"),
         ("parity", "not checked" if r.parity is None else str(r.parity).lower()),
         ("text", text_row(r)),
-        ("prefill", f"{r.timings.prefill_s:.3f} s"),
+        ("prefill", f"{r.timings.prefill_s:.3f} s" + (
+            "" if r.timings.prefill_tokens_per_s is None
+            else f" ({r.prompt_len - r.cached_tokens} tokens, "
+            f"{r.timings.prefill_tokens_per_s:,.0f} tokens/s)"
+        )),
         ("decode", decode_row(r)),
         (f"speed-up vs plain {'greedy' if r.sampling is None else 'sampled'}", speedup_row(r)),
     ]
@@ -514,7 +562,18 @@ def prepare(args: argparse.Namespace) -> Prepared:
         raise UsageError(f"--tree-budget must be in [2, {MAX_SLOTS}] (got {tree_budget})")
     acceptance = synthetic_acceptance(args)
     sampling = sampling_params(args)
+    if args.prefill_chunk < 0:
+        raise UsageError(
+            f"--prefill-chunk must be >= 1, or 0 for one forward (got {args.prefill_chunk})"
+        )
     config = model_config(args.model)
+    if args.max_context is not None and not 1 <= args.max_context <= (
+        config.max_position_embeddings
+    ):
+        raise UsageError(
+            f"--max-context must be in [1, {config.max_position_embeddings}] (the model's "
+            f"max_position_embeddings; got {args.max_context})"
+        )
     eos_id = args.eos_id if args.eos_id is not None else eos_for(args.model)
     if eos_id is not None and not 0 <= eos_id < config.vocab_size:
         source = "--eos-id" if args.eos_id is not None else f"the EOS id of {args.model!r}"
@@ -564,6 +623,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
         draft_dtype=None if args.draft_dtype is None else getattr(torch, args.draft_dtype),
         tree_budget=tree_budget,
         sampling=sampling,
+        prefill_chunk=prefill_chunk(args),
     )
     if tree_budget is not None and not isinstance(drafter, (TreeDrafter, CandidateDrafter)):
         raise UsageError(
@@ -574,6 +634,12 @@ def prepare(args: argparse.Namespace) -> Prepared:
     return Prepared(
         model, plan, prompt, drafter, oracle, dtype, devices, acceptance, codec, eos_id, sampling
     )
+
+
+def prefill_chunk(args: argparse.Namespace) -> int | None:
+    """``--prefill-chunk`` as the engine takes it (0: None, the whole prompt at once)."""
+    chunk: int = args.prefill_chunk
+    return chunk or None
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -734,17 +800,21 @@ def execute(
     what = (ready.model, ready.drafter, ready.prompt, ready.plan)
     window: WindowChoice = args.verify_window  # argparse's choices are the literals
     sampling = ready.sampling
+    chunk, max_context = prefill_chunk(args), args.max_context
+    prefilling = PrefillProgress(len(ready.prompt), chunk, sys.stderr, progress)
     if keep:
         harness = Harness.kept(*what, max_new_tokens=n, block_size=args.block_size,
                                eos_id=ready.eos_id, graphs=graphs,
                                greedy_tokens=n if baseline else None, verify_window=window,
                                capture=capture_for(policy.mode),
                                tree_budget=getattr(args, "tree_budget", None),
-                               sampling=sampling)
+                               sampling=sampling, prefill_chunk=chunk, max_context=max_context,
+                               on_prefill_chunk=prefilling)
     else:
         harness = Harness(*what, n, args.block_size, ready.eos_id, graphs,
                           verify_window=window, tree_budget=getattr(args, "tree_budget", None),
-                          sampling=sampling)
+                          sampling=sampling, prefill_chunk=chunk, max_context=max_context,
+                          on_prefill_chunk=prefilling)
     engine = harness.engine(policy) if keep else None
     if warm > 0:
         harness.warm_up(policy, engine, warm, baseline=baseline)

@@ -20,7 +20,7 @@ from dflash.execution.engine import SpecDecoder
 from dflash.execution.oracle import greedy_target
 from dflash.execution.policy import RollbackPolicy
 from dflash.execution.results import GenerationResult, token_sha256
-from dflash.execution.shards import ShardedTarget, ShardPlan
+from dflash.execution.shards import DEFAULT_PREFILL_CHUNK, ShardedTarget, ShardPlan
 from dflash.execution.window import WindowChoice
 from dflash.model import TargetModel
 from dflash.model.caches import CaptureKind
@@ -48,6 +48,10 @@ class Harness:
     verify_window: WindowChoice = "auto"  # every speculative run's (SpecDecoder)
     tree_budget: int | None = None  # every speculative run's (SpecDecoder)
     sampling: SamplingParams = GREEDY  # every run's rule, speculative and plain
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK  # every run's, speculative and plain
+    # positions the speculative caches hold (None: the prompt, the budget and a block)
+    max_context: int | None = None
+    on_prefill_chunk: Callable[[int, int], None] | None = None  # the first run's progress
 
     @classmethod
     def kept(
@@ -66,6 +70,9 @@ class Harness:
         capture: CaptureKind = "states",
         tree_budget: int | None = None,
         sampling: SamplingParams = GREEDY,
+        prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+        max_context: int | None = None,
+        on_prefill_chunk: Callable[[int, int], None] | None = None,
     ) -> Harness:
         """A harness with a kept speculative target for these sizes and, when
         ``greedy_tokens`` is given, a kept greedy target for that many tokens. The
@@ -74,13 +81,15 @@ class Harness:
         prompt = list(prompt)
         target = run.spec_target(
             model, plan, len(prompt), max_new_tokens, block_size, graphs=graphs, capture=capture,
-            tree_budget=tree_budget,
+            tree_budget=tree_budget, prefill_chunk=prefill_chunk, max_context=max_context,
         )
         greedy = None
         if greedy_tokens is not None:
-            greedy = greedy_target(model, plan, len(prompt), greedy_tokens, graphs=graphs)
+            greedy = greedy_target(model, plan, len(prompt), greedy_tokens, graphs=graphs,
+                                   prefill_chunk=prefill_chunk)
         return cls(model, drafter, prompt, plan, max_new_tokens, block_size, eos_id, graphs,
-                   target, greedy, verify_window, tree_budget, sampling)
+                   target, greedy, verify_window, tree_budget, sampling, prefill_chunk,
+                   max_context, on_prefill_chunk)
 
     def engine(self, policy: RollbackPolicy) -> SpecDecoder:
         """A :class:`SpecDecoder` on the kept target, to pass to every run as ``engine``:
@@ -121,13 +130,16 @@ class Harness:
             verify_window=self.verify_window,
             tree_budget=self.tree_budget,
             sampling=self.sampling,
+            prefill_chunk=self.prefill_chunk,
+            max_context=self.max_context,
+            on_prefill_chunk=self.on_prefill_chunk if on_progress is not None else None,
         )
 
     def greedy(self, n: int) -> run.GreedyRun:
         """One timed plain greedy decode of ``n`` tokens on the kept greedy target."""
         return run.timed_greedy(
             self.model, self.plan, self.prompt, n, graphs=self.graphs, target=self.greedy_target,
-            sampling=self.sampling,
+            sampling=self.sampling, prefill_chunk=self.prefill_chunk,
         )
 
     def warm_up(

@@ -2,28 +2,20 @@
 
 The estimate counts the weights (every parameter once, a tied LM head once) in the chosen
 dtype plus one float32 copy of the largest tensor (seeded weights are drawn in float32 and
-cast; loaded ones are read and then copied). Caches and checkpoint storage come on top,
-so a model that passes can still run out of memory later; one that fails cannot fit.
+cast; loaded ones are read and then copied). The caches come on top, and are checked
+when they are sized (:mod:`dflash.execution.memory`, before any is allocated).
 """
 
 from __future__ import annotations
 
-import importlib
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash.errors import ExecutionError
+from dflash.execution.memory import InsufficientMemoryError, available_bytes, size_text
 
 if TYPE_CHECKING:
     import torch
 
     from dflash.model import HybridConfig
-
-GB = 10**9
-
-
-class InsufficientMemoryError(ExecutionError):
-    """The model does not fit on its device; the message names its size and the free memory."""
 
 
 def weight_bytes(config: HybridConfig, dtype: torch.dtype) -> tuple[int, int]:
@@ -39,42 +31,15 @@ def weight_bytes(config: HybridConfig, dtype: torch.dtype) -> tuple[int, int]:
     return params, params * dtype.itemsize + max(sizes) * 4
 
 
-def available_bytes(device: str) -> tuple[int, str] | None:
-    """Free memory on ``device`` and where the number comes from (None: unknown)."""
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            return None
-        free, _total = torch.cuda.mem_get_info(torch.device(device))
-        return int(free), "torch.cuda.mem_get_info"
-    try:  # psutil is optional: used when installed, else Linux's /proc/meminfo
-        psutil = importlib.import_module("psutil")
-        return int(psutil.virtual_memory().available), "psutil available memory"
-    except ImportError:
-        pass
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 10**8 else f"{n / 1e6:.2f} M"
-
-
-def _size(n: int) -> str:
-    return f"{n / GB:.1f} GB" if n >= 10**8 else f"{n / 1e6:.1f} MB"
 
 
 def describe_need(name: str, params: int, need: int, dtype: torch.dtype) -> str:
     """``model 'x' has 8.95 B parameters and needs about 39.9 GB for its weights in …``."""
     dtype_name = str(dtype).replace("torch.", "")
     return (
-        f"model {name!r} has {_count(params)} parameters and needs about {_size(need)} for "
+        f"model {name!r} has {_count(params)} parameters and needs about {size_text(need)} for "
         f"its weights in {dtype_name}"
     )
 
@@ -87,7 +52,16 @@ def check_memory(name: str, config: HybridConfig, dtype: torch.dtype, device: st
     params, need = weight_bytes(config, dtype)
     if need > free[0]:
         raise InsufficientMemoryError(
-            f"{describe_need(name, params, need, dtype)}, but only {_size(free[0])} is "
+            f"{describe_need(name, params, need, dtype)}, but only {size_text(free[0])} is "
             f"free on {device} ({free[1]}); try --dtype bfloat16, a smaller --model, or a "
             "machine with more memory"
         )
+
+
+__all__ = [
+    "InsufficientMemoryError",
+    "available_bytes",
+    "check_memory",
+    "describe_need",
+    "weight_bytes",
+]

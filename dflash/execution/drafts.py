@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from dflash.execution.errors import ExecutionError
@@ -39,8 +40,15 @@ class DraftSource(Protocol):
 
     drafter: Drafter
 
-    def start(self, features: Tensor | None, last: int) -> None:
-        """After a prefill: ``features`` ``[P, taps·H]`` of the prompt, ``last`` pending."""
+    def start(self, features: Tensor | None, last: int, at: int = 0) -> None:
+        """After a prefill: ``features`` ``[P, taps·H]`` of the prompt's tokens from
+        position ``at`` on (0: a new sequence; else it continues the ``at`` committed
+        tokens, :meth:`can_continue`), ``last`` pending."""
+        ...
+
+    def can_continue(self, committed: int) -> bool:
+        """Whether a prefill may continue after the ``committed`` tokens the drafter has
+        seen (their features are not computed again)."""
         ...
 
     def take(self, context: list[int], last: int) -> tuple[list[int], list[float] | None]: ...
@@ -95,8 +103,14 @@ class HostDrafts(_Checked):
         # a runtime Protocol check walks the drafter's attributes: once here, not every step
         self._scored = drafter if isinstance(drafter, ScoredDrafter) else None
 
-    def start(self, features: Tensor | None, last: int) -> None:
+    def start(self, features: Tensor | None, last: int, at: int = 0) -> None:
+        if at and self._features is not None and features is not None:
+            # the rows of the last step not yet given to the drafter come first
+            features = torch.cat([self._features, features])
         self._features = features
+
+    def can_continue(self, committed: int) -> bool:
+        return True  # the drafter crops or refuses its own cache (it names why)
 
     def take(self, context: list[int], last: int) -> tuple[list[int], list[float] | None]:
         proposal = self.drafter.propose(context, last, self.block_size, self._features)
@@ -123,16 +137,25 @@ class DeviceDrafts(_Checked):
         self._revising = drafter if isinstance(drafter, RevisingDrafter) else None
         self._next: list[int] | None = None
 
-    def start(self, features: Tensor | None, last: int) -> None:
+    def start(self, features: Tensor | None, last: int, at: int = 0) -> None:
         """The first proposal now, from the prompt's features (eager); the rest inside the
         steps, replayed from the first shard's graphs."""
         assert features is not None  # a device drafter has taps
         first, drafter = self.target.shards[0], self.device_drafter
         with first.on_device():
             guesses = drafter.start_device(
-                features, last, self.target.max_len + self.block_size, self.block_size
+                features, last, self.capacity, self.block_size, at
             )
         self._next = [int(g) for g in guesses.tolist()]
+
+    @property
+    def capacity(self) -> int:
+        """Context positions the device drafter holds: the target's, and a block."""
+        return self.target.max_len + self.block_size
+
+    def can_continue(self, committed: int) -> bool:
+        return self.device_drafter.can_continue_device(committed, self.capacity,
+                                                       self.block_size)
 
     def take(self, context: list[int], last: int) -> tuple[list[int], list[float] | None]:
         if self._next is None:

@@ -232,6 +232,8 @@ class SpecDecoder:
         self.taps = tuple(drafter.tap_layers)
         self.committed = 0  # tokens in every shard's caches
         self.context: list[int] = []  # those tokens
+        #: tokens of the last prompt a ``reuse`` prefill found in the caches (not re-read)
+        self.reused = 0
         self.last = -1  # the pending token (chosen, not yet in the caches)
         self.records: list[StepRecord] = []
         self._paths = {"fast": 0, "replay": 0, "replay_after_failure": 0}
@@ -283,8 +285,23 @@ class SpecDecoder:
     # -- prefill --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, prompt: Sequence[int]) -> int:
-        """Run the prompt; return the first generated token (now pending)."""
+    def prefill(
+        self,
+        prompt: Sequence[int],
+        *,
+        reuse: bool = False,
+        on_chunk: Callable[[int, int], None] | None = None,
+    ) -> int:
+        """Run the prompt; return the first generated token (now pending).
+
+        The prompt goes through the target in chunks of its ``prefill_chunk`` tokens
+        (:meth:`ShardedTarget.prefill`; ``on_chunk(done, total)`` after each). ``reuse``:
+        when this engine's caches hold a proper prefix of ``prompt`` — its committed
+        tokens (:attr:`context`: the previous prompt and the output committed after it,
+        the pending token excluded) — and its drafter can continue from there
+        (:meth:`DraftSource.can_continue`), only the rest is prefilled, continuing that
+        state: a conversation's next turn re-reads nothing. :attr:`reused` tells how many
+        tokens were kept (0: a new sequence from position 0)."""
         vocab = self.target.model.config.vocab_size
         if len(prompt) == 0:
             raise ValueError("'prompt' must hold at least one token (got an empty prompt)")
@@ -293,14 +310,29 @@ class SpecDecoder:
                 raise ValueError(
                     f"'prompt' entry {i} must be a token id in [0, {vocab}) (got {tok!r})"
                 )
+        keep = self.reusable(prompt) if reuse else 0
         self.rollback.life.move("prefill")
         self.window = make_window(self.verify_window, self._window_devices)
-        logits, taps = self.target.forward(list(prompt), "prefill", 0, taps=self.taps)
-        self.committed, self.context = len(prompt), list(prompt)
+        logits, taps = self.target.prefill(
+            list(prompt[keep:]), keep, taps=self.taps, on_chunk=on_chunk,
+        )
+        self.committed, self.context, self.reused = len(prompt), list(prompt), keep
         self.last = int(self.accept.tokens(logits[-1:], self._drawn_at("prefill", 1)))
         self.target.require_position(self.committed, what="after prefill")
-        self.drafts.start(tap_features(self.target, self.taps, taps, len(prompt)), self.last)
+        features = tap_features(self.target, self.taps, taps, len(prompt) - keep)
+        self.drafts.start(features, self.last, keep)
         return self.last
+
+    def reusable(self, prompt: Sequence[int]) -> int:
+        """How many leading tokens of ``prompt`` a ``reuse`` prefill keeps: this engine's
+        committed tokens when they are a proper prefix of it, the last step was rolled back
+        cleanly and the drafter can continue from them; else 0."""
+        n = self.committed
+        if not 0 < n < len(prompt) or list(prompt[:n]) != self.context:
+            return 0
+        if self.rollback.poisoned or self._pending is not None:
+            return 0
+        return n if self.drafts.can_continue(n) else 0
 
     def _drawn_at(self, kind: Literal["prefill", "chain", "tree"], n: int) -> Tensor | None:
         """The absolute positions of the tokens the last forward's ``n`` rows draw — the

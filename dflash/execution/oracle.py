@@ -12,18 +12,20 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from dflash.execution.shards import ShardedTarget, ShardPlan
+from dflash.execution.shards import DEFAULT_PREFILL_CHUNK, ShardedTarget, ShardPlan
 from dflash.model import TargetModel
 from dflash.sampling import GREEDY, SamplingParams, sample_tokens
 
 
 @torch.inference_mode()
 def greedy_target(
-    model: TargetModel, plan: ShardPlan, prompt_len: int, n: int, *, graphs: bool | None = None
+    model: TargetModel, plan: ShardPlan, prompt_len: int, n: int, *, graphs: bool | None = None,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
 ) -> ShardedTarget:
     """A target for :func:`reference_greedy` of ``n`` tokens after a ``prompt_len``-token
     prompt (keep it and pass it as ``target=`` to decode again without new CUDA graphs)."""
-    return ShardedTarget(model, plan, max_len=prompt_len + n, max_draft=1, graphs=graphs)
+    return ShardedTarget(model, plan, max_len=prompt_len + n, max_draft=1, graphs=graphs,
+                         prefill_chunk=prefill_chunk)
 
 
 def reference_greedy(
@@ -36,6 +38,7 @@ def reference_greedy(
     on_prefill: Callable[[], None] | None = None,
     target: ShardedTarget | None = None,
     sampling: SamplingParams = GREEDY,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
 ) -> list[int]:
     """The ``n`` target-only tokens after ``prompt``, one token per forward, each drawn by
     the sampling rule (:mod:`dflash.sampling`; greedy by default) at its absolute position:
@@ -45,16 +48,20 @@ def reference_greedy(
     ``on_prefill``: called once the prefill's token is known, before the first decode
     forward (where a caller starts timing the decode). ``target``: a :class:`ShardedTarget`
     kept across calls (decode graphs captured once); it must serve this model, plan and
-    length, else ``ValueError`` names why. Only its decode path runs.
+    length, else ``ValueError`` names why. Only its decode path runs. ``prefill_chunk``:
+    tokens per prefill forward (:meth:`ShardedTarget.prefill`); speculative decoding
+    compared with this oracle must prefill in the same chunks (a prefill is not
+    M-invariant: other chunks give other bits).
     """
     if n <= 0:
         return []
     if target is None:
-        target = greedy_target(model, plan, len(prompt), n, graphs=graphs)
+        target = greedy_target(model, plan, len(prompt), n, graphs=graphs,
+                               prefill_chunk=prefill_chunk)
     else:
         target.require_serves(model, plan, max_len=len(prompt) + n, max_draft=1,
-                              graphs=graphs, what="greedy decode")
-    logits, _ = target.forward(list(prompt), "prefill", 0)
+                              graphs=graphs, what="greedy decode", prefill_chunk=prefill_chunk)
+    logits, _ = target.prefill(list(prompt), 0)
     out = [next_token(target, logits[-1:], sampling)]
     if on_prefill is not None:
         on_prefill()

@@ -99,6 +99,9 @@ class Timings(_Frozen):
     measured in the same run (same prompt, token count, shards, devices and CUDA-graph
     setting; decode after its prefill, counted the same way); null when it was not run.
 
+    ``prefill_tokens_per_s``: the prompt tokens the prefill ran (a prefill that continued
+    cached tokens counts only the new ones) over ``prefill_s``.
+
     With repeated runs (``--repeats``) ``decode_s`` / ``greedy_decode_s`` are the medians
     of ``decode_runs_s`` / ``greedy_decode_runs_s`` (each run's decode seconds, in the
     order they ran, alternating), and both rates come from those medians.
@@ -107,6 +110,7 @@ class Timings(_Frozen):
     prefill_s: float
     decode_s: float
     tokens_per_s: float | None
+    prefill_tokens_per_s: float | None = None
     greedy_decode_s: float | None = None
     greedy_tokens_per_s: float | None = None
     decode_runs_s: list[float] = Field(default_factory=list)
@@ -129,6 +133,8 @@ class GenerationResult(_Frozen):
     timings: Timings
     # additions beyond the documented fields
     prompt_len: int = 0
+    # prompt tokens found in the caches (a continuing prefill did not run them again)
+    cached_tokens: int = 0
     block_size: int = 0
     devices: list[str] = Field(default_factory=list)
     layer_split: list[int] = Field(default_factory=list)

@@ -20,7 +20,7 @@ from dflash.execution.results import (
     Timings,
     token_sha256,
 )
-from dflash.execution.shards import ShardedTarget, ShardPlan
+from dflash.execution.shards import DEFAULT_PREFILL_CHUNK, ShardedTarget, ShardPlan
 from dflash.execution.window import WindowChoice
 from dflash.model import TargetModel
 from dflash.model.caches import CaptureKind, capture_kind
@@ -58,6 +58,7 @@ def timed_greedy(
     graphs: bool | None = None,
     target: ShardedTarget | None = None,
     sampling: SamplingParams = GREEDY,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
 ) -> GreedyRun:
     """:func:`reference_greedy` of ``n`` tokens (under ``sampling``), its decode (after
     the prefill) timed."""
@@ -69,7 +70,7 @@ def timed_greedy(
 
     tokens = reference_greedy(
         model, plan, prompt, n, graphs=graphs, on_prefill=prefilled, target=target,
-        sampling=sampling,
+        sampling=sampling, prefill_chunk=prefill_chunk,
     )
     _sync(plan)
     decode_s = time.perf_counter() - marks[0] if marks else 0.0
@@ -101,9 +102,13 @@ class _Before:
         return engine.counts[what] - self.counts[what]
 
 
-def spec_capacity(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
-    """KV positions the target of a :func:`generate` run holds."""
-    return prompt_len + max_new_tokens + block_size + 1
+def spec_capacity(
+    prompt_len: int, max_new_tokens: int, block_size: int, max_context: int | None = None
+) -> int:
+    """KV positions the target of a :func:`generate` run holds: the prompt, the budget and
+    a block past it, or ``max_context`` tokens and a block (a context sized in advance)."""
+    tokens = prompt_len + max_new_tokens if max_context is None else max_context
+    return tokens + block_size + 1
 
 
 def spec_target(
@@ -116,6 +121,8 @@ def spec_target(
     graphs: bool | None = None,
     capture: CaptureKind = "states",
     tree_budget: int | None = None,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+    max_context: int | None = None,
 ) -> ShardedTarget:
     """A target for :func:`generate` runs of these sizes (keep it and pass it as
     ``target=`` to run again without new CUDA graphs), capturing what the rollback mode
@@ -123,10 +130,11 @@ def spec_target(
     another mode). Sizes past the model's positions are refused before anything is
     allocated (:func:`check_positions`)."""
     slots = verify_slots(block_size, tree_budget)
-    check_positions(model, prompt_len, max_new_tokens, slots)
-    return ShardedTarget(model, plan, max_len=spec_capacity(prompt_len, max_new_tokens, slots),
+    check_positions(model, prompt_len, max_new_tokens, slots, max_context)
+    return ShardedTarget(model, plan,
+                         max_len=spec_capacity(prompt_len, max_new_tokens, slots, max_context),
                          max_draft=slots, graphs=graphs, capture=capture,
-                         trees=tree_budget is not None)
+                         trees=tree_budget is not None, prefill_chunk=prefill_chunk)
 
 
 def verify_slots(block_size: int, tree_budget: int | None) -> int:
@@ -141,11 +149,26 @@ def positions_needed(prompt_len: int, max_new_tokens: int, block_size: int) -> i
 
 
 def check_positions(
-    model: TargetModel, prompt_len: int, max_new_tokens: int, block_size: int
+    model: TargetModel, prompt_len: int, max_new_tokens: int, block_size: int,
+    max_context: int | None = None,
 ) -> None:
-    """Refuse, before any decoding, a budget past the model's ``max_position_embeddings``."""
+    """Refuse, before any decoding, a budget past the model's ``max_position_embeddings``
+    or past ``max_context`` (which the model's positions must cover too)."""
     need = positions_needed(prompt_len, max_new_tokens, block_size)
     limit = model.config.max_position_embeddings
+    if max_context is not None:
+        if isinstance(max_context, bool) or not isinstance(max_context, int) or not (
+            1 <= max_context <= limit
+        ):
+            raise ContextLengthError(
+                f"'max_context' must be an int in [1, max_position_embeddings={limit}] "
+                f"(got {max_context!r})"
+            )
+        if prompt_len + max_new_tokens > max_context:
+            raise ContextLengthError(
+                f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} = "
+                f"{prompt_len + max_new_tokens} tokens exceed max_context={max_context}"
+            )
     if need > limit:
         raise ContextLengthError(
             f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} + "
@@ -162,6 +185,8 @@ def _speculative_run(
     eos_id: int | None,
     on_progress: Callable[[int, SpecDecoder], None] | None,
     stop_when: Callable[[], bool] | None = None,
+    on_prefill_chunk: Callable[[int, int], None] | None = None,
+    reuse: bool = False,
 ) -> tuple[list[int], str, tuple[float, float, float]]:
     """One speculative decode on ``engine`` (its prefill starts a new generation):
     (tokens, stop reason, (start, after the prefill, end) as device-synchronised
@@ -169,7 +194,7 @@ def _speculative_run(
     ends the decode early (stop reason ``"stop"``)."""
     _sync(plan)
     t0 = time.perf_counter()
-    out = [engine.prefill(prompt)]
+    out = [engine.prefill(prompt, reuse=reuse, on_chunk=on_prefill_chunk)]
     _sync(plan)
     t1 = time.perf_counter()
     stop = "max_new_tokens"
@@ -243,6 +268,10 @@ def generate(
     stop_when: Callable[[], bool] | None = None,
     tree_budget: int | None = None,
     sampling: SamplingParams = GREEDY,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+    on_prefill_chunk: Callable[[int, int], None] | None = None,
+    reuse: bool = False,
+    max_context: int | None = None,
 ) -> GenerationResult:
     """Speculative decoding of ``max_new_tokens`` tokens after ``prompt`` (greedy, or
     drawn by ``sampling``'s seeded rule, :mod:`dflash.sampling`): one run, its prefill
@@ -260,7 +289,14 @@ def generate(
     ``tree_budget``: tree drafts of at most that many nodes (a :class:`TreeDrafter`;
     :class:`SpecDecoder`); the target then holds ``max(block_size, tree_budget)`` slots.
     A budget past the model's ``max_position_embeddings`` is refused before anything is
-    built (:class:`ContextLengthError`).
+    built (:class:`ContextLengthError`). ``prefill_chunk``: tokens per prefill forward
+    (None: the whole prompt in one), the oracle's too; ``on_prefill_chunk(done, total)``
+    after each chunk (a progress display). ``reuse`` (with a kept ``engine``): when the
+    engine's caches hold a proper prefix of ``prompt`` (the previous generation's prompt
+    and committed output), only the rest is prefilled (:meth:`SpecDecoder.prefill`);
+    ``cached_tokens`` reports how many were kept. ``max_context``: the target (a new one)
+    holds that many tokens and a block, whatever this run needs (a prompt plus budget past
+    it is refused, :class:`ContextLengthError`).
 
     ``target``: a :class:`ShardedTarget` kept across calls (:func:`spec_target`; its CUDA
     graphs are then captured once, not per call); it must serve this model, plan, length
@@ -291,6 +327,7 @@ def generate(
         _check_engine(
             engine, target, drafter, block_size, policy, faults, verify_window, sampling
         )
+
         if engine.tree_budget != tree_budget:
             raise ValueError(
                 f"'engine' drafts trees of {engine.tree_budget} nodes, not {tree_budget}"
@@ -298,12 +335,13 @@ def generate(
     slots = verify_slots(block_size, tree_budget)
     if target is None or faults is not None:  # spec_target checks the positions
         target = spec_target(model, plan, len(prompt), max_new_tokens, block_size, graphs=graphs,
-                             capture=capture_kind(policy.mode), tree_budget=tree_budget)
+                             capture=capture_kind(policy.mode), tree_budget=tree_budget,
+                             prefill_chunk=prefill_chunk, max_context=max_context)
     else:
-        check_positions(model, len(prompt), max_new_tokens, slots)
+        check_positions(model, len(prompt), max_new_tokens, slots, max_context)
         target.require_serves(
             model, plan, max_len=spec_capacity(len(prompt), max_new_tokens, slots),
-            max_draft=slots, graphs=graphs, what="generation",
+            max_draft=slots, graphs=graphs, what="generation", prefill_chunk=prefill_chunk,
         )
     if engine is None:
         engine = SpecDecoder(target, drafter, block_size=block_size, policy=policy, faults=faults,
@@ -311,14 +349,16 @@ def generate(
                              sampling=sampling)
     before = _Before.of(engine)
     tokens, stop, (t0, t1, t2) = _speculative_run(
-        engine, prompt, plan, max_new_tokens, eos_id, on_progress, stop_when
+        engine, prompt, plan, max_new_tokens, eos_id, on_progress, stop_when, on_prefill_chunk,
+        reuse,
     )
     copied = drafter.copied_drafts if isinstance(drafter, LookupAssistedDrafter) else None
     parity: bool | None = None
     parity_sha: str | None = None
     if check_parity:
         ref = (
-            reference_greedy(model, plan, prompt, len(tokens), graphs=graphs, sampling=sampling)
+            reference_greedy(model, plan, prompt, len(tokens), graphs=graphs, sampling=sampling,
+                             prefill_chunk=prefill_chunk)
             if oracle_tokens is None
             else list(oracle_tokens)[: len(tokens)]
         )
@@ -356,11 +396,13 @@ def generate(
         parity=parity,
         timings=Timings(
             prefill_s=t1 - t0,
+            prefill_tokens_per_s=(len(prompt) - engine.reused) / (t1 - t0) if t1 > t0 else None,
             decode_s=decode_s,
             tokens_per_s=decode_rate(len(tokens), decode_s),
             decode_runs_s=[decode_s],
         ),
         prompt_len=len(prompt),
+        cached_tokens=engine.reused,
         block_size=block_size,
         devices=list(plan.devices),
         layer_split=list(plan.split),

@@ -27,7 +27,7 @@ import torch
 from dflash.data import DefaultDataMissingError, default_dir, require_default
 from dflash.errors import param
 from dflash.execution.oracle import reference_greedy
-from dflash.execution.shards import ShardPlan
+from dflash.execution.shards import DEFAULT_PREFILL_CHUNK, ShardPlan
 from dflash.model import TargetModel
 from dflash.model.catalog import BUILTIN_MODELS as BUILTIN_MODELS
 from dflash.model.catalog import DEFAULT_MODEL as DEFAULT_MODEL
@@ -216,6 +216,7 @@ def build_drafter(
     draft_dtype: torch.dtype | None = None,
     tree_budget: int | None = None,
     sampling: SamplingParams = GREEDY,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
 ) -> tuple[Drafter, list[int] | None]:
     """The drafter, and for ``synthetic`` the target-only greedy tokens it was given.
 
@@ -225,6 +226,8 @@ def build_drafter(
     assisted by prompt lookup. ``draft_dtype``: the DFlash drafter's parameter dtype
     (None: :func:`make_drafter`'s default). ``tree_budget`` with ``synthetic``: the
     SYNTHETIC tree drafter (:func:`tree_rank_probs` of ``acceptance``) instead.
+    ``prefill_chunk``: the runs' prefill chunks (the synthetic drafter's plain decode
+    prefills as they do, so its tokens are theirs).
     """
     extra: dict[str, Any] = {} if draft_dtype is None else {"draft_dtype": draft_dtype}
     if spec in ("dflash", "dflash" + LOOKUP_SUFFIX) and is_default_target(model_spec):
@@ -240,7 +243,7 @@ def build_drafter(
         return make_drafter(spec, model, seed=seed, **extra), None
     oracle = reference_greedy(  # the tokens the target draws under the sampling rule
         model, plan, prompt, max_new_tokens + max(block_size, tree_budget or 0),
-        sampling=sampling,
+        sampling=sampling, prefill_chunk=prefill_chunk,
     )
     if tree_budget is not None:
         tree = SyntheticTreeDrafter(

@@ -20,11 +20,25 @@ from dflash.errors import param
 from dflash.execution.capture_gate import ShardStorage
 from dflash.execution.errors import LayerSplitError, ShardPositionError, WeightsMovedError
 from dflash.execution.graphs import ShardCompute, ShardGraphs, ShardOutput, graphs_supported
+from dflash.execution.memory import check_context_memory, context_memory
 from dflash.geometry import ChainGeometry, TreeGeometry
 from dflash.model import KVCache, ShardCaches, TargetModel
 from dflash.model.caches import CaptureKind
 from dflash.model.layers import fuse_linear_groups_
 from dflash.model.target import Mode
+
+#: tokens per prefill forward by default: big enough that a chunk's GEMMs run at full
+#: rate, small enough that its activations (a few hundred MB at the 9B shape) stay far
+#: below the caches of a long context
+DEFAULT_PREFILL_CHUNK = 4096
+
+
+def check_prefill_chunk(value: object) -> int | None:
+    """``value`` if it is a prefill chunk (an int >= 1, or None: the whole prompt in one
+    forward), else ``ValueError`` naming it."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"'prefill_chunk' must be an int >= 1 or None (got {value!r})")
+    return value
 
 
 @dataclass(frozen=True)
@@ -198,12 +212,16 @@ class ShardedTarget:
         graphs: bool | None = None,
         capture: CaptureKind = "states",
         trees: bool = False,
+        prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     ):
         if len(plan.split) and sum(plan.split) != model.config.num_hidden_layers:
             raise LayerSplitError(
                 f"plan covers {sum(plan.split)} layers, the model has "
                 f"{model.config.num_hidden_layers}"
             )
+        #: tokens per prefill forward (:meth:`prefill`); the memory check sizes one
+        self.prefill_chunk = check_prefill_chunk(prefill_chunk)
+        self._check_memory(model, plan, max_len, max_draft, capture, trees, self.prefill_chunk)
         self.model, self.plan = model, plan
         self.max_len, self.max_draft = max_len, max_draft
         self.capture: CaptureKind = capture
@@ -224,9 +242,33 @@ class ShardedTarget:
             [ShardGraphs(s.device) for s in self.shards] if self.graphs_off_reason is None else None
         )
 
+    @staticmethod
+    def _check_memory(
+        model: TargetModel, plan: ShardPlan, max_len: int, max_draft: int,
+        capture: CaptureKind, trees: bool, prefill_chunk: int | None,
+    ) -> None:
+        """Before any cache is allocated: each shard's context must fit its device's free
+        memory (:func:`dflash.execution.memory.check_context_memory`), else
+        :class:`~dflash.execution.memory.InsufficientMemoryError` with the estimate. Shards
+        on one device add up."""
+        dtype = model.embed_tokens.weight.dtype
+        counted: dict[str, int] = {}
+        last = len(plan.ranges) - 1
+        for k, ((lo, hi), device) in enumerate(zip(plan.ranges, plan.devices, strict=True)):
+            memory = context_memory(
+                model.config, range(lo, hi), max_len=max_len, max_draft=max_draft,
+                dtype=dtype, capture=capture, trees=trees, prefill_chunk=prefill_chunk,
+                last_shard=k == last,
+            )
+            check_context_memory(
+                memory, device, already=counted.get(device, 0),
+                what=f"a context of {max_len} positions (shard {k}, layers {lo}-{hi - 1})",
+            )
+            counted[device] = counted.get(device, 0) + memory.required
+
     def cannot_serve(
         self, model: TargetModel, plan: ShardPlan, *, max_len: int, max_draft: int,
-        graphs: bool | None,
+        graphs: bool | None, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     ) -> str | None:
         """Why this target cannot run a generation with these settings (None: it can).
 
@@ -241,6 +283,8 @@ class ShardedTarget:
             return f"it holds {self.max_len} positions, the generation needs {max_len}"
         if max_draft > self.max_draft:
             return f"it captures {self.max_draft} slots, the generation needs {max_draft}"
+        if prefill_chunk != self.prefill_chunk:
+            return f"it prefills in chunks of {self.prefill_chunk}, not {prefill_chunk}"
         if graphs is False and self.graphs is not None:
             return "graphs=False was asked for a target that captures CUDA graphs"
         if graphs and self.graphs is None:
@@ -262,11 +306,12 @@ class ShardedTarget:
 
     def require_serves(
         self, model: TargetModel, plan: ShardPlan, *, max_len: int, max_draft: int,
-        graphs: bool | None, what: str,
+        graphs: bool | None, what: str, prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     ) -> ShardedTarget:
         """``self`` when it can run ``what`` with these settings, else ``ValueError`` naming
         why (:meth:`cannot_serve`)."""
-        why = self.cannot_serve(model, plan, max_len=max_len, max_draft=max_draft, graphs=graphs)
+        why = self.cannot_serve(model, plan, max_len=max_len, max_draft=max_draft,
+                                graphs=graphs, prefill_chunk=prefill_chunk)
         if why is not None:
             raise ValueError(f"'target' cannot run this {what}: {why}")
         return self
@@ -353,7 +398,8 @@ class ShardedTarget:
         taps: Sequence[int] = (),
         after_shard: Callable[[int], None] | None = None,
     ) -> tuple[Tensor, dict[int, Tensor]]:
-        """``ids`` at positions ``start…`` through every shard → (logits [T, vocab], taps).
+        """``ids`` at positions ``start…`` through every shard → (logits ``[T, vocab]``, taps;
+        a prefill: its last row's ``[1, vocab]``).
 
         ``ids``: token ids, or the ``[1, T]`` int64 tensor :func:`device_ids` made of them
         on the first shard's device (a caller that needs them on the device too uploads
@@ -367,6 +413,44 @@ class ShardedTarget:
         out, tapped = self._forward(ids, mode, start, geometry, taps, after_shard, True)
         assert out is not None  # the last shard computed the LM head
         return out, tapped
+
+    def prefill(
+        self,
+        ids: Sequence[int],
+        start: int = 0,
+        *,
+        taps: Sequence[int] = (),
+        on_chunk: Callable[[int, int], None] | None = None,
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        """``ids`` at positions ``start…`` in ``prefill`` forwards of at most
+        :attr:`prefill_chunk` tokens each (None: one forward) → (the last token's logits
+        ``[1, vocab]``, the ``taps`` layers' outputs ``[1, len(ids), H]``). A prefill is
+        not M-invariant: plain and speculative decoding compared bit for bit prefill in
+        the same chunks (their targets share the setting, :meth:`cannot_serve`).
+
+        ``start`` 0 begins a new sequence (the caches are reset); the committed length
+        continues the one in the caches (a conversation's next turn). Each chunk attends
+        the cache so far and itself and advances the recurrent state, so a prefill's
+        memory is the caches plus one chunk's activations; only the last row goes
+        through the LM head. ``on_chunk(done, total)`` is called after each chunk, on the
+        host (a progress display)."""
+        n = len(ids)
+        if n == 0:
+            raise ValueError("a prefill needs at least one token (got none)")
+        step = self.prefill_chunk or n
+        logits: Tensor | None = None
+        parts: dict[int, list[Tensor]] = {}
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
+            logits, got = self._forward(ids[lo:hi], "prefill", start + lo, None, taps, None,
+                                        hi == n)
+            for layer, rows in got.items():
+                parts.setdefault(layer, []).append(rows)
+            if on_chunk is not None:
+                on_chunk(hi, n)
+        assert logits is not None  # the last chunk computed the LM head
+        joined = {k: v[0] if len(v) == 1 else torch.cat(v, dim=1) for k, v in parts.items()}
+        return logits, joined
 
     def replay(self, ids: Sequence[int], start: int) -> None:
         """``ids`` at ``start…`` in ``replay`` mode, caches only (no LM head)."""
@@ -396,7 +480,7 @@ class ShardedTarget:
         else:
             x = device_ids(ids, first)  # [1, T] int64
         t = x.shape[1]
-        if mode == "prefill":  # a new generation: the weights may have changed since the last
+        if mode == "prefill" and start == 0:  # a new sequence: the weights may have changed
             self._check_weights()
         hidden_size = self.model.config.hidden_size
         graphed = self.graphs is not None and mode != "prefill"
@@ -447,8 +531,11 @@ class ShardedTarget:
                 hidden, layers, caches, mode, geometry, taps, on_layer
             )
             offsets = geometry.depth if isinstance(geometry, TreeGeometry) else None
-            head = (  # [1, T, V]
-                model.logits(hidden, mode, start, offsets) if last and logits else None
+            # a prefill needs its last row's logits only (a long prompt's [T, vocab] would
+            # outweigh the model)
+            rows = hidden[:, -1:] if mode == "prefill" else hidden
+            head = (  # [1, T, V], [1, 1, V] for a prefill
+                model.logits(rows, mode, start, offsets) if last and logits else None
             )
             return hidden, head, got
 

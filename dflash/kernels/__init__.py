@@ -18,6 +18,8 @@
 - :func:`linear`: ``x @ weight.T + bias`` whose rows do not depend on the row count M.
 - :func:`decode_attention`: causal decode/verify attention against a static KV cache,
   rows independent of the number of query rows, ``start`` read on the device.
+- :func:`prefill_attention`: a prefill chunk's causal attention over the cache so far and
+  itself (flash-style tiles: never a ``T × T`` or ``T × S`` tensor).
 - :func:`gumbel_argmax`: the sampling rule's seeded Gumbel-max draw, one token per row
   (Philox noise keyed by seed, position and token; an optional per-row floor);
   :func:`filter_floors`: the top-k, top-p and min-p filters as that floor (a histogram of
@@ -42,6 +44,8 @@ from dflash.kernels.gdn import gdn_recompute, gdn_verify
 from dflash.kernels.gdn_reference import gdn_recompute_reference, gdn_verify_reference
 from dflash.kernels.linear import linear
 from dflash.kernels.linear_reference import linear_reference
+from dflash.kernels.prefill_attention import prefill_attention
+from dflash.kernels.prefill_attention_reference import prefill_attention_reference
 from dflash.kernels.rmsnorm import rms_norm
 from dflash.kernels.rmsnorm_reference import rms_norm_reference
 from dflash.kernels.rollback import RollbackBoundsError, rollback_restore
@@ -68,6 +72,8 @@ __all__ = [
     "gumbel_argmax_reference",
     "linear",
     "linear_reference",
+    "prefill_attention",
+    "prefill_attention_reference",
     "rms_norm",
     "rms_norm_reference",
     "rollback_restore",

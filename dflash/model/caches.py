@@ -117,6 +117,17 @@ def allocate_capture(
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def _allocate(
+    what: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+) -> Tensor:
+    """:func:`allocate_capture`, except on the ``meta`` device (a memory estimate counts
+    the shapes, :mod:`dflash.execution.memory`): there nothing is allocated, so no
+    simulated failure applies."""
+    if torch.device(device).type == "meta":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return allocate_capture(what, shape, dtype, device)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
@@ -349,7 +360,7 @@ class RecurrentPool:
         self.shared_capture = False
         try:
             return {
-                name: allocate_capture(name, (n, *shape), dtype, device)
+                name: _allocate(name, (n, *shape), dtype, device)
                 for name, (shape, dtype) in layouts.items()
             }
         except Exception as exc:
@@ -368,7 +379,7 @@ class RecurrentPool:
         try:
             self.shared_capture = True
             return {
-                name: allocate_capture(name, (shared, *shape), dtype, device)
+                name: _allocate(name, (shared, *shape), dtype, device)
                 for name, (shape, dtype) in layouts.items()
             }
         except Exception as exc:
@@ -386,7 +397,7 @@ class RecurrentPool:
         """One float32 capture buffer that cannot shrink: :class:`CaptureStorageError`
         (naming it, its bytes and the ``consequence``) when it does not fit."""
         try:
-            return allocate_capture(what, shape, torch.float32, device)
+            return _allocate(what, shape, torch.float32, device)
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise

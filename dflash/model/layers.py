@@ -14,7 +14,7 @@ both M-invariant by construction. On CPU projections and the per-token maths (ga
 activations, norms) run on fixed-shape position tiles (:mod:`dflash.model.tiles`): the
 token at position ``p`` is always row ``p mod 16`` of a 16-row call. The prefill (shared
 by plain and speculative decoding) may use any kernels: ``Ops(invariant=False)`` runs
-``F.linear`` and SDPA.
+``F.linear`` and the chunked prefill kernels.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from dflash.kernels import (
     gdn_gates,
     gdn_verify,
     linear,
+    prefill_attention,
     rms_norm,
 )
 from dflash.kernels.checks import use_triton
@@ -49,7 +50,7 @@ class Ops:
     """The kernels of one forward.
 
     ``invariant``: M-invariant evaluation (decode / verify / replay); otherwise ``F.linear``
-    and SDPA (prefill). ``backend`` picks Triton or the torch references for every
+    and the prefill kernels. ``backend`` picks Triton or the torch references for every
     :mod:`dflash.kernels` call. ``start`` is the position of the forward's row 0, and
     ``offsets`` (a tree verify) each row's position past it (its depth); invariant
     CPU forwards need them for their position tiles (``tiles``; None elsewhere: CUDA
@@ -394,7 +395,7 @@ class GatedAttention(GroupedModule):
         v_cache: Tensor,
         positions: Tensor,
         ops: Ops,
-        visible: Tensor | None = None,
+        prefill_start: int | None = None,
         tree: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """``x: [B, T, hidden]`` at ``positions: [T]`` (int64, on x's device, consecutive).
@@ -402,8 +403,9 @@ class GatedAttention(GroupedModule):
         ``k_cache, v_cache: [B, HKV, max_len, D]`` receive this step's keys/values at
         ``positions``; query row ``t`` attends to cache rows ``0 … positions[t]``. Invariant
         forwards read the cache through :func:`decode_attention` (length from the device,
-        no slicing); the prefill uses SDPA over rows ``0 … T-1`` with ``visible: [T, T]``
-        (True = may attend), None for a single token.
+        no slicing); a prefill (``prefill_start``: its row 0's position, a host int)
+        through :func:`dflash.kernels.prefill_attention`, which attends the cache so far
+        and the chunk's own rows without ever forming a ``T × T`` (or ``T × S``) tensor.
 
         ``tree = (rows [T], paths [T, T])`` for a tree verify: ``positions`` are then the
         nodes' positions (``start + depth``, rotary), the keys/values go to cache ``rows``
@@ -427,23 +429,14 @@ class GatedAttention(GroupedModule):
                 q, k_cache, v_cache, start, scale=d**-0.5, paths=paths, backend=ops.backend
             )
         else:
-            out = self._prefill_attention(q, k_cache[:, :, :t], v_cache[:, :, :t], visible)
+            if prefill_start is None:
+                raise ValueError("a prefill's attention needs the position of its row 0")
+            out = prefill_attention(
+                q, k_cache, v_cache, prefill_start, scale=d**-0.5, backend=ops.backend
+            )
         out = out.reshape(b, t, self.num_heads * d)
         gated = ops.each_token(_sigmoid_gate, out, gate.reshape(b, t, self.num_heads * d))
         return ops.linear(self.o_proj, gated)
-
-    def _prefill_attention(
-        self, q: Tensor, keys: Tensor, values: Tensor, visible: Tensor | None
-    ) -> Tensor:
-        """SDPA of ``q: [B, T, H, D]`` over ``keys/values: [B, HKV, T, D]`` → ``[B, T, H, D]``."""
-        b, t, _, d = q.shape
-        # Grouped heads without copying the cache: query head h = kv * G + g reads KV head
-        # kv, so the G query heads of one KV head become G*T query rows of that head.
-        groups = self.num_heads // self.num_kv_heads
-        q_rows = q.transpose(1, 2).reshape(b, self.num_kv_heads, groups * t, d)
-        mask = None if visible is None else visible.repeat(groups, 1)  # [G*T, T]
-        out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask, scale=d**-0.5)
-        return out.reshape(b, self.num_heads, t, d).transpose(1, 2)
 
 
 def _sigmoid_gate(x: Tensor, gate: Tensor) -> Tensor:

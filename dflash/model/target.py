@@ -3,7 +3,10 @@
 =========  =====================================================================
 mode       what happens to the caches
 =========  =====================================================================
-prefill    recurrent state reset, then ``T`` tokens from position 0 (start must be 0)
+prefill    ``T`` tokens at ``start``, advancing the live state in place: at 0 the caches
+           are reset first (a new sequence); at the committed length it continues
+           (a chunk of a long prompt, a conversation's next turn) — any other start is
+           refused
 decode     one token at ``start``; live state advanced in place
 replay     ``T`` tokens at ``start``; live state advanced in place
 verify     ``T = geometry.n_actual`` draft tokens at ``start``: per-token states go to
@@ -191,7 +194,7 @@ class TargetModel(nn.Module):
         caches (nothing changes when a check fails); returns ``T``."""
         t = self._check_run(shape, ids, caches, start_pos, mode, geometry)
         kv, pool = caches.kv, caches.pool
-        if mode == "prefill":
+        if mode == "prefill" and start_pos == 0:  # a new sequence
             for layer in ids:  # a parameter replaced behind the model's back (LinearGroup)
                 fuse_linear_groups_(self.layers[layer])
             pool.reset()
@@ -239,10 +242,9 @@ class TargetModel(nn.Module):
             paths = caches.tree.paths[:t, :t]
             tree_rows = (rows, paths)
         cos, sin = caches.rotary(positions)  # [T, rotary_dim] each
-        visible = None
-        if mode == "prefill" and t > 1:
-            rows = torch.arange(t, device=hidden.device)
-            visible = rows[None, :] <= rows[:, None]  # [T, T], causal
+        # a prefill (never captured) attends the cache so far and its own rows, causally
+        # from its host start: the committed length begin_layers checked
+        prefill_start = caches.length if mode == "prefill" else None
         wanted = set(taps)
         tapped: dict[int, Tensor] = {}
         for layer_id in ids:
@@ -251,7 +253,7 @@ class TargetModel(nn.Module):
             if isinstance(layer, AttentionLayer):
                 k_cache, v_cache = kv.views(layer_id)
                 x = layer.self_attn(
-                    x, cos, sin, k_cache, v_cache, positions, ops, visible, tree_rows
+                    x, cos, sin, k_cache, v_cache, positions, ops, prefill_start, tree_rows
                 )
             elif not isinstance(layer, DeltaNetLayer):
                 kind = type(layer).__name__
@@ -327,10 +329,12 @@ class TargetModel(nn.Module):
         *,
         geometry: ChainGeometry | TreeGeometry | None = None,
         taps: Sequence[int] = (),
+        start: int = 0,
     ) -> tuple[Tensor, dict[int, Tensor]]:
         """One-shard composition: ``ids: [B, T]`` → ``(logits [B, T, vocab], taps)``.
 
-        Positions start at the caches' committed length (0 for prefill).
+        Positions start at the caches' committed length; a prefill starts at ``start``:
+        0 (a new sequence, the default) or the committed length (it continues).
         """
         if ids.dim() != 2:
             raise ValueError(f"'ids' must be [B, T] (got shape {tuple(ids.shape)})")
@@ -341,7 +345,8 @@ class TargetModel(nn.Module):
                 f"'ids' must lie in [0, {self.config.vocab_size}) "
                 f"(got min {int(ids.min())}, max {int(ids.max())})"
             )
-        start = 0 if mode == "prefill" else caches.length
+        if mode != "prefill":
+            start = caches.length
         hidden = self.embed_tokens(ids)
         hidden, tapped = self.run_layers(
             hidden, range(self.config.num_hidden_layers), caches, start, mode, geometry, taps
@@ -398,11 +403,11 @@ class TargetModel(nn.Module):
                 raise CacheError(
                     f"layer {layer} is not in these caches (they hold {sorted(owned)})"
                 )
-        if mode != "prefill":
+        if isinstance(start_pos, bool) or not isinstance(start_pos, int) or start_pos < 0:
+            raise ValueError(f"'start_pos' must be an int >= 0 (got {start_pos!r})")
+        continues = mode != "prefill" or start_pos != 0  # a prefill at 0 starts over
+        if continues:
             caches.pool.check_can_advance(mode)
-        if mode == "prefill" and start_pos != 0:
-            raise ValueError(f"mode 'prefill' starts at position 0 (got start_pos={start_pos})")
-        if mode != "prefill":
             if caches.kv.layer_ids and start_pos != caches.kv.length:
                 raise CacheError(
                     f"'start_pos'={start_pos} does not match the KV cache length {caches.kv.length}"

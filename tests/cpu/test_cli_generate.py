@@ -55,6 +55,7 @@ def test_json_result_has_the_section_5_contract(capsys: pytest.CaptureFixture[st
     assert result["capture"]["verdict"] == "validated"
     assert set(result["timings"]) == {
         "prefill_s",
+        "prefill_tokens_per_s",
         "decode_s",
         "tokens_per_s",
         "greedy_decode_s",

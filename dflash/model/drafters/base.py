@@ -82,8 +82,13 @@ class DeviceDrafter(Drafter, Protocol):
         ...
 
     def start_device(
-        self, features: Tensor, last: int, capacity: int, block_size: int
+        self, features: Tensor, last: int, capacity: int, block_size: int, start: int = 0
     ) -> Tensor: ...
+
+    def can_continue_device(self, committed: int, capacity: int, block_size: int) -> bool:
+        """Whether ``start_device(..., start=committed)`` can continue the context held on
+        the device (its buffers fit and hold exactly ``committed`` positions)."""
+        ...
 
     def set_device_inputs(self, rows: Tensor, commit_n: Tensor, tokens: Tensor) -> None: ...
 

@@ -79,30 +79,58 @@ class DeviceDrafting(DraftingPart):
     @drafting
     @torch.no_grad()
     def start_device(
-        self, features: Tensor, last: int, capacity: int, block_size: int
+        self, features: Tensor, last: int, capacity: int, block_size: int, start: int = 0
     ) -> Tensor:
         """Begin drafting on the device after a prefill of ``n = features.shape[0]`` tokens
-        (their tap rows ``[n, F]``): fill the static cache (``capacity`` positions, at
-        least ``n + block_size``) and return the first proposal after ``last``, ``[B-1]``
-        int64 on the LM head's device (eager: ``n`` is the prompt's length)."""
+        (their tap rows ``[n, F]``) at positions ``start …``: fill the static cache
+        (``capacity`` positions, at least ``start + n + block_size``) and return the first
+        proposal after ``last``, ``[B-1]`` int64 on the LM head's device (eager: ``n`` is
+        the prompt's length). ``start`` 0 begins a new context; a later one continues the
+        context already on the device, which must hold exactly ``start`` positions
+        (:meth:`can_continue_device`)."""
         d = self.drafter
         check_block_size(block_size)
         check_token("last", last, d.config.vocab_size)
         n = int(features.shape[0]) if isinstance(features, Tensor) else 0
         features = d._check_features(features, n)
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < n + block_size:
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise DraftArgumentError(f"'start' must be an int >= 0 (got {start!r})")
+        need = start + n + block_size
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < need:
             raise DraftArgumentError(
-                f"'capacity' must be an int >= {n + block_size} (the {n} prompt rows and a "
+                f"'capacity' must be an int >= {need} (the {start + n} context rows and a "
                 f"block of {block_size}; got {capacity!r})"
+            )
+        if start and not self.can_continue_device(start, capacity, block_size):
+            raise DraftArgumentError(
+                f"'start'={start}: the device context cannot continue there (it holds "
+                f"{self._held()} positions in buffers of {self._capacity()})"
             )
         dev = self._device
         if dev is None or not dev.fits(d, capacity, block_size):
             dev = self._device = _DeviceCache(d, capacity, block_size)
             self.device_buffers_version += 1
-        dev.position.zero_()
+        if not start:
+            dev.position.zero_()
         self._write_context(dev, features.to(d.device, d.dtype), None)
         last_t = torch.full((1,), last, dtype=torch.int64, device=d.device)
         return self._device_block(dev, last_t)
+
+    def can_continue_device(self, committed: int, capacity: int, block_size: int) -> bool:
+        """Whether the device context holds exactly ``committed`` positions in buffers that
+        fit ``capacity`` and ``block_size`` (reads the position: one host sync, at a
+        prefill)."""
+        dev = self._device
+        return (
+            dev is not None and dev.fits(self.drafter, capacity, block_size)
+            and self._held() == committed
+        )
+
+    def _held(self) -> int | None:
+        return None if self._device is None else int(self._device.position[0])
+
+    def _capacity(self) -> int | None:
+        return None if self._device is None else self._device.capacity
 
     def set_device_inputs(self, rows: Tensor, commit_n: Tensor, tokens: Tensor) -> None:
         """The inputs of the next :meth:`device_step`, copied into its static buffers:

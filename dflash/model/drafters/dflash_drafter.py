@@ -377,10 +377,15 @@ class DFlashDrafter(nn.Module):
         return self.host.uncached_hidden(features, last, block_size)
 
     def start_device(
-        self, features: Tensor, last: int, capacity: int, block_size: int
+        self, features: Tensor, last: int, capacity: int, block_size: int, start: int = 0
     ) -> Tensor:
         """Begin drafting on the device after a prefill (:meth:`DeviceDrafting.start_device`)."""
-        return self.on_device.start_device(features, last, capacity, block_size)
+        return self.on_device.start_device(features, last, capacity, block_size, start)
+
+    def can_continue_device(self, committed: int, capacity: int, block_size: int) -> bool:
+        """Whether a prefill can continue the device context
+        (:meth:`DeviceDrafting.can_continue_device`)."""
+        return self.on_device.can_continue_device(committed, capacity, block_size)
 
     def set_device_inputs(self, rows: Tensor, commit_n: Tensor, tokens: Tensor) -> None:
         """The next device step's inputs (:meth:`DeviceDrafting.set_device_inputs`)."""

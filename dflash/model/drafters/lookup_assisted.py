@@ -172,9 +172,14 @@ class LookupAssistedDrafter:
     def device_buffers_version(self) -> int:
         return self.dflash.device_buffers_version
 
-    def start_device(self, features: Tensor, last: int, capacity: int, block_size: int) -> Tensor:
+    def start_device(
+        self, features: Tensor, last: int, capacity: int, block_size: int, start: int = 0
+    ) -> Tensor:
         self._new_generation()
-        return self.dflash.start_device(features, last, capacity, block_size)
+        return self.dflash.start_device(features, last, capacity, block_size, start)
+
+    def can_continue_device(self, committed: int, capacity: int, block_size: int) -> bool:
+        return self.dflash.can_continue_device(committed, capacity, block_size)
 
     def set_device_inputs(self, rows: Tensor, commit_n: Tensor, tokens: Tensor) -> None:
         self.dflash.set_device_inputs(rows, commit_n, tokens)

@@ -14,6 +14,9 @@
 #                                          # dflash bench sampled (9B synthetic; default pair)
 #   bash benchmarks/gpu_session.sh filters # the filters' GPU tests, sampling_cost.py (+ --profile),
 #                                          # dflash bench with top-k 20, top-p 0.95 (9B; default pair)
+#   bash benchmarks/gpu_session.sh long    # the prefill kernels' GPU tests, then
+#                                          # benchmarks/long_context.py: 9B prefill tok/s and peak
+#                                          # memory from 8k to 262,144 tokens, decode at each
 #   bash benchmarks/gpu_session.sh wide    # the wide-verify linear: GPU tests + benchmarks/linear_wide.py
 #   bash benchmarks/gpu_session.sh kernels # benchmarks/kernels.py (kernels-sweep: with its config sweep)
 #   bash benchmarks/gpu_session.sh cli     # dflash generate on two GPUs, every drafter
@@ -47,6 +50,13 @@ for phase in "$@"; do
   case "$phase" in
     tests)
       python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+      ;;
+    long)
+      python3 -m pytest tests/gpu/test_prefill_kernels.py tests/gpu/test_gdn_chunk_gpu.py -q -s \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_long.log"
+      timeout "${LONG_TIMEOUT:-420}" python3 benchmarks/long_context.py --model nine-b-shape \
+        --devices cuda:0 --lengths "${LENGTHS:-8192,16384,32768,65536,131072,262144}" \
+        --chunk "${CHUNK:-4096}" --out "$OUT/long_context_9b.json" 2>&1 | tee "$OUT/long_context_9b.log"
       ;;
     bench)
       timeout "${BENCH_TIMEOUT:-600}" python3 -m dflash.cli bench --model nine-b-shape --draft synthetic --acceptance 0.874 --block-size 16 \

@@ -2,6 +2,8 @@
 
 - :func:`gdn_verify`: the gated delta rule over ``T`` draft tokens, writing the F32 state
   after every token into checkpoint slots (chain or validated tree geometry).
+- :func:`gdn_chunk_prefill`: the gated delta rule over a prompt in chunk-parallel (WY)
+  form, updating the state in place (a prefill; not M-invariant).
 - :func:`gdn_recompute`: the ``recompute`` rollback: re-run the accepted tokens of a verify
   from the pre-verify state (all layers of a shard, one launch), bit-identical to the
   verify's checkpoint slot.
@@ -41,6 +43,8 @@ from dflash.kernels.filter_reference import filter_floors_reference
 from dflash.kernels.gates import gdn_gates
 from dflash.kernels.gates_reference import gdn_gates_reference
 from dflash.kernels.gdn import gdn_recompute, gdn_verify
+from dflash.kernels.gdn_chunk import gdn_chunk_prefill
+from dflash.kernels.gdn_chunk_reference import gdn_chunk_prefill_reference
 from dflash.kernels.gdn_reference import gdn_recompute_reference, gdn_verify_reference
 from dflash.kernels.linear import linear
 from dflash.kernels.linear_reference import linear_reference
@@ -62,6 +66,8 @@ __all__ = [
     "decode_attention_reference",
     "filter_floors",
     "filter_floors_reference",
+    "gdn_chunk_prefill",
+    "gdn_chunk_prefill_reference",
     "gdn_gates",
     "gdn_gates_reference",
     "gdn_recompute",

@@ -30,6 +30,7 @@ from dflash.geometry import ChainGeometry, TreeGeometry
 from dflash.kernels import (
     causal_conv1d_capture,
     decode_attention,
+    gdn_chunk_prefill,
     gdn_gates,
     gdn_verify,
     linear,
@@ -45,6 +46,11 @@ if TYPE_CHECKING:  # caches.py imports this module (the rotary table)
 
 KernelBackend = Literal["auto", "triton", "reference"]
 
+#: the fewest tokens whose prefill runs the gated delta rule in chunk-parallel form (when
+#: the model asks for it, :attr:`dflash.model.TargetModel.chunked_prefill`): below, the
+#: token loop is cheap and rounds closest to the recurrence it stands for
+CHUNKED_PREFILL_MIN = 256
+
 
 class Ops:
     """The kernels of one forward.
@@ -57,7 +63,7 @@ class Ops:
     forwards read positions from the device).
     """
 
-    __slots__ = ("backend", "invariant", "tiles")
+    __slots__ = ("backend", "chunked_prefill", "invariant", "tiles")
 
     def __init__(
         self,
@@ -67,8 +73,12 @@ class Ops:
         device: torch.device,
         start: int | None = None,
         offsets: tuple[int, ...] | None = None,
+        chunked_prefill: bool = False,
     ) -> None:
         self.invariant = invariant
+        #: a prefill's gated delta rule in chunk-parallel form
+        #: (:func:`dflash.kernels.gdn_chunk_prefill`), never an invariant forward's
+        self.chunked_prefill = chunked_prefill and not invariant
         self.backend: KernelBackend = backend
         self.tiles: PositionTiles | None = None
         if invariant and device.type == "cpu":
@@ -539,10 +549,13 @@ class GatedDeltaNet(GroupedModule):
         v = v.reshape(b, t, self.num_v_heads, self.head_v_dim)
         if capture is None:
             conv_rows.copy_(captured[:, t : t + kc1])
-            o = gdn_verify(  # state <- state after the last token (from the live one)
-                q, k, v, g, beta, state, state.unsqueeze(1), None,
-                final_state_only=True, slot_bank=bank, live_slot=live, backend=backend,
-            )
+            if ops.chunked_prefill and t >= CHUNKED_PREFILL_MIN and bank is None:
+                o = gdn_chunk_prefill(q, k, v, g, beta, state, backend=backend)
+            else:
+                o = gdn_verify(  # state <- state after the last token (from the live one)
+                    q, k, v, g, beta, state, state.unsqueeze(1), None,
+                    final_state_only=True, slot_bank=bank, live_slot=live, backend=backend,
+                )
         else:  # states capture: every token's state and the pre-verify one; inputs: none
             # (a tree's reloaded nodes go to the pool's one-layer scratch)
             o = gdn_verify(

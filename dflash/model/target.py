@@ -66,6 +66,13 @@ class TargetModel(nn.Module):
         super().__init__()
         self.config = config
         self.kernel_backend: KernelBackend = kernel_backend
+        #: a prefill chunk of at least :data:`dflash.model.layers.CHUNKED_PREFILL_MIN`
+        #: tokens runs the gated delta rule in chunk-parallel form
+        #: (:func:`dflash.kernels.gdn_chunk_prefill`) rather than token by token. None:
+        #: on CPU devices only (its torch form is 4-20x faster there on long prompts); the
+        #: Triton form is checked under the interpreter and waits for its measurement on
+        #: a GPU before it becomes the CUDA default
+        self.chunked_prefill: bool | None = None
         self.load_report: LoadReport | None = None  # set by from_pretrained
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -301,8 +308,10 @@ class TargetModel(nn.Module):
         and, in a tree verify, row ``t`` at ``start + offsets[t]`` (needed by invariant CPU
         forwards): M-invariant unless prefill."""
         invariant = mode != "prefill"
+        chunked = device.type == "cpu" if self.chunked_prefill is None else self.chunked_prefill
         return Ops(invariant=invariant, backend=self.backend_for(device), device=device,
-                   start=start if invariant else None, offsets=offsets if invariant else None)
+                   start=start if invariant else None, offsets=offsets if invariant else None,
+                   chunked_prefill=chunked)
 
     def logits(
         self, hidden: Tensor, mode: Mode, start: int | None = None,

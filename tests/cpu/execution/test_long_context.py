@@ -234,3 +234,38 @@ def test_a_context_that_cannot_fit_is_refused_before_any_cache(
     assert built == []  # refused before any cache was allocated
     monkeypatch.setattr(memory, "available_bytes", lambda device: None)  # unknown: no check
     ShardedTarget(tiny, _plan(), max_len=64, max_draft=4)
+
+
+@torch.inference_mode()
+def test_a_long_chunk_takes_the_chunk_parallel_recurrence(
+    tiny: TargetModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From CHUNKED_PREFILL_MIN tokens on a CPU prefill runs the gated delta rule in
+    chunk-parallel form; its state and logits stay within float32 rounding of the token
+    loop's, and the greedy continuation is the same."""
+    import dflash.kernels as kernels
+    import dflash.model.layers as layers
+
+    prompt = [(7 * i * i + 5) % 256 for i in range(300)]
+    calls: list[int] = []
+    real = kernels.gdn_chunk_prefill
+
+    def counting(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(q.shape[1])
+        return real(q, *args, **kwargs)  # type: ignore[arg-type]  # forwarded as given
+
+    monkeypatch.setattr(layers, "gdn_chunk_prefill", counting)
+    runs = {}
+    for chunked in (True, False):
+        tiny.chunked_prefill = chunked
+        try:
+            caches = tiny.new_caches(max_len=320)
+            logits, _ = tiny(torch.tensor([prompt]), caches, "prefill")
+            runs[chunked] = (logits[0, -1], caches.pool.state.clone(),
+                             reference_greedy(tiny, _plan(), prompt, 8, prefill_chunk=None))
+        finally:
+            tiny.chunked_prefill = None
+    assert calls == [300] * 8  # 4 recurrent layers, twice: the oracle's prefill too
+    torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(runs[True][1], runs[False][1], rtol=1e-4, atol=1e-4)
+    assert runs[True][2] == runs[False][2]

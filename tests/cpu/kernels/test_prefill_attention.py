@@ -40,6 +40,8 @@ CASES = [
     (2, 9, 4, 2, 32, 0),        # start 0, GQA, two batch rows
     (1, 40, 6, 2, 96, 37),      # G = 3, D not a power of two, start off every block
     (2, 17, 3, 3, 64, 64),      # one query head per KV head, start on a block boundary
+    (1, 20, 2, 1, 32, 30),      # tiles start one key before a block boundary
+    (1, 3, 4, 2, 256, 5),       # the largest head dim
 ]
 
 
@@ -60,7 +62,7 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
            scale: float | None = None) -> torch.Tensor:
     """The oracle: float64, every query head given its own copy of its KV head, one
     softmax over the full ``[T, start + T]`` causal mask."""
-    B, T, H, D = q.shape
+    _, T, H, D = q.shape
     G = H // k.shape[1]
     kv_head = torch.arange(H) // G
     keys = k[:, kv_head, : start + T].double()              # [B, H, start + T, D]
@@ -174,14 +176,15 @@ def test_hand_checked_two_keys(backend: Backend) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_strided_cache_views(backend: Backend) -> None:
     """Caches given as layer 1 of a stacked [L, B, HKV, S_max, D] buffer (layers 0 and 2
-    NaN), out a view of a wider buffer: the values of contiguous copies, and the buffer's
-    other columns untouched."""
+    NaN), q and out views of wider buffers: the values of contiguous copies, and the
+    output buffer's other columns untouched."""
     q, k, v = _inputs(2, 11, 4, 2, 32, 13, torch.float32, seed=6)
     stack_k = torch.stack([torch.full_like(k, NAN), k, torch.full_like(k, NAN)])
     stack_v = torch.stack([torch.full_like(v, NAN), v, torch.full_like(v, NAN)])
+    q_and_gate = torch.cat([q, torch.full_like(q, NAN)], dim=-1)     # [B, T, H, 2 * D]
     buf = torch.full((2, 11, 4, 48), NAN)
-    got = prefill_attention(q, stack_k[1], stack_v[1], 13, out=buf[..., :32],
-                            backend=backend)
+    got = prefill_attention(q_and_gate[..., :32], stack_k[1], stack_v[1], 13,
+                            out=buf[..., :32], backend=backend)
     assert rel_rms(got, _dense(q, k, v, 13)) <= TOL[torch.float32]
     assert torch.isnan(buf[..., 32:]).all()
 

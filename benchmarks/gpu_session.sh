@@ -52,7 +52,7 @@ for phase in "$@"; do
       python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
       ;;
     long)
-      python3 -m pytest tests/gpu/test_prefill_kernels.py tests/gpu/test_gdn_chunk_gpu.py -q -s \
+      python3 -m pytest tests/gpu/test_prefill_attention_gpu.py tests/gpu/test_gdn_chunk_gpu.py tests/gpu/test_long_context_gpu.py -q -s \
         -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_long.log"
       timeout "${LONG_TIMEOUT:-420}" python3 benchmarks/long_context.py --model nine-b-shape \
         --devices cuda:0 --lengths "${LENGTHS:-8192,16384,32768,65536,131072,262144}" \

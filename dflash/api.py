@@ -165,6 +165,7 @@ def load(
     seed: int = 0,
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     max_context: int | None = None,
+    draft_window: int | None = None,
 ) -> LLM:
     """Build a target model and a drafter, ready to generate.
 
@@ -195,6 +196,9 @@ def load(
             model's ``max_position_embeddings``), sized once at the first call and checked
             against the device's free memory before they are allocated; a request past it
             is refused. None: sized per request, grown as requests grow.
+        draft_window: a DFlash drafter's blocks attend only the last ``N`` committed tokens
+            (None: all of them), so a drafting step costs the same at any context length;
+            the output does not change.
 
     Raises :class:`dflash.errors.UsageError` subclasses naming the bad argument, and
     checkpoint / config errors naming the file.
@@ -218,6 +222,13 @@ def load(
     _int("seed", seed, 0, 2**63 - 1)
     if prefill_chunk is not None:
         _int("prefill_chunk", prefill_chunk, 1)
+    if draft_window is not None:
+        _int("draft_window", draft_window, 1)
+        if draft is None:
+            raise ArgumentError(
+                f"{param('draft_window')}={draft_window} needs a DFlash drafter (draft=None "
+                "decodes plainly)"
+            )
     if verify_window not in WINDOWS:
         raise ArgumentError(
             f"{param('verify_window')} must be one of {', '.join(WINDOWS)} (got {verify_window!r})"
@@ -257,6 +268,7 @@ def load(
             block_size=block_size,
             model_spec=model,
             draft_dtype=None if drafter_dtype_name is None else DTYPES[drafter_dtype_name],
+            draft_window=draft_window,
         )
     return LLM(
         target,

@@ -211,6 +211,14 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         "against the device's free memory before anything is allocated",
     )
     p.add_argument(
+        "--draft-window",
+        type=int,
+        default=None,
+        help="a DFlash drafter's blocks attend only the last N committed tokens (default: "
+        "all of them, or the drafter's own sliding window): a drafting step then costs the "
+        "same at any context length; only guesses change, the output does not",
+    )
+    p.add_argument(
         "--draft-dtype",
         choices=("float32", "bfloat16", "float16", "float64"),
         default=None,
@@ -562,6 +570,8 @@ def prepare(args: argparse.Namespace) -> Prepared:
         raise UsageError(f"--tree-budget must be in [2, {MAX_SLOTS}] (got {tree_budget})")
     acceptance = synthetic_acceptance(args)
     sampling = sampling_params(args)
+    if args.draft_window is not None and args.draft_window < 1:
+        raise UsageError(f"--draft-window must be >= 1 (got {args.draft_window})")
     if args.prefill_chunk < 0:
         raise UsageError(
             f"--prefill-chunk must be >= 1, or 0 for one forward (got {args.prefill_chunk})"
@@ -624,6 +634,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
         tree_budget=tree_budget,
         sampling=sampling,
         prefill_chunk=prefill_chunk(args),
+        draft_window=args.draft_window,
     )
     if tree_budget is not None and not isinstance(drafter, (TreeDrafter, CandidateDrafter)):
         raise UsageError(

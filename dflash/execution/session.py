@@ -36,7 +36,14 @@ from dflash.model.catalog import SessionError as SessionError
 from dflash.model.catalog import build_model as build_model
 from dflash.model.catalog import model_config as model_config
 from dflash.model.catalog import model_directory as model_directory
-from dflash.model.drafters import LOOKUP_SUFFIX, Drafter, make_drafter
+from dflash.model.drafters import (
+    LOOKUP_SUFFIX,
+    DFlashDrafter,
+    Drafter,
+    LookupAssistedDrafter,
+    make_drafter,
+)
+from dflash.model.drafters.errors import DraftArgumentError
 from dflash.model.drafters.trees import SyntheticTreeDrafter
 from dflash.model.tokenizer import (
     TextTokenizer,
@@ -217,6 +224,7 @@ def build_drafter(
     tree_budget: int | None = None,
     sampling: SamplingParams = GREEDY,
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+    draft_window: int | None = None,
 ) -> tuple[Drafter, list[int] | None]:
     """The drafter, and for ``synthetic`` the target-only greedy tokens it was given.
 
@@ -227,8 +235,53 @@ def build_drafter(
     (None: :func:`make_drafter`'s default). ``tree_budget`` with ``synthetic``: the
     SYNTHETIC tree drafter (:func:`tree_rank_probs` of ``acceptance``) instead.
     ``prefill_chunk``: the runs' prefill chunks (the synthetic drafter's plain decode
-    prefills as they do, so its tokens are theirs).
+    prefills as they do, so its tokens are theirs). ``draft_window``: a DFlash drafter's
+    :attr:`~dflash.model.drafters.DFlashDrafter.context_window` (refused for the others).
     """
+    drafter, oracle = _drafter(spec, model, prompt, plan=plan, acceptance=acceptance,
+                               seed=seed, max_new_tokens=max_new_tokens,
+                               block_size=block_size, model_spec=model_spec,
+                               draft_dtype=draft_dtype, tree_budget=tree_budget,
+                               sampling=sampling, prefill_chunk=prefill_chunk)
+    set_draft_window(drafter, draft_window)
+    return drafter, oracle
+
+
+def set_draft_window(drafter: Drafter, window: int | None) -> None:
+    """Give a DFlash drafter (alone or assisted by prompt lookup) the context window
+    ``window``; None leaves every drafter as it is; a window for another drafter is a
+    :class:`SessionError` naming it."""
+    if window is None:
+        return
+    inner = drafter.dflash if isinstance(drafter, LookupAssistedDrafter) else drafter
+    if not isinstance(inner, DFlashDrafter):
+        raise SessionError(
+            f"{param('draft_window')}={window} applies to DFlash drafters (the drafter is "
+            f"{drafter.label!r}): it bounds the context a DFlash block attends"
+        )
+    try:
+        inner.context_window = window
+    except DraftArgumentError as exc:
+        raise SessionError(f"{param('draft_window')}: {exc}") from None
+
+
+def _drafter(
+    spec: str,
+    model: TargetModel,
+    prompt: Sequence[int],
+    *,
+    plan: ShardPlan,
+    acceptance: float,
+    seed: int,
+    max_new_tokens: int,
+    block_size: int,
+    model_spec: str | None,
+    draft_dtype: torch.dtype | None,
+    tree_budget: int | None,
+    sampling: SamplingParams,
+    prefill_chunk: int | None,
+) -> tuple[Drafter, list[int] | None]:
+    """:func:`build_drafter` without the window."""
     extra: dict[str, Any] = {} if draft_dtype is None else {"draft_dtype": draft_dtype}
     if spec in ("dflash", "dflash" + LOOKUP_SUFFIX) and is_default_target(model_spec):
         try:

@@ -45,6 +45,9 @@ def test_a_chunked_prefill_reports_its_rate_and_keeps_parity(
     (["--max-context", "4097"], "--max-context must be in [1, 4096]"),
     (["--max-context", "10", "--prompt-len", "8"],
      "prompt of 8 tokens + max_new_tokens=6 = 14 tokens exceed max_context=10"),
+    (["--draft-window", "0"], "--draft-window must be >= 1 (got 0)"),
+    (["--draft-window", "64"], "--draft-window=64 applies to DFlash drafters (the drafter is "
+                               "'prompt-lookup')"),
 ])
 def test_bad_values_are_refused_naming_them(
     capsys: pytest.CaptureFixture[str], args: list[str], words: str
@@ -76,7 +79,12 @@ def test_the_library_takes_both(monkeypatch: pytest.MonkeyPatch) -> None:
     assert llm.target is not None and llm.target.max_len == 64 + 16 + 1
     with pytest.raises(ContextLengthError, match="exceed max_context=64"):
         llm.generate(prompt, max_new_tokens=40)
+    windowed = dflash.load(model="tiny", draft="dflash+lookup", draft_window=8)
+    assert windowed.drafter is not None
+    assert windowed.generate(prompt, max_new_tokens=8).tokens == plain.tokens
     for bad, words in (({"prefill_chunk": 0}, "'prefill_chunk' must be an int >= 1"),
-                       ({"max_context": 5000}, "'max_context' must be an int in [1, 4096]")):
+                       ({"max_context": 5000}, "'max_context' must be an int in [1, 4096]"),
+                       ({"draft": None, "draft_window": 8}, "'draft_window'=8 needs a DFlash"),
+                       ({"draft_window": 0}, "'draft_window' must be an int >= 1")):
         with pytest.raises(UsageError, match=words.replace("[", r"\[").replace("]", r"\]")):
-            dflash.load(model="tiny", **bad)  # type: ignore[arg-type]  # the wrong values
+            dflash.load(model="tiny", **bad)

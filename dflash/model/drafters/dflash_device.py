@@ -4,10 +4,13 @@
 the host, over a static-capacity context cache, for a step whose accepted count is still
 on the device. Guesses are the argmax of each slot's logits, or, when the target samples,
 the same rule drawn with the target's noise (coupled drafting, :meth:`DeviceDrafting.couple`).
-The cache holds ``capacity`` positions per layer; a step projects a fixed
-``B`` rows (the verify's tap rows, of which the first ``commit_n`` are committed), writes
-their keys/values at the drafter's device position, advances it by ``commit_n`` and runs
-the block over every cached position with the uncommitted ones masked out. No host value
+The cache holds ``capacity`` positions per layer — or, when the drafter's blocks see only
+the last ``reach`` committed positions (:attr:`DFlashDrafter.context_reach`), a ring of
+``reach + B`` rows, so a step costs the same at any context length; a step projects a
+fixed ``B`` rows (the verify's tap rows, of which the first ``commit_n`` are committed),
+writes their keys/values at the drafter's device position (its ring row), advances it by
+``commit_n`` and runs the block over every cached row with the uncommitted ones (and those
+past the reach) masked out. No host value
 and no shape depends on the step, so a CUDA graph can hold it. Rows past ``commit_n``
 land at positions the next step overwrites before they become visible.
 
@@ -28,12 +31,18 @@ from dflash.sampling import GREEDY, SamplingParams, sample_tokens
 
 
 class _DeviceCache:
-    """Static buffers of drafting on the device (see the module docstring)."""
+    """Static buffers of drafting on the device (see the module docstring): a ring of
+    ``rows`` context rows — ``capacity`` when the block may see every committed position,
+    else the drafter's reach and a block (:attr:`DFlashDrafter.context_reach`) — position
+    ``p`` in row ``p mod rows``, ``slot_pos`` the position each row holds (-1: none)."""
 
     def __init__(self, drafter: DrafterWeights, capacity: int, block_size: int) -> None:
         cfg, dev, dt = drafter.config, drafter.device, drafter.dtype
         self.capacity, self.block_size, self.dtype, self.device = capacity, block_size, dt, dev
-        shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        self.reach = drafter.context_reach
+        self.rows_held = capacity if self.reach is None else min(capacity,
+                                                                 self.reach + block_size)
+        shape = (1, cfg.num_key_value_heads, self.rows_held, cfg.head_dim)
         # zeros: masked keys/values must be finite (0 · NaN would poison the attention)
         self.kv = [
             (torch.zeros(shape, dtype=dt, device=dev), torch.zeros(shape, dtype=dt, device=dev))
@@ -44,7 +53,7 @@ class _DeviceCache:
         self.count = torch.ones(1, dtype=torch.int64, device=dev)
         self.tokens = torch.zeros(block_size, dtype=torch.int64, device=dev)
         self.masks = torch.full((1, block_size), cfg.mask_token_id, dtype=torch.long, device=dev)
-        self.key_index = torch.arange(capacity, device=dev)  # [C]
+        self.slot_pos = torch.full((self.rows_held,), -1, dtype=torch.int64, device=dev)
         self.block_index = torch.arange(block_size, device=dev)  # [B]
         self.block_visible = torch.ones(block_size, dtype=torch.bool, device=dev)
 
@@ -52,6 +61,7 @@ class _DeviceCache:
         return (
             self.capacity >= capacity and self.block_size == block_size
             and self.dtype == drafter.dtype and self.device == drafter.device
+            and self.reach == drafter.context_reach
         )
 
 
@@ -112,7 +122,11 @@ class DeviceDrafting(DraftingPart):
             self.device_buffers_version += 1
         if not start:
             dev.position.zero_()
-        self._write_context(dev, features.to(d.device, d.dtype), None)
+            dev.slot_pos.fill_(-1)
+        # rows the ring cannot hold are seen by no block: only the last ones are written
+        skip = max(0, n - dev.rows_held)
+        dev.position.add_(skip)
+        self._write_context(dev, features[skip:].to(d.device, d.dtype), None)
         last_t = torch.full((1,), last, dtype=torch.int64, device=d.device)
         return self._device_block(dev, last_t)
 
@@ -125,6 +139,12 @@ class DeviceDrafting(DraftingPart):
             dev is not None and dev.fits(self.drafter, capacity, block_size)
             and self._held() == committed
         )
+
+    def forget(self) -> None:
+        """Drop the device buffers (a new context window needs a ring of another size)."""
+        if self._device is not None:
+            self._device = None
+            self.device_buffers_version += 1
 
     def _held(self) -> int | None:
         return None if self._device is None else int(self._device.position[0])
@@ -178,10 +198,14 @@ class DeviceDrafting(DraftingPart):
         ctx = d.hidden_norm(d.fc(rows))[None]  # [1, R, H]
         positions = dev.position + (dev.block_index if r == dev.block_size
                                     else torch.arange(r, device=d.device))  # [R]
+        # ring rows (the identity while the ring holds ``capacity`` rows): ``r`` never
+        # exceeds the ring, so the rows are distinct
+        slots = positions.remainder(dev.rows_held)
         for (k_buf, v_buf), (k, v) in zip(dev.kv, d.context_kv(ctx, positions[None]),
                                           strict=True):
-            k_buf.index_copy_(2, positions, k)
-            v_buf.index_copy_(2, positions, v)
+            k_buf.index_copy_(2, slots, k)
+            v_buf.index_copy_(2, slots, v)
+        dev.slot_pos.index_copy_(0, slots, positions)
         if count is None:
             dev.position.add_(r)
         else:
@@ -194,10 +218,13 @@ class DeviceDrafting(DraftingPart):
         ids = torch.cat([last.view(1, 1), dev.masks[:, 1:]], dim=1)  # [1, B]
         x = d.embed(ids)
         q_pos = (dev.position + dev.block_index)[None]  # [1, B]
-        ctx_visible = dev.key_index < dev.position  # [C]
+        held = dev.slot_pos
+        ctx_visible = (held >= 0) & (held < dev.position)  # [C]: committed rows
+        if dev.reach is not None:  # and only the last ``reach`` of them
+            ctx_visible &= held >= dev.position - dev.reach
         visible = torch.cat([ctx_visible, dev.block_visible])[None, None]  # [1, 1, C+B]
         visible = visible.expand(1, dev.block_size, -1)
-        hidden = d.run_block(x, q_pos, dev.kv, dev.key_index[None], visible)[0]  # [B, H]
+        hidden = d.run_block(x, q_pos, dev.kv, held[None], visible)[0]  # [B, H]
         logits = d.logits(hidden[1:])  # [B-1, V]
         if self.sampling.greedy:
             return logits.argmax(dim=-1)

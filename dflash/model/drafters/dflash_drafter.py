@@ -102,6 +102,7 @@ class DFlashDrafter(nn.Module):
         object.__setattr__(self, "_embed_weight", embed_weight)
         object.__setattr__(self, "_lm_head_weight", lm_head_weight)
         self.rows_projected = 0  # context rows the host path ran through fc (cost accounting)
+        self._context_window: int | None = None
         #: (weight key, copy) of the LM head as ``[H, V]`` in the products' dtype (_head_in)
         self._head_copy: tuple[tuple[int, int, torch.dtype], Tensor] | None = None
         self.host = HostDrafting(self)  # drafting on the host: the context cache (dflash_host)
@@ -128,6 +129,39 @@ class DFlashDrafter(nn.Module):
     def cached_length(self) -> int:
         """Committed tokens whose context keys/values are cached (on the host)."""
         return self.host.cached_length
+
+    @property
+    def context_window(self) -> int | None:
+        """The committed positions a block sees at most: the last ``W`` before it (None:
+        all of them). A drafting option (``--draft-window``), not a checkpoint field: the
+        block's queries never see a context key older than that, on the host and on the
+        device, so a step costs the same at any context length (on the device the context
+        cache becomes a ring of :attr:`context_reach` + ``B`` rows). Only guesses come out
+        of the drafter: the output stays lossless."""
+        return self._context_window
+
+    @context_window.setter
+    def context_window(self, window: int | None) -> None:
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or window < 1):
+            raise DraftArgumentError(f"'context_window' must be an int >= 1 or None "
+                                     f"(got {window!r})")
+        if window != self._context_window:
+            self._context_window = window
+            self.host.reset()  # a cache cropped for another window cannot serve this one
+            self.on_device.forget()
+
+    @property
+    def context_reach(self) -> int | None:
+        """How many committed positions before the block any layer of a block sees: the
+        :attr:`context_window`, or when every layer is a sliding-window layer (z-lab's
+        ``sliding_window``) ``window - 1`` of the widest (the block's first query at
+        position ``n`` sees keys ``n - window + 1 …``); the smaller of the two. None:
+        every committed position."""
+        windows = [self.config.layer_window(i) for i in range(self.config.num_hidden_layers)]
+        layer_reach = None if None in windows else max(w for w in windows if w) - 1
+        reaches = [r for r in (self._context_window, layer_reach) if r is not None]
+        return min(reaches) if reaches else None
 
     # -- construction -------------------------------------------------------------------
 

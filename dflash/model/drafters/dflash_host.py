@@ -176,8 +176,10 @@ class HostDrafting(DraftingPart):
         """Final hidden states [B, H] of the block after ``features`` [n, F] (no cache)."""
         d = self.drafter
         n = features.shape[0]
-        ctx = d.project_context(features[None])  # [1, n, H]
-        ctx_pos = torch.arange(n, device=d.device)[None]
+        reach = d.context_reach
+        lo = 0 if reach is None else max(0, n - reach)  # as the cached path sees them
+        ctx = d.project_context(features[None, lo:])  # [1, n - lo, H]
+        ctx_pos = torch.arange(lo, n, device=d.device)[None]
         kv = d.context_kv(ctx, ctx_pos)
         x = d.embed(d.block_ids(last, block_size))
         q_pos = torch.arange(n, n + block_size, device=d.device)[None]
@@ -265,7 +267,9 @@ class HostDrafting(DraftingPart):
         n = len(self._tokens)
         x = d.embed(d.block_ids(last, block_size))  # [1, B, H]
         q_pos = torch.arange(n, n + block_size, device=d.device)[None]
-        if self._cache and self._sees_every_key and self._packed_inference:
+        reach = d.context_reach
+        lo = 0 if reach is None else max(0, n - reach)
+        if self._cache and self._sees_every_key and not lo and self._packed_inference:
             cos, sin = d.rotary.rolled(q_pos, x.dtype)
             self._reserve(n + block_size)
             layers = d._layers()
@@ -274,9 +278,8 @@ class HostDrafting(DraftingPart):
                 x = layer.infer(x, k_buf, v_buf, n, cos, sin, w)
             out: Tensor = normed(x[0], d.norm.weight, d.norm.eps)
             return out
-        # a windowed layer's queries (positions >= n) see no key below n - window + 1
-        windows = [d.config.layer_window(i) for i in range(d.config.num_hidden_layers)]
-        lo = 0 if None in windows else max(0, n - max(w for w in windows if w) + 1)
+        # keys below n - reach are seen by no query of the block (a windowed layer's, or
+        # the drafter's context window)
         kv: ContextKV = []
         for i in range(d.config.num_hidden_layers):
             if self._cache:

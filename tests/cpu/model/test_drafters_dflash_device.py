@@ -28,6 +28,7 @@ def _pair(**changes: object) -> tuple[DFlashDrafter, DFlashDrafter]:
             DFlashDrafter.random(cfg, embed, head, seed=3))
 
 
+@pytest.mark.parametrize("window", [None, 3, 9])
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=1.5, top_k=40, seed=5)])
 @pytest.mark.parametrize("changes", [
     {},
@@ -36,15 +37,18 @@ def _pair(**changes: object) -> tuple[DFlashDrafter, DFlashDrafter]:
      "is_causal": False},
 ])
 def test_device_proposals_equal_the_host_path_after_commits_of_every_length(
-    changes: dict[str, object], sampling: SamplingParams
+    changes: dict[str, object], sampling: SamplingParams, window: int | None
 ) -> None:
     """Greedy, and coupled to a sampling rule (the guesses drawn with the target's noise at
-    their absolute positions: the device's position, the host's context length)."""
+    their absolute positions: the device's position, the host's context length); with a
+    context window the device holds a ring of ``reach + B`` rows, whatever the capacity."""
     host, dev = _pair(**changes)
+    host.context_window = dev.context_window = window
     assert isinstance(dev, DeviceDrafter)
     host.couple(sampling)
     dev.couple(sampling)
     argmax = _pair(**changes)[0]  # the same drafter, uncoupled
+    argmax.context_window = window
     rng = random.Random(1)
     width = host.config.feature_size
     n, total = 7, 7 + 12 * B
@@ -55,6 +59,10 @@ def test_device_proposals_equal_the_host_path_after_commits_of_every_length(
     argmax.propose(context[:n], last, B, feats[:n])
     got = dev.start_device(feats[:n], last, capacity=total + 2 * B, block_size=B)
     assert got.dtype == torch.int64 and got.tolist() == want
+    ring = dev.on_device._device
+    assert ring is not None and ring.kv[0][0].shape[2] == (
+        total + 2 * B if dev.context_reach is None else dev.context_reach + B
+    )
     differs = 0  # proposals the coupled draw changed from the argmax's
     for step in range(12):
         commit = 1 + step % B  # 1 … B rows committed

@@ -311,6 +311,7 @@ class SpecDecoder:
                     f"'prompt' entry {i} must be a token id in [0, {vocab}) (got {tok!r})"
                 )
         keep = self.reusable(prompt) if reuse else 0
+        self.target.check_prefill(len(prompt) - keep, keep)  # before anything changes
         self.rollback.life.move("prefill")
         self.window = make_window(self.verify_window, self._window_devices)
         logits, taps = self.target.prefill(

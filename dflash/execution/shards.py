@@ -18,7 +18,12 @@ from torch import Tensor
 
 from dflash.errors import param
 from dflash.execution.capture_gate import ShardStorage
-from dflash.execution.errors import LayerSplitError, ShardPositionError, WeightsMovedError
+from dflash.execution.errors import (
+    ContextLengthError,
+    LayerSplitError,
+    ShardPositionError,
+    WeightsMovedError,
+)
 from dflash.execution.graphs import ShardCompute, ShardGraphs, ShardOutput, graphs_supported
 from dflash.execution.memory import check_context_memory, context_memory
 from dflash.geometry import ChainGeometry, TreeGeometry
@@ -435,8 +440,7 @@ class ShardedTarget:
         through the LM head. ``on_chunk(done, total)`` is called after each chunk, on the
         host (a progress display)."""
         n = len(ids)
-        if n == 0:
-            raise ValueError("a prefill needs at least one token (got none)")
+        self.check_prefill(n, start)
         step = self.prefill_chunk or n
         logits: Tensor | None = None
         parts: dict[int, list[Tensor]] = {}
@@ -451,6 +455,28 @@ class ShardedTarget:
         assert logits is not None  # the last chunk computed the LM head
         joined = {k: v[0] if len(v) == 1 else torch.cat(v, dim=1) for k, v in parts.items()}
         return logits, joined
+
+    def check_prefill(self, n: int, start: int) -> None:
+        """Refuse, before anything runs (the caches stay as they are), a prefill of ``n``
+        tokens at ``start`` that cannot run: no token, a bad start, more positions than
+        the caches hold (:class:`ContextLengthError`), or a start that does not continue
+        every shard's caches (:class:`ShardPositionError`)."""
+        if n == 0:
+            raise ValueError("a prefill needs at least one token (got none)")
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ValueError(f"'start' must be an int >= 0 (got {start!r})")
+        if start + n > self.max_len:
+            raise ContextLengthError(
+                f"a prefill of {n} tokens at position {start} needs {start + n} positions; "
+                f"the caches hold {self.max_len}"
+            )
+        if start:
+            held = {p for pair in self.positions() for p in pair if p is not None}
+            if held != {start}:
+                raise ShardPositionError(
+                    f"a prefill at position {start} continues the caches, but they hold "
+                    f"{self.positions()} (KV, recurrent) positions per shard"
+                )
 
     def replay(self, ids: Sequence[int], start: int) -> None:
         """``ids`` at ``start…`` in ``replay`` mode, caches only (no LM head)."""

@@ -269,3 +269,21 @@ def test_a_long_chunk_takes_the_chunk_parallel_recurrence(
     torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(runs[True][1], runs[False][1], rtol=1e-4, atol=1e-4)
     assert runs[True][2] == runs[False][2]
+
+
+@torch.inference_mode()
+def test_a_prefill_that_cannot_run_is_refused_before_its_first_chunk(tiny: TargetModel) -> None:
+    from dflash.execution.errors import ContextLengthError, ShardPositionError
+
+    target = ShardedTarget(tiny, _plan(), max_len=48, max_draft=4, prefill_chunk=8)
+    target.prefill(PROMPT[:20])
+    before = target.positions()
+    with pytest.raises(ContextLengthError, match="needs 50 positions; the caches hold 48"):
+        target.prefill(PROMPT[:30], 20)
+    with pytest.raises(ShardPositionError, match="a prefill at position 12 continues"):
+        target.prefill(PROMPT[:3], 12)
+    with pytest.raises(ValueError, match="'start' must be an int >= 0"):
+        target.prefill(PROMPT[:3], -1)
+    assert target.positions() == before  # nothing ran
+    target.prefill(PROMPT[20:28], 20)
+    assert target.positions() == [(None, 28), (28, 28)]

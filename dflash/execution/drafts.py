@@ -28,7 +28,9 @@ from dflash.execution.shards import ShardedTarget
 from dflash.execution.window import is_confidence
 from dflash.model.drafters import (
     DeviceDrafter,
+    DFlashDrafter,
     Drafter,
+    LookupAssistedDrafter,
     RevisingDrafter,
     ScoredDrafter,
     stack_tap_features,
@@ -40,15 +42,21 @@ class DraftSource(Protocol):
 
     drafter: Drafter
 
-    def start(self, features: Tensor | None, last: int, at: int = 0) -> None:
+    def start(self, features: Tensor | None, last: int, at: int = 0, skipped: int = 0) -> None:
         """After a prefill: ``features`` ``[P, taps·H]`` of the prompt's tokens from
-        position ``at`` on (0: a new sequence; else it continues the ``at`` committed
-        tokens, :meth:`can_continue`), ``last`` pending."""
+        position ``at + skipped`` on (``at`` 0: a new sequence; else it continues the
+        ``at`` committed tokens, :meth:`can_continue`; ``skipped`` tokens after them came
+        without features, when the rest cover :meth:`feature_rows`), ``last`` pending."""
         ...
 
     def can_continue(self, committed: int) -> bool:
         """Whether a prefill may continue after the ``committed`` tokens the drafter has
         seen (their features are not computed again)."""
+        ...
+
+    def feature_rows(self) -> int | None:
+        """The most rows of a prefill's features the drafter reads (its reach, when its
+        blocks see only the last committed positions); None: every row."""
         ...
 
     def take(self, context: list[int], last: int) -> tuple[list[int], list[float] | None]: ...
@@ -103,11 +111,14 @@ class HostDrafts(_Checked):
         # a runtime Protocol check walks the drafter's attributes: once here, not every step
         self._scored = drafter if isinstance(drafter, ScoredDrafter) else None
 
-    def start(self, features: Tensor | None, last: int, at: int = 0) -> None:
-        if at and self._features is not None and features is not None:
+    def start(self, features: Tensor | None, last: int, at: int = 0, skipped: int = 0) -> None:
+        if at and not skipped and self._features is not None and features is not None:
             # the rows of the last step not yet given to the drafter come first
             features = torch.cat([self._features, features])
         self._features = features
+
+    def feature_rows(self) -> int | None:
+        return drafter_reach(self.drafter)
 
     def can_continue(self, committed: int) -> bool:
         return True  # the drafter crops or refuses its own cache (it names why)
@@ -137,16 +148,19 @@ class DeviceDrafts(_Checked):
         self._revising = drafter if isinstance(drafter, RevisingDrafter) else None
         self._next: list[int] | None = None
 
-    def start(self, features: Tensor | None, last: int, at: int = 0) -> None:
+    def start(self, features: Tensor | None, last: int, at: int = 0, skipped: int = 0) -> None:
         """The first proposal now, from the prompt's features (eager); the rest inside the
         steps, replayed from the first shard's graphs."""
         assert features is not None  # a device drafter has taps
         first, drafter = self.target.shards[0], self.device_drafter
         with first.on_device():
             guesses = drafter.start_device(
-                features, last, self.capacity, self.block_size, at
+                features, last, self.capacity, self.block_size, at, skipped
             )
         self._next = [int(g) for g in guesses.tolist()]
+
+    def feature_rows(self) -> int | None:
+        return drafter_reach(self.drafter)
 
     @property
     def capacity(self) -> int:
@@ -182,6 +196,14 @@ class DeviceDrafts(_Checked):
 
     def committed(self, taps: dict[int, Tensor], commit_n: int, tail: list[int]) -> None:
         self._next = tail
+
+
+def drafter_reach(drafter: Drafter) -> int | None:
+    """How many committed positions before a block ``drafter`` reads (a DFlash drafter's
+    :attr:`~dflash.model.drafters.DFlashDrafter.context_reach`, alone or assisted by
+    prompt lookup); None: all of them, or a drafter without a reach."""
+    inner = drafter.dflash if isinstance(drafter, LookupAssistedDrafter) else drafter
+    return inner.context_reach if isinstance(inner, DFlashDrafter) else None
 
 
 def draft_source(target: ShardedTarget, drafter: Drafter, block_size: int) -> DraftSource:

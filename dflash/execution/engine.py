@@ -314,14 +314,19 @@ class SpecDecoder:
         self.target.check_prefill(len(prompt) - keep, keep)  # before anything changes
         self.rollback.life.move("prefill")
         self.window = make_window(self.verify_window, self._window_devices)
+        fresh = len(prompt) - keep
+        # a drafter that reads only the last ``reach`` positions gets only those rows' taps
+        # (the prefill keeps no more of them: a long prompt's taps would be O(prompt))
+        reach = self.drafts.feature_rows()
+        given = fresh if reach is None else min(reach, fresh)
         logits, taps = self.target.prefill(
-            list(prompt[keep:]), keep, taps=self.taps, on_chunk=on_chunk,
+            list(prompt[keep:]), keep, taps=self.taps, on_chunk=on_chunk, tap_rows=given,
         )
         self.committed, self.context, self.reused = len(prompt), list(prompt), keep
         self.last = int(self.accept.tokens(logits[-1:], self._drawn_at("prefill", 1)))
         self.target.require_position(self.committed, what="after prefill")
-        features = tap_features(self.target, self.taps, taps, len(prompt) - keep)
-        self.drafts.start(features, self.last, keep)
+        features = tap_features(self.target, self.taps, taps, given)
+        self.drafts.start(features, self.last, keep, fresh - given)
         return self.last
 
     def reusable(self, prompt: Sequence[int]) -> int:

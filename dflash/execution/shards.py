@@ -196,6 +196,11 @@ def _weight_addresses(model: TargetModel) -> tuple[tuple[str, int, torch.dtype, 
     )
 
 
+def _last_rows(rows: Tensor, n: int) -> Tensor:
+    """The last ``n`` rows (dimension 1) of ``rows`` (all when it has fewer; none for 0)."""
+    return rows[:, max(0, rows.shape[1] - n):]
+
+
 class ShardedTarget:
     """The target model run as contiguous shards; see the module docstring.
 
@@ -426,10 +431,12 @@ class ShardedTarget:
         *,
         taps: Sequence[int] = (),
         on_chunk: Callable[[int, int], None] | None = None,
+        tap_rows: int | None = None,
     ) -> tuple[Tensor, dict[int, Tensor]]:
         """``ids`` at positions ``start…`` in ``prefill`` forwards of at most
         :attr:`prefill_chunk` tokens each (None: one forward) → (the last token's logits
-        ``[1, vocab]``, the ``taps`` layers' outputs ``[1, len(ids), H]``). A prefill is
+        ``[1, vocab]``, the ``taps`` layers' outputs ``[1, len(ids), H]``, or only their
+        last ``tap_rows`` rows, the only ones kept between chunks). A prefill is
         not M-invariant: plain and speculative decoding compared bit for bit prefill in
         the same chunks (their targets share the setting, :meth:`cannot_serve`).
 
@@ -449,11 +456,16 @@ class ShardedTarget:
             logits, got = self._forward(ids[lo:hi], "prefill", start + lo, None, taps, None,
                                         hi == n)
             for layer, rows in got.items():
-                parts.setdefault(layer, []).append(rows)
+                kept = parts.setdefault(layer, [])
+                kept.append(rows if tap_rows is None else _last_rows(rows, tap_rows))
+                while tap_rows is not None and sum(r.shape[1] for r in kept[1:]) >= tap_rows:
+                    kept.pop(0)  # wholly before the last tap_rows rows
             if on_chunk is not None:
                 on_chunk(hi, n)
         assert logits is not None  # the last chunk computed the LM head
         joined = {k: v[0] if len(v) == 1 else torch.cat(v, dim=1) for k, v in parts.items()}
+        if tap_rows is not None:
+            joined = {k: _last_rows(v, tap_rows) for k, v in joined.items()}
         return logits, joined
 
     def check_prefill(self, n: int, start: int) -> None:

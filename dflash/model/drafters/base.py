@@ -82,7 +82,8 @@ class DeviceDrafter(Drafter, Protocol):
         ...
 
     def start_device(
-        self, features: Tensor, last: int, capacity: int, block_size: int, start: int = 0
+        self, features: Tensor, last: int, capacity: int, block_size: int, start: int = 0,
+        skipped: int = 0,
     ) -> Tensor: ...
 
     def can_continue_device(self, committed: int, capacity: int, block_size: int) -> bool:

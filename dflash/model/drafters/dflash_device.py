@@ -89,15 +89,18 @@ class DeviceDrafting(DraftingPart):
     @drafting
     @torch.no_grad()
     def start_device(
-        self, features: Tensor, last: int, capacity: int, block_size: int, start: int = 0
+        self, features: Tensor, last: int, capacity: int, block_size: int, start: int = 0,
+        skipped: int = 0,
     ) -> Tensor:
-        """Begin drafting on the device after a prefill of ``n = features.shape[0]`` tokens
-        (their tap rows ``[n, F]``) at positions ``start …``: fill the static cache
-        (``capacity`` positions, at least ``start + n + block_size``) and return the first
-        proposal after ``last``, ``[B-1]`` int64 on the LM head's device (eager: ``n`` is
-        the prompt's length). ``start`` 0 begins a new context; a later one continues the
-        context already on the device, which must hold exactly ``start`` positions
-        (:meth:`can_continue_device`)."""
+        """Begin drafting on the device after a prefill of ``skipped + n`` tokens at
+        positions ``start …``, of which the last ``n = features.shape[0]`` come with their
+        tap rows ``[n, F]``: fill the static cache (``capacity`` positions, at least
+        ``start + skipped + n + block_size``) and return the first proposal after ``last``,
+        ``[B-1]`` int64 on the LM head's device (eager). ``start`` 0 begins a new context;
+        a later one continues the context already on the device, which must hold exactly
+        ``start`` positions (:meth:`can_continue_device`). ``skipped`` rows come without
+        features: allowed only when the ``n`` given cover the drafter's reach
+        (:attr:`DFlashDrafter.context_reach`), so no block reads the skipped ones."""
         d = self.drafter
         check_block_size(block_size)
         check_token("last", last, d.config.vocab_size)
@@ -105,10 +108,19 @@ class DeviceDrafting(DraftingPart):
         features = d._check_features(features, n)
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise DraftArgumentError(f"'start' must be an int >= 0 (got {start!r})")
-        need = start + n + block_size
+        reach = d.context_reach
+        if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0 or (
+            skipped and (reach is None or n < reach)
+        ):
+            raise DraftArgumentError(
+                f"'skipped' must be 0, or an int >= 0 when the {n} rows given cover the "
+                f"drafter's reach ({reach}) (got {skipped!r})"
+            )
+        need = start + skipped + n + block_size
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < need:
             raise DraftArgumentError(
-                f"'capacity' must be an int >= {need} (the {start + n} context rows and a "
+                f"'capacity' must be an int >= {need} (the {need - block_size} context rows "
+                f"and a "
                 f"block of {block_size}; got {capacity!r})"
             )
         if start and not self.can_continue_device(start, capacity, block_size):
@@ -125,7 +137,7 @@ class DeviceDrafting(DraftingPart):
             dev.slot_pos.fill_(-1)
         # rows the ring cannot hold are seen by no block: only the last ones are written
         skip = max(0, n - dev.rows_held)
-        dev.position.add_(skip)
+        dev.position.add_(skipped + skip)
         self._write_context(dev, features[skip:].to(d.device, d.dtype), None)
         last_t = torch.full((1,), last, dtype=torch.int64, device=d.device)
         return self._device_block(dev, last_t)

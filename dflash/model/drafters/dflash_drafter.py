@@ -411,10 +411,12 @@ class DFlashDrafter(nn.Module):
         return self.host.uncached_hidden(features, last, block_size)
 
     def start_device(
-        self, features: Tensor, last: int, capacity: int, block_size: int, start: int = 0
+        self, features: Tensor, last: int, capacity: int, block_size: int, start: int = 0,
+        skipped: int = 0,
     ) -> Tensor:
         """Begin drafting on the device after a prefill (:meth:`DeviceDrafting.start_device`)."""
-        return self.on_device.start_device(features, last, capacity, block_size, start)
+        return self.on_device.start_device(features, last, capacity, block_size, start,
+                                           skipped)
 
     def can_continue_device(self, committed: int, capacity: int, block_size: int) -> bool:
         """Whether a prefill can continue the device context

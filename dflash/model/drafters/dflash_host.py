@@ -195,6 +195,14 @@ class HostDrafting(DraftingPart):
         d = self.drafter
         n, t = len(tokens), features.shape[0]
         keep = n - t
+        reach = d.context_reach
+        if reach is not None and t >= reach and (
+            keep > len(self._tokens) or self._tokens[:keep] != tokens[:keep]
+        ):
+            # the rows before ``keep`` lie outside every block's reach from here on: they
+            # need no keys (a long prompt's prefill hands over only its last rows)
+            self._write_rows(tokens, features, keep, packs, fresh=True)
+            return
         if keep > len(self._tokens):
             raise DraftArgumentError(
                 f"'features' has {t} rows for a context of {n} tokens, so the drafter needs "
@@ -211,6 +219,16 @@ class HostDrafting(DraftingPart):
         self._tokens = self._tokens[:keep]
         if t == 0:
             return
+        self._write_rows(tokens, features, keep, packs, fresh=False)
+
+    def _write_rows(
+        self, tokens: list[int], features: Tensor, keep: int, packs: list[PackedLayer] | None,
+        *, fresh: bool,
+    ) -> None:
+        """Keys/values of ``features`` at positions ``keep …`` into the cache; ``fresh``:
+        the cached rows before ``keep`` are not kept (no block reads them)."""
+        d = self.drafter
+        n = len(tokens)
         ctx = d.project_context(features[None])  # [1, T, H]
         positions = torch.arange(keep, n, device=d.device)[None]
         if self._packed_inference:
@@ -228,7 +246,7 @@ class HostDrafting(DraftingPart):
         grown: list[tuple[Tensor, Tensor]] = []
         for (k_buf, v_buf), (k, v) in zip(self._cache, new, strict=True):
             if k_buf.dim() != 4 or k_buf.shape[2] < n:
-                k_buf, v_buf = _grown(k_buf, v_buf, k, v, n, keep)
+                k_buf, v_buf = _grown(k_buf, v_buf, k, v, n, 0 if fresh else keep)
             k_buf[:, :, keep:n] = k
             v_buf[:, :, keep:n] = v
             grown.append((k_buf, v_buf))

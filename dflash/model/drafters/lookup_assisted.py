@@ -173,10 +173,11 @@ class LookupAssistedDrafter:
         return self.dflash.device_buffers_version
 
     def start_device(
-        self, features: Tensor, last: int, capacity: int, block_size: int, start: int = 0
+        self, features: Tensor, last: int, capacity: int, block_size: int, start: int = 0,
+        skipped: int = 0,
     ) -> Tensor:
         self._new_generation()
-        return self.dflash.start_device(features, last, capacity, block_size, start)
+        return self.dflash.start_device(features, last, capacity, block_size, start, skipped)
 
     def can_continue_device(self, committed: int, capacity: int, block_size: int) -> bool:
         return self.dflash.can_continue_device(committed, capacity, block_size)

@@ -129,10 +129,13 @@ def _drafter(kind: str, tiny: TargetModel) -> Drafter:
     cfg = DFlashConfig.for_target(
         hidden_size=64, vocab_size=256, num_target_layers=6, num_hidden_layers=2, block_size=4
     )
-    return DFlashDrafter.random(cfg, tiny.embed_tokens.weight, tiny.lm_head.weight, seed=2)
+    drafter = DFlashDrafter.random(cfg, tiny.embed_tokens.weight, tiny.lm_head.weight, seed=2)
+    if kind == "dflash-window":  # the prefills hand it only its last 6 rows' taps
+        drafter.context_window = 6
+    return drafter
 
 
-@pytest.mark.parametrize("kind", ["lookup", "dflash"])
+@pytest.mark.parametrize("kind", ["lookup", "dflash", "dflash-window"])
 @pytest.mark.parametrize("mode", MODES)
 def test_a_second_turn_prefills_only_its_new_tokens(
     tiny: TargetModel, mode: RollbackMode, kind: str
@@ -287,3 +290,34 @@ def test_a_prefill_that_cannot_run_is_refused_before_its_first_chunk(tiny: Targe
     assert target.positions() == before  # nothing ran
     target.prefill(PROMPT[20:28], 20)
     assert target.positions() == [(None, 28), (28, 28)]
+
+
+def test_a_windowed_drafter_gets_only_the_rows_it_reads(
+    tiny: TargetModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill keeps only the drafter's reach of tap rows; the drafts, and so every
+    step, are the ones the whole prompt's rows give."""
+    from dflash.execution.drafts import HostDrafts
+
+    runs = []
+    for trimmed in (True, False):
+        if not trimmed:
+            monkeypatch.setattr(HostDrafts, "feature_rows", lambda self: None)
+        given: list[int] = []
+        real = HostDrafts.start
+
+        def spy(self, features, last, at=0, skipped=0, given=given, real=real):  # type: ignore[no-untyped-def]  # a spy
+            given.append(features.shape[0])
+            real(self, features, last, at, skipped)
+
+        monkeypatch.setattr(HostDrafts, "start", spy)
+        target = ShardedTarget(tiny, _plan(), max_len=128, max_draft=4, prefill_chunk=8)
+        engine = SpecDecoder(target, _drafter("dflash-window", tiny), block_size=4)
+        r = generate(tiny, engine.drafter, PROMPT, plan=_plan(), max_new_tokens=20,
+                     block_size=4, target=target, engine=engine, prefill_chunk=8,
+                     check_parity=True)
+        assert r.parity is True
+        runs.append((given, [rec.draft for rec in engine.records], r.tokens))
+        monkeypatch.undo()
+    assert runs[0][0] == [6] and runs[1][0] == [len(PROMPT)]
+    assert runs[0][1:] == runs[1][1:]

@@ -89,3 +89,25 @@ def test_a_window_needs_a_dflash_drafter() -> None:
         set_draft_window(PromptLookupDrafter(), 8)
     with pytest.raises(SessionError, match="'context_window' must be an int >= 1"):
         set_draft_window(_drafter(), 0)
+
+
+def test_rows_outside_the_reach_may_come_without_features() -> None:
+    """A long prompt's prefill hands a windowed drafter only its last ``reach`` rows: the
+    host and the device draft what they draft from every row; fewer rows than the reach
+    cannot skip any."""
+    d = _drafter()
+    d.context_window = 6
+    feats = _features(None, d.config.feature_size)
+    context = list(range(1, N + 1))
+    whole = d.propose(context, 7, B, feats)
+    d.host.reset()
+    assert d.propose(context, 7, B, feats[-6:]) == whole
+    on_device = d.start_device(feats, 7, capacity=N + 2 * B, block_size=B).tolist()
+    skipping = d.start_device(feats[-6:], 7, capacity=N + 2 * B, block_size=B,
+                              skipped=N - 6).tolist()
+    assert skipping == on_device == whole
+    with pytest.raises(DraftArgumentError, match="'skipped' must be 0, or an int >= 0 when"):
+        d.start_device(feats[-5:], 7, capacity=N + 2 * B, block_size=B, skipped=N - 5)
+    d.context_window = None
+    with pytest.raises(DraftArgumentError, match="drafter's reach \\(None\\)"):
+        d.start_device(feats[-6:], 7, capacity=N + 2 * B, block_size=B, skipped=N - 6)

@@ -38,6 +38,20 @@ from dflash.model.target import Mode
 DEFAULT_PREFILL_CHUNK = 4096
 
 
+def chunk_bounds(start: int, n: int, chunk: int | None) -> list[tuple[int, int]]:
+    """The ``(lo, hi)`` token ranges (relative to ``start``) of a prefill of ``n`` tokens at
+    position ``start`` in chunks of ``chunk`` (None: one): each chunk ends at the next
+    multiple of ``chunk`` in absolute positions, or at the prompt's end."""
+    if chunk is None:
+        return [(0, n)]
+    out, lo = [], 0
+    while lo < n:
+        hi = min((start + lo) // chunk * chunk + chunk - start, n)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
 def check_prefill_chunk(value: object) -> int | None:
     """``value`` if it is a prefill chunk (an int >= 1, or None: the whole prompt in one
     forward), else ``ValueError`` naming it."""
@@ -441,18 +455,19 @@ class ShardedTarget:
         the same chunks (their targets share the setting, :meth:`cannot_serve`).
 
         ``start`` 0 begins a new sequence (the caches are reset); the committed length
-        continues the one in the caches (a conversation's next turn). Each chunk attends
+        continues the one in the caches (a conversation's next turn). Chunks end at
+        multiples of :attr:`prefill_chunk` in absolute positions (:func:`chunk_bounds`), so
+        the state at such a position is the same bits whether it was reached by one
+        prefill or by a prefill that continued there. Each chunk attends
         the cache so far and itself and advances the recurrent state, so a prefill's
         memory is the caches plus one chunk's activations; only the last row goes
         through the LM head. ``on_chunk(done, total)`` is called after each chunk, on the
         host (a progress display)."""
         n = len(ids)
         self.check_prefill(n, start)
-        step = self.prefill_chunk or n
         logits: Tensor | None = None
         parts: dict[int, list[Tensor]] = {}
-        for lo in range(0, n, step):
-            hi = min(lo + step, n)
+        for lo, hi in chunk_bounds(start, n, self.prefill_chunk):
             logits, got = self._forward(ids[lo:hi], "prefill", start + lo, None, taps, None,
                                         hi == n)
             for layer, rows in got.items():

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import pytest
@@ -30,7 +31,7 @@ from dflash.execution import (
 )
 from dflash.execution.memory import InsufficientMemoryError, context_memory
 from dflash.execution.oracle import greedy_target, reference_greedy
-from dflash.execution.shards import ShardPlan
+from dflash.execution.shards import ShardPlan, chunk_bounds
 from dflash.model import CacheError, ShardCaches, TargetModel
 from dflash.model.drafters import DFlashConfig, DFlashDrafter, Drafter, PromptLookupDrafter
 
@@ -165,8 +166,9 @@ def test_a_second_turn_prefills_only_its_new_tokens(
                       block_size=4, policy=policy, target=target, engine=engine,
                       prefill_chunk=chunk, reuse=True)
     prefills = [r for r in ran if r[0] == "prefill"]
-    assert prefills == [("prefill", len(held), chunk), ("prefill", len(held) + chunk,
-                                                        len(NEW_TURN) - chunk)]
+    edges = [len(held), *range(-(-len(held) // chunk) * chunk, len(turn), chunk), len(turn)]
+    assert prefills == [("prefill", lo, hi - lo) for lo, hi in itertools.pairwise(edges)
+                        if hi > lo]  # only the new turn, in chunks ending at multiples of 8
     assert second.cached_tokens == len(held)
     plain = _plain_along(tiny, PROMPT, held[len(PROMPT):], NEW_TURN, 16, chunk)
     assert second.tokens == plain  # bitwise: the same forwards as plain decoding's
@@ -321,3 +323,32 @@ def test_a_windowed_drafter_gets_only_the_rows_it_reads(
         monkeypatch.undo()
     assert runs[0][0] == [6] and runs[1][0] == [len(PROMPT)]
     assert runs[0][1:] == runs[1][1:]
+
+
+@pytest.mark.parametrize(("start", "n", "chunk", "want"), [
+    (0, 10, 4, [(0, 4), (4, 8), (8, 10)]),
+    (6, 10, 4, [(0, 2), (2, 6), (6, 10)]),
+    (8, 3, 4, [(0, 3)]),
+    (5, 3, None, [(0, 3)]),
+    (3, 1, 1, [(0, 1)]),
+])
+def test_chunks_end_at_absolute_multiples_of_the_chunk(
+    start: int, n: int, chunk: int | None, want: list[tuple[int, int]]
+) -> None:
+    assert chunk_bounds(start, n, chunk) == want
+
+
+@torch.inference_mode()
+def test_a_prefill_that_continues_at_a_chunk_boundary_is_bitwise_one_prefill(
+    tiny: TargetModel,
+) -> None:
+    """The state at a multiple of the chunk is the same bits however the prefill got there:
+    one prefill of the whole prompt equals one that stopped at a boundary and continued."""
+    one = ShardedTarget(tiny, _plan(), max_len=64, max_draft=4, prefill_chunk=8)
+    two = ShardedTarget(tiny, _plan(), max_len=64, max_draft=4, prefill_chunk=8)
+    a, _ = one.prefill(PROMPT)
+    two.prefill(PROMPT[:16])
+    b, _ = two.prefill(PROMPT[16:], 16)
+    assert torch.equal(a, b)
+    for x, y in zip(one.shards, two.shards, strict=True):
+        assert torch.equal(x.caches.pool.state, y.caches.pool.state)

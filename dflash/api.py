@@ -669,6 +669,19 @@ class LLM:
         template, tokens, source = self._chat_template()
         return _render(template, source, tokens, messages, add_generation_prompt)
 
+    def use_chat_template(self, path: str | Path) -> None:
+        """Render chats with the jinja template in the file ``path`` instead of the
+        checkpoint's (``dflash serve --chat-template FILE``); the checkpoint's special
+        tokens stay available to it. A file that cannot be read, or is not valid UTF-8, is
+        a :class:`ChatTemplateError` naming it."""
+        file = Path(path)
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, ValueError) as exc:
+            raise ChatTemplateError(f"cannot read the chat template {str(file)!r}: {exc}") from None
+        _, tokens, _ = _read_chat_template(self.directory)
+        self._chat = (text, tokens, str(file))
+
     def _chat_template(self) -> tuple[str, dict[str, str], str]:
         if self._chat is None:
             self._chat = _read_chat_template(self.directory)

@@ -54,6 +54,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("bench", "A/B/A comparison of two generation configurations"),
     "fuzz": ("fuzz", "fuzz campaign against the geometry validators"),
     "train-drafter": ("train_drafter", "train a DFlash drafter (z-lab's format) for a target"),
+    "serve": ("serve", "an OpenAI-compatible HTTP server (chat, completions, streaming)"),
 }
 
 

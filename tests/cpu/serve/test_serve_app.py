@@ -1,0 +1,187 @@
+"""The server in process (Starlette's test client), on the default pair: answers equal the
+library's on the same rendered prompt (streamed or not, chat and completions), every bad
+request is a 4xx OpenAI error naming its field and the server keeps serving, the metrics
+count what happened, and malformed bodies of every shape (hypothesis) never reach a 5xx."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from fastapi.testclient import TestClient  # noqa: E402 - after the skip
+from hypothesis import HealthCheck, given, settings  # noqa: E402 - as above
+from hypothesis import strategies as st  # noqa: E402 - as above
+
+import dflash  # noqa: E402 - as above
+from dflash.serve import ServeConfig, create_app  # noqa: E402 - as above
+
+MESSAGES = [{"role": "user", "content": "def add(a, b):"}]
+
+
+@pytest.fixture(scope="module")
+def llm() -> dflash.LLM:
+    return dflash.load()
+
+
+@pytest.fixture(scope="module")
+def client(llm: dflash.LLM) -> TestClient:
+    return TestClient(create_app(llm, ServeConfig(model_name="default")))
+
+
+def _chat(client: TestClient, **fields: Any) -> Any:
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 12, "temperature": 0,
+            **fields}
+    return client.post("/v1/chat/completions", json=body)
+
+
+def _events(client: TestClient, path: str, body: dict[str, Any]) -> list[Any]:
+    events = []
+    with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_a_chat_completion_is_the_librarys_generation(
+    client: TestClient, llm: dflash.LLM
+) -> None:
+    r = _chat(client)
+    assert r.status_code == 200
+    got = r.json()
+    want = llm.generate(llm.render_chat(MESSAGES), max_new_tokens=12)
+    assert got["object"] == "chat.completion" and got["model"] == "default"
+    assert got["id"].startswith("chatcmpl-")
+    assert got["choices"][0]["message"] == {"role": "assistant", "content": want.text}
+    assert got["choices"][0]["finish_reason"] == "length"
+    assert got["usage"] == {
+        "prompt_tokens": want.prompt_len, "completion_tokens": 12,
+        "total_tokens": want.prompt_len + 12, "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    assert got["dflash"]["drafter"] == "dflash+lookup" and got["dflash"]["steps"] >= 1
+
+
+def test_a_streamed_chat_is_the_same_text_in_pieces(client: TestClient) -> None:
+    whole = _chat(client).json()["choices"][0]["message"]["content"]
+    events = _events(client, "/v1/chat/completions", {
+        "model": "default", "messages": MESSAGES, "max_tokens": 12, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True},
+    })
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == whole
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    assert len({c["id"] for c in chunks}) == 1
+
+
+def test_completions_streamed_or_not_and_stop_strings(
+    client: TestClient, llm: dflash.LLM
+) -> None:
+    body = {"model": "default", "prompt": "import os\n", "max_tokens": 24, "temperature": 0}
+    want = llm.generate("import os\n", max_new_tokens=24)
+    assert want.text
+    got = client.post("/v1/completions", json=body).json()
+    assert got["object"] == "text_completion" and got["choices"][0]["text"] == want.text
+    events = _events(client, "/v1/completions", {**body, "stream": True})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want.text
+    stop = want.text[len(want.text) // 2 : len(want.text) // 2 + 2]
+    cut = client.post("/v1/completions", json={**body, "stop": stop}).json()
+    assert cut["choices"][0]["text"] == want.text[: want.text.index(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_seed_makes_sampling_reproducible(client: TestClient) -> None:
+    a = _chat(client, temperature=0.9, seed=5).json()["choices"][0]["message"]["content"]
+    b = _chat(client, temperature=0.9, seed=5).json()["choices"][0]["message"]["content"]
+    c = _chat(client, temperature=0.9, seed=6).json()["choices"][0]["message"]["content"]
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize(("body", "status", "param", "words"), [
+    ({"model": "nope"}, 404, "model", "the model 'nope' does not exist"),
+    ({"messages": []}, 400, "messages", "at least 1 item"),
+    ({"messages": [{"role": "user"}]}, 400, "messages.0.content", "Field required"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", "Input should"),
+    ({"temperature": "hot"}, 400, "temperature", "valid number"),
+    ({"temperature": -1}, 400, "temperature", "greater than or equal to 0"),
+    ({"max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    ({"max_tokens": 100000}, 400, "messages", "exceed the model's max_position_embeddings"),
+    ({"n": 2}, 400, None, "'n' other than 1 is not supported"),
+    ({"tools": [{"type": "function"}]}, 400, None, "'tools' is not supported"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "up to 4"),
+    ({"frobnicate": 1}, 400, "frobnicate", "unknown field 'frobnicate'"),
+    ({"stream": "yes"}, 400, "stream", "valid boolean"),
+])
+def test_bad_requests_are_openai_errors_naming_the_field(
+    client: TestClient, body: dict[str, Any], status: int, param: str | None, words: str
+) -> None:
+    r = _chat(client, **body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert words in error["message"] and error["param"] == param
+    assert _chat(client).status_code == 200  # still serving
+
+
+def test_bodies_that_are_not_json_objects(client: TestClient) -> None:
+    for raw in (b"{bad", b"[]", b"", b"null", "{\"model\": \"\u00ff\"".encode("latin-1")):
+        r = client.post("/v1/chat/completions", content=raw,
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 400, (raw, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_models_health_and_metrics(client: TestClient) -> None:
+    assert client.get("/health").json() == {"status": "ok"}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["default"]
+    _chat(client)
+    text = client.get("/metrics").text
+    assert 'dflash_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
+    assert "dflash_queue_depth 0" in text and "dflash_busy 0" in text
+    assert 'dflash_request_seconds_bucket{le="+Inf"}' in text
+    assert "dflash_completion_tokens_total" in text
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                max_size=3),
+    max_leaves=8,
+)
+FIELDS = ["model", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+          "stop", "stream", "stream_options", "n", "user", "max_completion_tokens", "tools"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(changes=st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), JSON,
+                               max_size=4),
+       drop=st.lists(st.sampled_from(["model", "messages"]), max_size=2))
+def test_malformed_bodies_never_reach_a_server_error(
+    client: TestClient, changes: dict[str, Any], drop: list[str]
+) -> None:
+    body: dict[str, Any] = {"model": "default", "messages": MESSAGES, "max_tokens": 2,
+                            **changes}
+    for key in drop:
+        body.pop(key, None)
+    if body.get("stream") is True:  # a valid streamed body: read it to its end
+        body["stream"] = False
+    for budget in ("max_tokens", "max_completion_tokens"):  # a valid body decodes briefly
+        value = body.get(budget)
+        if isinstance(value, int) and not isinstance(value, bool) and 2 < value < 10**5:
+            body[budget] = 2
+    r = client.post("/v1/chat/completions", content=json.dumps(body, allow_nan=True),
+                    headers={"content-type": "application/json"})
+    assert r.status_code < 500, r.text
+    if r.status_code != 200:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}

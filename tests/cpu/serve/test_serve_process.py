@@ -1,0 +1,200 @@
+"""``dflash serve`` as a real server on 127.0.0.1 (a subprocess, the default pair) and the
+official ``openai`` client: chat and completions, streamed and not, equal to the library
+on the same rendered prompt; a bounded load test (8 clients x 20 requests, every answer
+checked, latency printed); a client that leaves mid-stream frees the engine; a full queue
+answers 429 with Retry-After; SIGTERM finishes the request in flight, then exits 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+import dflash  # noqa: E402 - after the skips
+
+ROOT = Path(__file__).resolve().parents[3]
+MESSAGES = [{"role": "user", "content": "def add(a, b):"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Server:
+    def __init__(self, *args: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dflash.cli", "serve", "--port", str(self.port), *args],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {self.proc.stdout.read()}")  # type: ignore[union-attr]  # piped
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError("the server did not come up within 120 s")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    s = Server("--queue-size", "16")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def llm() -> dflash.LLM:
+    return dflash.load()
+
+
+def test_the_openai_client_gets_the_librarys_text(server: Server, llm: dflash.LLM) -> None:
+    client = server.client()
+    prompt = llm.render_chat(MESSAGES)
+    want = llm.generate(prompt, max_new_tokens=16).text
+    chat = client.chat.completions.create(model="default", messages=MESSAGES,  # type: ignore[arg-type]  # plain dicts
+                                          max_tokens=16, temperature=0)
+    assert chat.choices[0].message.content == want
+    assert chat.usage is not None and chat.usage.completion_tokens == 16
+    streamed = client.chat.completions.create(model="default", messages=MESSAGES,  # type: ignore[arg-type]  # as above
+                                              max_tokens=16, temperature=0, stream=True,
+                                              stream_options={"include_usage": True})
+    pieces, usage = [], None
+    for chunk in streamed:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(pieces) == want and usage is not None and usage.prompt_tokens > 0
+    text = client.completions.create(model="default", prompt=prompt, max_tokens=16,
+                                     temperature=0)
+    assert text.choices[0].text == want
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model="default", prompt=prompt, max_tokens=16, temperature=0, stream=True)]
+    assert "".join(pieces) == want
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]  # as above
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=0)  # type: ignore[arg-type]  # as above
+
+
+def test_eight_clients_twenty_requests_each(server: Server, llm: dflash.LLM) -> None:
+    prompts = [f"def f{i}(x):\n    return" for i in range(8)]
+    want = {p: llm.generate(p, max_new_tokens=6).text for p in prompts}
+    latencies: list[float] = []
+    failures: list[str] = []
+
+    def one_client(prompt: str) -> None:
+        client = server.client()
+        for _ in range(20):
+            start = time.perf_counter()
+            try:
+                r = client.completions.create(model="default", prompt=prompt, max_tokens=6,
+                                              temperature=0)
+                if r.choices[0].text != want[prompt]:
+                    failures.append(f"{prompt!r}: {r.choices[0].text!r}")
+            except openai.OpenAIError as exc:
+                failures.append(f"{prompt!r}: {exc}")
+            latencies.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one_client, prompts))
+    wall = time.perf_counter() - start
+    assert failures == []
+    assert len(latencies) == 160
+    qs = statistics.quantiles(latencies, n=100)
+    print(f"load: 160 requests in {wall:.1f} s ({160 / wall:.1f} req/s); latency p50 "
+          f"{statistics.median(latencies):.2f} s, p99 {qs[98]:.2f} s")
+    assert server.metric("dflash_queue_depth") == 0 and server.metric("dflash_busy") == 0
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_engine(server: Server) -> None:
+    before = server.metric("dflash_cancelled_requests_total")
+    body = {"model": "default", "messages": MESSAGES, "max_tokens": 2000, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+    # the decode stops at its next step: the engine is free, the next request runs at once
+    deadline = time.monotonic() + 30
+    while server.metric("dflash_busy") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.metric("dflash_busy") == 0
+    assert server.metric("dflash_cancelled_requests_total") == before + 1
+    ok = server.client().chat.completions.create(model="default", messages=MESSAGES,  # type: ignore[arg-type]  # plain dicts
+                                                 max_tokens=4, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_a_full_queue_answers_429_and_sigterm_finishes_the_request_in_flight() -> None:
+    s = Server("--queue-size", "1")
+    try:
+        body = {"model": "default", "prompt": "import os\n", "max_tokens": 200,
+                "temperature": 0, "stream": True}
+        events: list[str] = []
+
+        def long_stream() -> None:
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=300) as r:
+                events.extend(r.iter_lines())
+
+        first = threading.Thread(target=long_stream)
+        first.start()
+        while not s.metric("dflash_busy"):
+            time.sleep(0.05)
+        waiting = threading.Thread(target=lambda: httpx.post(
+            s.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 2},
+            timeout=300))
+        waiting.start()
+        while s.metric("dflash_queue_depth") < 1:
+            time.sleep(0.05)
+        busy = httpx.post(s.url + "/v1/completions", json={**body, "stream": False},
+                          timeout=60)
+        assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
+        assert busy.json()["error"]["code"] == "queue_full"
+        code = s.stop()  # SIGTERM while the stream decodes
+        first.join(timeout=120)
+        waiting.join(timeout=120)
+        assert code == 0
+        data = [e for e in events if e]
+        assert data and data[-1] == "data: [DONE]"  # the request in flight finished
+    finally:
+        s.stop()

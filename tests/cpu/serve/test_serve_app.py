@@ -12,12 +12,12 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from fastapi.testclient import TestClient  # noqa: E402 - after the skip
-from hypothesis import HealthCheck, given, settings  # noqa: E402 - as above
-from hypothesis import strategies as st  # noqa: E402 - as above
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-import dflash  # noqa: E402 - as above
-from dflash.serve import ServeConfig, create_app  # noqa: E402 - as above
+import dflash
+from dflash.serve import ServeConfig, create_app
 
 MESSAGES = [{"role": "user", "content": "def add(a, b):"}]
 
@@ -163,7 +163,8 @@ FIELDS = ["model", "messages", "max_tokens", "temperature", "top_p", "top_k", "m
           "stop", "stream", "stream_options", "n", "user", "max_completion_tokens", "tools"]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(changes=st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), JSON,
                                max_size=4),
        drop=st.lists(st.sampled_from(["model", "messages"]), max_size=2))

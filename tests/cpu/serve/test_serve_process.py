@@ -20,14 +20,19 @@ from pathlib import Path
 
 import pytest
 
-openai = pytest.importorskip("openai")
-httpx = pytest.importorskip("httpx")
+pytest.importorskip("openai")
+pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-import dflash  # noqa: E402 - after the skips
+import httpx
+import openai
+from openai.types.chat import ChatCompletionMessageParam
+
+import dflash
 
 ROOT = Path(__file__).resolve().parents[3]
-MESSAGES = [{"role": "user", "content": "def add(a, b):"}]
+ASK = "def add(a, b):"
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": ASK}]
 
 
 def _free_port() -> int:
@@ -86,13 +91,13 @@ def llm() -> dflash.LLM:
 
 def test_the_openai_client_gets_the_librarys_text(server: Server, llm: dflash.LLM) -> None:
     client = server.client()
-    prompt = llm.render_chat(MESSAGES)
+    prompt = llm.render_chat([{"role": "user", "content": ASK}])
     want = llm.generate(prompt, max_new_tokens=16).text
-    chat = client.chat.completions.create(model="default", messages=MESSAGES,  # type: ignore[arg-type]  # plain dicts
+    chat = client.chat.completions.create(model="default", messages=MESSAGES,
                                           max_tokens=16, temperature=0)
     assert chat.choices[0].message.content == want
     assert chat.usage is not None and chat.usage.completion_tokens == 16
-    streamed = client.chat.completions.create(model="default", messages=MESSAGES,  # type: ignore[arg-type]  # as above
+    streamed = client.chat.completions.create(model="default", messages=MESSAGES,
                                               max_tokens=16, temperature=0, stream=True,
                                               stream_options={"include_usage": True})
     pieces, usage = [], None
@@ -109,9 +114,9 @@ def test_the_openai_client_gets_the_librarys_text(server: Server, llm: dflash.LL
         model="default", prompt=prompt, max_tokens=16, temperature=0, stream=True)]
     assert "".join(pieces) == want
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="other", messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]  # as above
+        client.chat.completions.create(model="other", messages=MESSAGES, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=0)  # type: ignore[arg-type]  # as above
+        client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=0)
 
 
 def test_eight_clients_twenty_requests_each(server: Server, llm: dflash.LLM) -> None:
@@ -160,7 +165,7 @@ def test_a_client_that_leaves_mid_stream_frees_the_engine(server: Server) -> Non
         time.sleep(0.1)
     assert server.metric("dflash_busy") == 0
     assert server.metric("dflash_cancelled_requests_total") == before + 1
-    ok = server.client().chat.completions.create(model="default", messages=MESSAGES,  # type: ignore[arg-type]  # plain dicts
+    ok = server.client().chat.completions.create(model="default", messages=MESSAGES,
                                                  max_tokens=4, temperature=0)
     assert ok.choices[0].finish_reason == "length"
 

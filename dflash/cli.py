@@ -55,6 +55,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fuzz": ("fuzz", "fuzz campaign against the geometry validators"),
     "train-drafter": ("train_drafter", "train a DFlash drafter (z-lab's format) for a target"),
     "serve": ("serve", "an OpenAI-compatible HTTP server (chat, completions, streaming)"),
+    "chat": ("chat", "chat on the terminal (the server's chat template and decode)"),
 }
 
 

@@ -17,6 +17,9 @@
 #   bash benchmarks/gpu_session.sh long    # the prefill kernels' GPU tests, then
 #                                          # benchmarks/long_context.py: 9B prefill tok/s and peak
 #                                          # memory from 8k to 262,144 tokens, decode at each
+#   bash benchmarks/gpu_session.sh serve   # benchmarks/serve_load.py on cuda:0 (the default pair):
+#                                          # one client, then eight (needs the fastapi, uvicorn,
+#                                          # httpx and openai wheels and theirs under .whl/)
 #   bash benchmarks/gpu_session.sh wide    # the wide-verify linear: GPU tests + benchmarks/linear_wide.py
 #   bash benchmarks/gpu_session.sh kernels # benchmarks/kernels.py (kernels-sweep: with its config sweep)
 #   bash benchmarks/gpu_session.sh cli     # dflash generate on two GPUs, every drafter
@@ -50,6 +53,13 @@ for phase in "$@"; do
   case "$phase" in
     tests)
       python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+      ;;
+    serve)
+      for clients in 1 8; do
+        python3 benchmarks/serve_load.py --devices cuda:0 --clients "$clients" --requests 20 \
+          --max-tokens 128 --json "$OUT/serve_load_h200_c$clients.json" 2>&1 \
+          | tee "$OUT/serve_load_h200_c$clients.log"
+      done
       ;;
     long)
       python3 -m pytest tests/gpu/test_prefill_attention_gpu.py tests/gpu/test_gdn_chunk_gpu.py tests/gpu/test_long_context_gpu.py -q -s \

@@ -58,6 +58,7 @@ from dflash.errors import CheckpointError, ExecutionError, UsageError, param
 from dflash.execution.engine import SpecDecoder
 from dflash.execution.oracle import next_token
 from dflash.execution.policy import RollbackPolicy, RollbackStatus, parse_mode
+from dflash.execution.prefix import PrefixCache, prefill_through
 from dflash.execution.results import (
     CaptureReport,
     GenerationResult,
@@ -166,6 +167,7 @@ def load(
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     max_context: int | None = None,
     draft_window: int | None = None,
+    prefix_cache_mb: int = 0,
 ) -> LLM:
     """Build a target model and a drafter, ready to generate.
 
@@ -199,6 +201,10 @@ def load(
         draft_window: a DFlash drafter's blocks attend only the last ``N`` committed tokens
             (None: all of them), so a drafting step costs the same at any context length;
             the output does not change.
+        prefix_cache_mb: keep up to this many MB of prefilled prefixes (0: none): a prompt
+            that extends a cached one at a ``prefill_chunk`` boundary prefills only the
+            rest (``cached_tokens`` in the result), and its output is the same bits as
+            without the cache (:mod:`dflash.execution.prefix`).
 
     Raises :class:`dflash.errors.UsageError` subclasses naming the bad argument, and
     checkpoint / config errors naming the file.
@@ -222,6 +228,12 @@ def load(
     _int("seed", seed, 0, 2**63 - 1)
     if prefill_chunk is not None:
         _int("prefill_chunk", prefill_chunk, 1)
+    _int("prefix_cache_mb", prefix_cache_mb, 0)
+    if prefix_cache_mb and prefill_chunk is None:
+        raise ArgumentError(
+            f"{param('prefix_cache_mb')}={prefix_cache_mb} needs a 'prefill_chunk': the "
+            "cache keeps prefixes at its boundaries"
+        )
     if draft_window is not None:
         _int("draft_window", draft_window, 1)
         if draft is None:
@@ -279,6 +291,7 @@ def load(
         verify_window=verify_window,
         prefill_chunk=prefill_chunk,
         max_context=max_context,
+        prefix_cache_bytes=prefix_cache_mb * 10**6,
         tokenizer=tokenizer_for(model),
         eos_id=eos_for(model),
         directory=model_directory(model),
@@ -379,9 +392,13 @@ class LLM:
         directory: Path | None,
         prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
         max_context: int | None = None,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         self.model, self.drafter, self.plan = model, drafter, plan
         self.prefill_chunk, self.max_context = prefill_chunk, max_context
+        self.prefix_cache_bytes = prefix_cache_bytes
+        #: the kept target's prefilled prefixes (None: no cache, or no target yet)
+        self.prefix_cache: PrefixCache | None = None
         self.policy, self.block_size, self.verify_window = policy, block_size, verify_window
         self.tokenizer, self.eos_id, self.directory = tokenizer, eos_id, directory
         self.target: ShardedTarget | None = None  # kept across calls
@@ -478,6 +495,11 @@ class LLM:
                 self.model, self.plan, max_len=capacity, max_draft=max_draft,
                 capture=capture_kind(self.policy.mode), prefill_chunk=self.prefill_chunk,
             )
+            # the entries are the old caches' shapes: a new target starts a new cache
+            self.prefix_cache = (
+                PrefixCache(self.prefix_cache_bytes, self.prefill_chunk)
+                if self.prefix_cache_bytes and self.prefill_chunk else None
+            )
         return self.target
 
     def _speculative(
@@ -503,7 +525,7 @@ class LLM:
             self.model, drafter, req.prompt, plan=self.plan, max_new_tokens=n,
             block_size=block, policy=self.policy, eos_id=self.eos_id, on_progress=progress,
             target=target, engine=self.engine, stop_when=until, sampling=req.sampling,
-            prefill_chunk=self.prefill_chunk,
+            prefill_chunk=self.prefill_chunk, prefix_cache=self.prefix_cache,
         )
 
     @torch.inference_mode()
@@ -516,7 +538,12 @@ class LLM:
         n = req.max_new_tokens
         target = self._kept_target(len(req.prompt) + n, 1)
         t0 = time.perf_counter()
-        logits, _ = target.prefill(req.prompt, 0)
+        cache = self.prefix_cache
+        hit = None if cache is None else cache.lookup(req.prompt)
+        if hit is not None:
+            target.restore(hit.snapshots)
+        keep = 0 if hit is None else hit.length
+        logits, _ = prefill_through(target, req.prompt, keep=keep, hit=hit, cache=cache)
         out = [next_token(target, logits[-1:], req.sampling)]
         _sync(self.plan)
         t1 = time.perf_counter()
@@ -544,9 +571,11 @@ class LLM:
             capture=CaptureReport(),
             checkpoint_bytes=target.checkpoint_bytes,
             timings=Timings(
-                prefill_s=t1 - t0, decode_s=t2 - t1, tokens_per_s=decode_rate(len(out), t2 - t1)
+                prefill_s=t1 - t0, decode_s=t2 - t1, tokens_per_s=decode_rate(len(out), t2 - t1),
+                prefill_tokens_per_s=(len(req.prompt) - keep) / (t1 - t0) if t1 > t0 else None,
             ),
             prompt_len=len(req.prompt),
+            cached_tokens=keep,
             block_size=1,
             devices=list(self.plan.devices),
             layer_split=list(self.plan.split),

@@ -36,7 +36,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--rollback", default=None)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--prefill-chunk", type=int, default=4096)
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prompt tokens per prefill forward, and the prefix cache's grain: a "
+                   "prompt reuses a cached prefix up to a multiple of it (default 512)")
+    p.add_argument("--prefix-cache-mb", type=int, default=512,
+                   help="MB of prefilled prefixes kept (least recently used out; 0: none; "
+                   "default 512)")
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--draft-window", type=int, default=None)
     p.add_argument("--queue-size", type=int, default=16,
@@ -73,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype, rollback=args.rollback, block_size=args.block_size,
         layer_split=args.layer_split, prefill_chunk=args.prefill_chunk or None,
         max_context=args.max_context, draft_window=args.draft_window,
+        prefix_cache_mb=args.prefix_cache_mb,
     )
     if args.chat_template is not None:
         llm.use_chat_template(args.chat_template)

@@ -46,11 +46,11 @@ from dflash.execution.drafts import (
     DraftSource,
     HostDrafts,
     draft_source,
-    tap_features,
 )
 from dflash.execution.errors import ExecutionError
 from dflash.execution.faults import NO_FAULTS, FaultInjector
 from dflash.execution.policy import RollbackPolicy, RollbackStatus, parse_mode
+from dflash.execution.prefix import PrefixCache, prefill_through
 from dflash.execution.rollback import Lifecycle, Rollback, RollbackPath
 from dflash.execution.shards import ShardedTarget, device_ids
 from dflash.execution.window import VerifyWindow, WindowChoice, make_window
@@ -290,18 +290,27 @@ class SpecDecoder:
         prompt: Sequence[int],
         *,
         reuse: bool = False,
+        cache: PrefixCache | None = None,
         on_chunk: Callable[[int, int], None] | None = None,
     ) -> int:
         """Run the prompt; return the first generated token (now pending).
 
         The prompt goes through the target in chunks of its ``prefill_chunk`` tokens
-        (:meth:`ShardedTarget.prefill`; ``on_chunk(done, total)`` after each). ``reuse``:
-        when this engine's caches hold a proper prefix of ``prompt`` — its committed
-        tokens (:attr:`context`: the previous prompt and the output committed after it,
-        the pending token excluded) — and its drafter can continue from there
-        (:meth:`DraftSource.can_continue`), only the rest is prefilled, continuing that
-        state: a conversation's next turn re-reads nothing. :attr:`reused` tells how many
-        tokens were kept (0: a new sequence from position 0)."""
+        (:meth:`ShardedTarget.prefill`; ``on_chunk(done, total)`` after each). Two ways
+        not to prefill what was prefilled before, :attr:`reused` telling how many tokens
+        were kept (0: a new sequence from position 0):
+
+        - ``cache``: a :class:`PrefixCache` of this target. The longest cached chunk
+          boundary that is a proper prefix of ``prompt`` is restored and only the rest is
+          prefilled, and the prompt's own last boundary is cached: the logits are a cold
+          prefill's, bit for bit (see :mod:`dflash.execution.prefix`).
+        - ``reuse``: when this engine's caches hold a proper prefix of ``prompt`` — its
+          committed tokens (:attr:`context`: the previous prompt and the output committed
+          after it, the pending token excluded) — and its drafter can continue from there
+          (:meth:`DraftSource.can_continue`), only the rest is prefilled, continuing that
+          state: a conversation's next turn re-reads nothing (its output is plain
+          decoding's along that path; a cold prefill of the same tokens rounds
+          differently)."""
         vocab = self.target.model.config.vocab_size
         if len(prompt) == 0:
             raise ValueError("'prompt' must hold at least one token (got an empty prompt)")
@@ -310,23 +319,31 @@ class SpecDecoder:
                 raise ValueError(
                     f"'prompt' entry {i} must be a token id in [0, {vocab}) (got {tok!r})"
                 )
-        keep = self.reusable(prompt) if reuse else 0
-        self.target.check_prefill(len(prompt) - keep, keep)  # before anything changes
+        if cache is not None and (reuse or cache.chunk != self.target.prefill_chunk):
+            raise ValueError(
+                "a prefix 'cache' needs reuse=False and the target's prefill chunk "
+                f"({self.target.prefill_chunk}; the cache's: {cache.chunk})"
+            )
+        hit = None if cache is None else cache.lookup(prompt)
+        keep = hit.length if hit is not None else (self.reusable(prompt) if reuse else 0)
+        # refused before anything changes (a restored prefix has the capacity of a cold one)
+        self.target.check_prefill(len(prompt) - keep, 0 if hit is not None else keep)
         self.rollback.life.move("prefill")
         self.window = make_window(self.verify_window, self._window_devices)
-        fresh = len(prompt) - keep
-        # a drafter that reads only the last ``reach`` positions gets only those rows' taps
-        # (the prefill keeps no more of them: a long prompt's taps would be O(prompt))
-        reach = self.drafts.feature_rows()
-        given = fresh if reach is None else min(reach, fresh)
-        logits, taps = self.target.prefill(
-            list(prompt[keep:]), keep, taps=self.taps, on_chunk=on_chunk, tap_rows=given,
+        if hit is not None:
+            self.target.restore(hit.snapshots)
+        logits, features = prefill_through(
+            self.target, prompt, keep=keep, hit=hit, cache=cache, taps=self.taps,
+            reach=self.drafts.feature_rows(), on_chunk=on_chunk,
         )
         self.committed, self.context, self.reused = len(prompt), list(prompt), keep
         self.last = int(self.accept.tokens(logits[-1:], self._drawn_at("prefill", 1)))
         self.target.require_position(self.committed, what="after prefill")
-        features = tap_features(self.target, self.taps, taps, given)
-        self.drafts.start(features, self.last, keep, fresh - given)
+        # the drafter starts afresh from the rows it reads (a cache restored them), or
+        # continues its context at ``keep`` (reuse)
+        at = 0 if cache is not None else keep
+        rows = 0 if features is None else int(features.shape[0])
+        self.drafts.start(features, self.last, at, len(prompt) - at - rows if rows else 0)
         return self.last
 
     def reusable(self, prompt: Sequence[int]) -> int:

@@ -14,6 +14,7 @@ from dflash.execution.errors import ContextLengthError
 from dflash.execution.faults import FaultInjector
 from dflash.execution.oracle import reference_greedy
 from dflash.execution.policy import RollbackPolicy, RollbackStatus
+from dflash.execution.prefix import PrefixCache
 from dflash.execution.results import (
     GenerationResult,
     RollbackReport,
@@ -187,6 +188,7 @@ def _speculative_run(
     stop_when: Callable[[], bool] | None = None,
     on_prefill_chunk: Callable[[int, int], None] | None = None,
     reuse: bool = False,
+    cache: PrefixCache | None = None,
 ) -> tuple[list[int], str, tuple[float, float, float]]:
     """One speculative decode on ``engine`` (its prefill starts a new generation):
     (tokens, stop reason, (start, after the prefill, end) as device-synchronised
@@ -194,7 +196,7 @@ def _speculative_run(
     ends the decode early (stop reason ``"stop"``)."""
     _sync(plan)
     t0 = time.perf_counter()
-    out = [engine.prefill(prompt, reuse=reuse, on_chunk=on_prefill_chunk)]
+    out = [engine.prefill(prompt, reuse=reuse, cache=cache, on_chunk=on_prefill_chunk)]
     _sync(plan)
     t1 = time.perf_counter()
     stop = "max_new_tokens"
@@ -272,6 +274,7 @@ def generate(
     on_prefill_chunk: Callable[[int, int], None] | None = None,
     reuse: bool = False,
     max_context: int | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> GenerationResult:
     """Speculative decoding of ``max_new_tokens`` tokens after ``prompt`` (greedy, or
     drawn by ``sampling``'s seeded rule, :mod:`dflash.sampling`): one run, its prefill
@@ -294,7 +297,10 @@ def generate(
     after each chunk (a progress display). ``reuse`` (with a kept ``engine``): when the
     engine's caches hold a proper prefix of ``prompt`` (the previous generation's prompt
     and committed output), only the rest is prefilled (:meth:`SpecDecoder.prefill`);
-    ``cached_tokens`` reports how many were kept. ``max_context``: the target (a new one)
+    ``cached_tokens`` reports how many were kept. ``prefix_cache``: a
+    :class:`~dflash.execution.prefix.PrefixCache` of ``target``: the longest cached prefix
+    of ``prompt`` is restored instead of prefilled, the prompt's own cached, the output
+    the same bits as without it. ``max_context``: the target (a new one)
     holds that many tokens and a block, whatever this run needs (a prompt plus budget past
     it is refused, :class:`ContextLengthError`).
 
@@ -350,7 +356,7 @@ def generate(
     before = _Before.of(engine)
     tokens, stop, (t0, t1, t2) = _speculative_run(
         engine, prompt, plan, max_new_tokens, eos_id, on_progress, stop_when, on_prefill_chunk,
-        reuse,
+        reuse, prefix_cache,
     )
     copied = drafter.copied_drafts if isinstance(drafter, LookupAssistedDrafter) else None
     parity: bool | None = None

@@ -28,7 +28,7 @@ from dflash.execution.graphs import ShardCompute, ShardGraphs, ShardOutput, grap
 from dflash.execution.memory import check_context_memory, context_memory
 from dflash.geometry import ChainGeometry, TreeGeometry
 from dflash.model import KVCache, ShardCaches, TargetModel
-from dflash.model.caches import CaptureKind
+from dflash.model.caches import CacheSnapshot, CaptureKind
 from dflash.model.layers import fuse_linear_groups_
 from dflash.model.target import Mode
 
@@ -482,6 +482,33 @@ class ShardedTarget:
         if tap_rows is not None:
             joined = {k: _last_rows(v, tap_rows) for k, v in joined.items()}
         return logits, joined
+
+    def snapshot(self) -> list[CacheSnapshot]:
+        """Every shard's committed context, copied (:meth:`ShardCaches.snapshot`): what a
+        prefix cache keeps at a prefill's chunk boundary."""
+        out = []
+        for shard in self.shards:
+            with shard.on_device():
+                out.append(shard.caches.snapshot())
+        return out
+
+    def restore(self, snaps: Sequence[CacheSnapshot]) -> None:
+        """Make ``snaps`` (one per shard, of equal length) the committed context; checked
+        for every shard before any changes."""
+        if len(snaps) != len(self.shards) or len({s.length for s in snaps}) != 1:
+            raise ShardPositionError(
+                f"a snapshot of {len(snaps)} shards at lengths {[s.length for s in snaps]} "
+                f"cannot restore {len(self.shards)} shards"
+            )
+        if snaps[0].length > self.max_len:
+            raise ContextLengthError(
+                f"a snapshot of {snaps[0].length} positions exceeds the caches' {self.max_len}"
+            )
+        for shard in self.shards:
+            shard.caches.pool.check_can_advance("restore")
+        for shard, snap in zip(self.shards, snaps, strict=True):
+            with shard.on_device():
+                shard.caches.restore(snap)
 
     def check_prefill(self, n: int, start: int) -> None:
         """Refuse, before anything runs (the caches stay as they are), a prefill of ``n``

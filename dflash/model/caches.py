@@ -927,6 +927,45 @@ class ShardCaches:
     def layer_ids(self) -> tuple[int, ...]:
         return tuple(sorted(self.kv.layer_ids + self.pool.layer_ids))
 
+    def snapshot(self) -> CacheSnapshot:
+        """A copy of the committed context: the first ``length`` KV rows and the live
+        recurrent state and conv window (taken between forwards, no verify pending)."""
+        pool = self.pool
+        pool.check_can_advance("snapshot")
+        n = self.length
+        states = [pool.live_views(layer) for layer in pool.layer_ids]
+        return CacheSnapshot(
+            length=n,
+            k=self.kv.k[:, :, :, :n].clone(),
+            v=self.kv.v[:, :, :, :n].clone(),
+            state=torch.stack([s for s, _ in states]) if states else pool.state.clone(),
+            conv=torch.stack([c for _, c in states]) if states else pool.conv.clone(),
+        )
+
+    def restore(self, snap: CacheSnapshot) -> None:
+        """Make ``snap`` the committed context (its KV rows, state and window; positions
+        past it are forgotten). Refused, with nothing changed, when it does not fit these
+        caches or a verify awaits its rollback."""
+        kv, pool = self.kv, self.pool
+        pool.check_can_advance("restore")
+        want = ((*kv.k.shape[:3], snap.length, *kv.k.shape[4:]), tuple(pool.state.shape),
+                tuple(pool.conv.shape))
+        got = (tuple(snap.k.shape), tuple(snap.state.shape), tuple(snap.conv.shape))
+        if want != got or snap.length > kv.max_len:
+            raise CacheError(
+                f"a snapshot of shapes {[tuple(g) for g in got]} does not fit caches of "
+                f"{[tuple(w) for w in want]} with {kv.max_len} positions"
+            )
+        n = snap.length
+        kv.k[:, :, :, :n].copy_(snap.k)
+        kv.v[:, :, :, :n].copy_(snap.v)
+        kv.length = n if kv.layer_ids else 0
+        pool.state.copy_(snap.state)
+        pool.conv.copy_(snap.conv)
+        pool._set_live(None)
+        pool._move_to(n)
+        pool.verify = None
+
     @property
     def length(self) -> int:
         """Committed positions (KV length and recurrent length agree between steps)."""
@@ -939,3 +978,18 @@ class ShardCaches:
     @property
     def fast_unavailable_reason(self) -> str | None:
         return self.pool.fast_unavailable_reason
+
+
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """One shard's committed context, copied (:meth:`ShardCaches.snapshot`)."""
+
+    length: int
+    k: Tensor  # [L_attn, B, HKV, length, D]
+    v: Tensor
+    state: Tensor  # [L_rec, B, HV, K, V] float32
+    conv: Tensor  # [L_rec, B, Kc-1, C]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.state, self.conv))

@@ -74,8 +74,9 @@ class ServeConfig:
     default_max_tokens: int = 512  # a request's budget when it names none
 
 
-class ServeError(Exception):
-    """An error answered as an OpenAI error body with ``status``."""
+class ServeError(UsageError):
+    """A request the server refuses, answered as an OpenAI error body with ``status`` (a
+    usage error: the request, or its timing, cannot be served as sent)."""
 
     def __init__(self, status: int, message: str, kind: str, param: str | None = None,
                  code: str | None = None, headers: dict[str, str] | None = None) -> None:
@@ -372,7 +373,7 @@ def create_app(llm: LLM, config: ServeConfig) -> FastAPI:
     async def chat(request: Request) -> JSONResponse | StreamingResponse:
         body = await _parse(request, ChatCompletionRequest)
         _check_model(body.model)
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             prompt = llm.render_chat(messages)
         except DFlashError as exc:

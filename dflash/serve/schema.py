@@ -27,10 +27,24 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class TextPart(_Strict):
+    """One part of a message's content given as a list (OpenAI's ``[{"type": "text",
+    "text": ...}]`` form, as many clients send it); only text parts exist here."""
+
+    type: Literal["text"]
+    text: str
+
+
 class Message(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str
+    content: str | list[TextPart]
     name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (a list's text parts joined)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
 
 
 def _neutral(value: object, neutral: object, name: str) -> None:
@@ -271,5 +285,6 @@ __all__ = [
     "ModelList",
     "PromptTokensDetails",
     "StreamOptions",
+    "TextPart",
     "Usage",
 ]

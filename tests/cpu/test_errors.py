@@ -41,6 +41,7 @@ from dflash.kernels import RollbackBoundsError
 from dflash.model.caches import CacheError
 from dflash.model.drafters import errors as drafter_errors
 from dflash.model.tokenizer import TextEncodingError
+from dflash.serve import ServeError
 
 LAYERS = (GeometryError, KernelBoundsError, CheckpointError, ConfigError, ExecutionError,
           UsageError)
@@ -73,6 +74,7 @@ EXPECTED: list[tuple[type[Exception], tuple[type[Exception], ...]]] = [
     (api.NotSupportedYetError, (UsageError,)),  # trees in the library, not built yet
     (api.ChatTemplateError, (CheckpointError,)),
     (TextEncodingError, (UsageError,)),  # text that is not valid UTF-8
+    (ServeError, (UsageError,)),  # a request dflash serve refuses (answered 4xx / 503)
 ]
 
 

@@ -186,3 +186,44 @@ def test_malformed_bodies_never_reach_a_server_error(
     assert r.status_code < 500, r.text
     if r.status_code != 200:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_second_turn_is_served_from_the_prefix_cache(llm: dflash.LLM) -> None:
+    """The second turn of a conversation reports cached tokens and answers what a server
+    without the cache answers (greedy and seeded sampling)."""
+    warm = TestClient(create_app(dflash.load(prefill_chunk=16, prefix_cache_mb=64),
+                                 ServeConfig(model_name="default")))
+    cold = TestClient(create_app(dflash.load(prefill_chunk=16),
+                                 ServeConfig(model_name="default")))
+    first = [{"role": "system", "content": "You write short Python functions."},
+             {"role": "user", "content": "a function that adds two numbers, with a docstring"}]
+    for rule in ({"temperature": 0}, {"temperature": 0.7, "seed": 11}):
+        body = {"model": "default", "max_tokens": 16, **rule}
+        a = warm.post("/v1/chat/completions", json={**body, "messages": first}).json()
+        b = cold.post("/v1/chat/completions", json={**body, "messages": first}).json()
+        assert a["choices"] == b["choices"]
+        reply = a["choices"][0]["message"]
+        second = [*first, reply, {"role": "user", "content": "now one that multiplies"}]
+        c = warm.post("/v1/chat/completions", json={**body, "messages": second}).json()
+        d = cold.post("/v1/chat/completions", json={**body, "messages": second}).json()
+        assert c["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+        assert d["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert c["choices"] == d["choices"]
+    assert "dflash_cached_tokens_total 0" not in warm.get("/metrics").text
+
+
+def test_content_as_text_parts_and_a_stop_string_in_a_stream(client: TestClient) -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": "def add("},
+                                          {"type": "text", "text": "a, b):"}]}]
+    whole = _chat(client).json()["choices"][0]["message"]["content"]
+    assert _chat(client, messages=parts).json()["choices"][0]["message"]["content"] == whole
+    bad = _chat(client, messages=[{"role": "user", "content": [{"type": "image_url"}]}])
+    assert bad.status_code == 400
+    stop = whole[3:5]
+    events = _events(client, "/v1/chat/completions", {
+        "model": "default", "messages": MESSAGES, "max_tokens": 12, "temperature": 0,
+        "stream": True, "stop": stop,
+    })
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    assert text == whole[: whole.index(stop)]
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"

@@ -203,10 +203,9 @@ class Engine:
         self.busy = False
         self._lock = asyncio.Lock()
 
-    @asynccontextmanager
-    async def turn(self) -> AsyncIterator[None]:
-        """Wait for the engine (refused at once when the queue is full, or after the queue
-        timeout), hold it for the block."""
+    async def acquire(self) -> None:
+        """Wait for the engine's turn (refused at once when the queue is full, or after the
+        queue timeout); :meth:`release` ends it."""
         if self.waiting >= self.config.queue_size:
             raise ServeError(429, f"the queue is full ({self.waiting} requests waiting); "
                              "retry later", "rate_limit_exceeded", code="queue_full",
@@ -221,11 +220,56 @@ class Engine:
         finally:
             self.waiting -= 1
         self.busy = True
+
+    def release(self) -> None:
+        self.busy = False
+        self._lock.release()
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """:meth:`acquire` for the block."""
+        await self.acquire()
         try:
             yield
         finally:
-            self.busy = False
-            self._lock.release()
+            self.release()
+
+
+class _Once:
+    """A callable that runs ``fn`` the first time it is called, and never again."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn: Callable[[], None] | None = fn
+
+    def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
+class _StreamBody:
+    """A streamed response's body: :func:`_events`, and the turn it holds released when
+    the events end — or, should the server drop the response before the body was ever
+    iterated (a client gone before the first byte), when this object is collected (the
+    decode never started then: nothing else to stop)."""
+
+    def __init__(self, events: AsyncIterator[str], finish: _Once, stream: TextStream) -> None:
+        self._events, self._finish, self._stream = events, finish, stream
+
+    def __aiter__(self) -> _StreamBody:
+        return self
+
+    async def __anext__(self) -> str:
+        return await self._events.__anext__()
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+    def __del__(self) -> None:
+        self._stream.close()  # a no-op unless a decode is still running
+        self._finish()
 
 
 @dataclass(frozen=True)
@@ -423,17 +467,19 @@ async def _answer(request: Request, engine: Engine, job: _Job,
     path = "/v1/chat/completions" if chat else "/v1/completions"
     if body.stream:
         # admitted (or refused with a 429) before the response starts
-        turn = engine.turn()
-        await turn.__aenter__()
+        await engine.acquire()
+        finish = _Once(engine.release)
         try:
             stream = _open_stream(engine.llm, job)
         except BaseException:
-            await turn.__aexit__(None, None, None)
+            finish()
             raise
         engine.metrics.request(path, 200)
+        events = _events(engine, finish, stream, ident, created, name, chat,
+                         body.include_usage())
         return StreamingResponse(
-            _events(engine, turn, stream, ident, created, name, chat, body.include_usage()),
-            media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+            _StreamBody(events, finish, stream), media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
         )
     async with engine.turn():
         start = time.perf_counter()
@@ -467,8 +513,9 @@ async def _answer(request: Request, engine: Engine, job: _Job,
     return JSONResponse(answer.model_dump(exclude_none=True))
 
 
-async def _events(engine: Engine, turn: Any, stream: TextStream, ident: str, created: int,
-                  name: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+async def _events(engine: Engine, finish: _Once, stream: TextStream, ident: str,
+                  created: int, name: str, chat: bool, include_usage: bool
+                  ) -> AsyncIterator[str]:
     """The SSE events of one streamed completion; the engine's turn ends with them (also
     when the client goes away: the decode stops at its next step)."""
     start = time.perf_counter()
@@ -510,7 +557,7 @@ async def _events(engine: Engine, turn: Any, stream: TextStream, ident: str, cre
         # every await after it: shielded, the decode stops before the turn ends
         with anyio.CancelScope(shield=True):
             await _close(stream)
-            await turn.__aexit__(None, None, None)
+        finish()
 
 
 def _chunk(ident: str, created: int, name: str, chat: bool, piece: str | None,

@@ -227,3 +227,28 @@ def test_content_as_text_parts_and_a_stop_string_in_a_stream(client: TestClient)
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
     assert text == whole[: whole.index(stop)]
     assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_stream_dropped_before_its_first_byte_frees_the_engine(llm: dflash.LLM) -> None:
+    """Should the server drop a streamed response before iterating its body (the client
+    left at once), the engine's turn is still released: the next request is served."""
+    import asyncio
+    import gc
+
+    from dflash.serve.app import Engine, _events, _Once, _StreamBody
+
+    async def run() -> None:
+        engine = Engine(llm, ServeConfig(model_name="default", queue_size=1))
+        await engine.acquire()
+        finish = _Once(engine.release)
+        stream = llm.stream("import os\n", max_new_tokens=4)
+        body = _StreamBody(_events(engine, finish, stream, "x", 0, "default", True, False),
+                           finish, stream)
+        assert engine.busy
+        del body
+        gc.collect()
+        assert not engine.busy
+        await asyncio.wait_for(engine.acquire(), 5)  # the lock is free again
+        engine.release()
+
+    asyncio.run(run())

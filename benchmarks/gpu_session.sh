@@ -28,7 +28,8 @@
 #   bash benchmarks/gpu_session.sh graphs  # tests/gpu/test_graphs.py (graphs vs eager, 9B 1,024-token parity)
 #   bash benchmarks/gpu_session.sh profile # benchmarks/profile_step.py: wall vs GPU time, graphs off/on
 #   bash benchmarks/gpu_session.sh drafter # the default pair's drafter stage (scripts/build_default.py)
-# Expects the wheels the device lacks (pydantic and its deps, fla-core) under .whl/.
+# Expects the wheels the device lacks under .whl/ (scripts/device_wheels.sh fetches pydantic and
+# the server's; fla-core for the kernels comparison is fetched by hand).
 set -uo pipefail
 OUT="${OUT:-out}"; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -168,6 +168,7 @@ def load(
     max_context: int | None = None,
     draft_window: int | None = None,
     prefix_cache_mb: int = 0,
+    quantize: str | None = None,
 ) -> LLM:
     """Build a target model and a drafter, ready to generate.
 
@@ -201,6 +202,8 @@ def load(
         draft_window: a DFlash drafter's blocks attend only the last ``N`` committed tokens
             (None: all of them), so a drafting step costs the same at any context length;
             the output does not change.
+        quantize: ``"fp8"``: the decoder layers' projections quantized to FP8 at load
+            (:meth:`TargetModel.quantize_fp8_`); an FP8 checkpoint is read as FP8 anyway.
         prefix_cache_mb: keep up to this many MB of prefilled prefixes (0: none): a prompt
             that extends a cached one at a ``prefill_chunk`` boundary prefills only the
             rest (``cached_tokens`` in the result), and its output is the same bits as
@@ -228,6 +231,8 @@ def load(
     _int("seed", seed, 0, 2**63 - 1)
     if prefill_chunk is not None:
         _int("prefill_chunk", prefill_chunk, 1)
+    if quantize not in (None, "fp8"):
+        raise ArgumentError(f"{param('quantize')} must be None or 'fp8' (got {quantize!r})")
     _int("prefix_cache_mb", prefix_cache_mb, 0)
     if prefix_cache_mb and prefill_chunk is None:
         raise ArgumentError(
@@ -267,6 +272,12 @@ def load(
     torch_dtype = parse_dtype(_dtype_name("dtype", dtype), model, first)
     drafter_dtype_name = _dtype_name("draft_dtype", draft_dtype)
     target = build_model(model, seed=seed, dtype=torch_dtype, device=first)
+    if quantize == "fp8":
+        if target.quantization is not None:
+            raise ArgumentError(
+                f"{param('quantize')}='fp8': {model!r} is an FP8 checkpoint already"
+            )
+        target.quantize_fp8_()
     drafter: Drafter | None = None
     if draft is not None:
         drafter, _ = build_drafter(

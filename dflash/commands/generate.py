@@ -211,6 +211,15 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         "against the device's free memory before anything is allocated",
     )
     p.add_argument(
+        "--quantize",
+        choices=("fp8",),
+        default=None,
+        help="quantize the decoder layers' projections at load to FP8 (e4m3, 128x128 "
+        "block scales, Hugging Face's fine-grained format): half the bytes a decode reads; "
+        "the output is plain decoding's of the same FP8 model (an FP8 checkpoint is read "
+        "as FP8 without this flag)",
+    )
+    p.add_argument(
         "--draft-window",
         type=int,
         default=None,
@@ -612,11 +621,17 @@ def prepare(args: argparse.Namespace) -> Prepared:
             "built-in prompt is given as its UTF-8 bytes",
             file=sys.stderr,
         )
-    check_memory(args.model, config, dtype, first)
+    from dflash.model.catalog import model_quantization
+
+    check_memory(args.model, config, dtype, first, model_quantization(args.model))
     if first.startswith("cuda"):
         torch.cuda.set_device(torch.device(first))
     set_cpu_threads(args.model, first)
     model = build_model_checked(args.model, config, seed=args.seed, dtype=dtype, device=first)
+    if getattr(args, "quantize", None) == "fp8":
+        if model.quantization is not None:
+            raise UsageError(f"--quantize fp8: {args.model!r} is an FP8 checkpoint already")
+        model.quantize_fp8_()
     codec: TextCodec | None = tokenizer
     if codec is None and args.bytes:
         codec = ByteText()

@@ -16,19 +16,28 @@ if TYPE_CHECKING:
     import torch
 
     from dflash.model import HybridConfig
+    from dflash.model.fp8 import Fp8Spec
 
 
-def weight_bytes(config: HybridConfig, dtype: torch.dtype) -> tuple[int, int]:
-    """``(parameters, bytes needed)`` for a model of ``config`` in ``dtype``."""
+def weight_bytes(
+    config: HybridConfig, dtype: torch.dtype, quantization: Fp8Spec | None = None
+) -> tuple[int, int]:
+    """``(parameters, bytes needed)`` for a model of ``config`` in ``dtype`` (its quantized
+    projections one byte each, with their float32 scales, for an FP8 checkpoint)."""
     import torch
 
     from dflash.model import TargetModel
+    from dflash.model.fp8 import FP8, replace_linears_
 
     with torch.device("meta"):  # shapes only: nothing is allocated
         model = TargetModel(config)
-    sizes = [p.numel() for p in model.parameters()]
-    params = sum(sizes)
-    return params, params * dtype.itemsize + max(sizes) * 4
+        if quantization is not None:
+            replace_linears_(model, quantization, quantize=False)
+    weights = list(model.parameters())
+    params = sum(p.numel() for p in weights)
+    size = sum(p.numel() * (1 if p.dtype == FP8 else dtype.itemsize) for p in weights)
+    size += sum(b.numel() * b.element_size() for b in model.buffers())  # FP8 block scales
+    return params, size + max(p.numel() for p in weights) * 4
 
 
 def _count(n: int) -> str:
@@ -44,12 +53,15 @@ def describe_need(name: str, params: int, need: int, dtype: torch.dtype) -> str:
     )
 
 
-def check_memory(name: str, config: HybridConfig, dtype: torch.dtype, device: str) -> None:
+def check_memory(
+    name: str, config: HybridConfig, dtype: torch.dtype, device: str,
+    quantization: Fp8Spec | None = None,
+) -> None:
     """Raise :class:`InsufficientMemoryError` when ``config``'s weights cannot fit on ``device``."""
     free = available_bytes(device)
     if free is None:
         return
-    params, need = weight_bytes(config, dtype)
+    params, need = weight_bytes(config, dtype, quantization)
     if need > free[0]:
         raise InsufficientMemoryError(
             f"{describe_need(name, params, need, dtype)}, but only {size_text(free[0])} is "

@@ -18,6 +18,9 @@
 - :func:`gdn_gates`: Gated DeltaNet's ``beta`` and ``g`` gates in one launch.
 - :func:`rms_norm`: zero-centred or gated RMSNorm in one launch (batch-invariant rows).
 - :func:`linear`: ``x @ weight.T + bias`` whose rows do not depend on the row count M.
+- :func:`fp8_linear`: the same with an FP8 (e4m3) weight scaled per 128 × 128 block inside
+  the kernel (weight-only: activations stay in their dtype), M-invariant too;
+  :func:`quantize_fp8` / :func:`dequantize_fp8`: the per-block format.
 - :func:`decode_attention`: causal decode/verify attention against a static KV cache,
   rows independent of the number of query rows, ``start`` read on the device.
 - :func:`prefill_attention`: a prefill chunk's causal attention over the cache so far and
@@ -40,6 +43,8 @@ from dflash.kernels.conv import causal_conv1d_capture
 from dflash.kernels.conv_reference import causal_conv1d_capture_reference
 from dflash.kernels.filter import filter_floors
 from dflash.kernels.filter_reference import filter_floors_reference
+from dflash.kernels.fp8_linear import dequantize_fp8, fp8_linear, quantize_fp8
+from dflash.kernels.fp8_linear_reference import fp8_linear_reference
 from dflash.kernels.gates import gdn_gates
 from dflash.kernels.gates_reference import gdn_gates_reference
 from dflash.kernels.gdn import gdn_recompute, gdn_verify
@@ -64,8 +69,11 @@ __all__ = [
     "causal_conv1d_capture_reference",
     "decode_attention",
     "decode_attention_reference",
+    "dequantize_fp8",
     "filter_floors",
     "filter_floors_reference",
+    "fp8_linear",
+    "fp8_linear_reference",
     "gdn_chunk_prefill",
     "gdn_chunk_prefill_reference",
     "gdn_gates",
@@ -80,6 +88,7 @@ __all__ = [
     "linear_reference",
     "prefill_attention",
     "prefill_attention_reference",
+    "quantize_fp8",
     "rms_norm",
     "rms_norm_reference",
     "rollback_restore",

@@ -22,6 +22,7 @@ import torch
 from dflash.data import DefaultDataMissingError, require_default
 from dflash.errors import UsageError, param
 from dflash.model.config import HybridConfig
+from dflash.model.fp8 import Fp8Spec
 from dflash.model.target import TargetModel
 
 DEFAULT_MODEL = "default"
@@ -61,6 +62,26 @@ def model_config(spec: str) -> HybridConfig:
     directory = model_directory(spec)
     assert directory is not None  # only seeded names have no directory
     return HybridConfig.from_hf_config(directory)
+
+
+def model_quantization(spec: str) -> Fp8Spec | None:
+    """The FP8 format of the checkpoint ``spec`` names (None: seeded, or not quantized);
+    read from its ``config.json`` without building anything."""
+    import json
+
+    from dflash.model.fp8 import parse_fp8_config
+
+    directory = model_directory(spec)
+    if directory is None:
+        return None
+    path = directory / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # model_config reports the unreadable file
+    if not isinstance(raw, dict):
+        return None
+    return parse_fp8_config(raw.get("quantization_config"), str(path))
 
 
 def build_model(spec: str, *, seed: int, dtype: torch.dtype, device: str) -> TargetModel:

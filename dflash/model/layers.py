@@ -38,7 +38,9 @@ from dflash.kernels import (
     rms_norm,
 )
 from dflash.kernels.checks import use_triton
+from dflash.kernels.fp8_linear import fp8_linear
 from dflash.model.config import HybridConfig
+from dflash.model.fp8 import Fp8Linear
 from dflash.model.tiles import PositionTiles
 
 if TYPE_CHECKING:  # caches.py imports this module (the rotary table)
@@ -86,12 +88,22 @@ class Ops:
                 raise ValueError("an invariant CPU forward needs the position of its row 0")
             self.tiles = PositionTiles(start, offsets)
 
-    def linear(self, module: nn.Linear, x: Tensor) -> Tensor:
-        """``module(x)`` on this forward's kernels (``x: [..., in]`` → ``[..., out]``)."""
+    def linear(self, module: nn.Linear | Fp8Linear, x: Tensor) -> Tensor:
+        """``module(x)`` on this forward's kernels (``x: [..., in]`` → ``[..., out]``): an
+        FP8 linear through :func:`dflash.kernels.fp8_linear` (M-invariant) in decode,
+        verify and replay, through its dequantized weight in a prefill."""
+        if isinstance(module, Fp8Linear):
+            if not self.invariant:
+                return F.linear(x, module.dequantized(x.dtype), module.bias)
+            return fp8_linear(x, module.weight, module.weight_scale_inv, module.bias,
+                              block=module.block, backend=self.backend)
         return self._matmul(x, module.weight, module.bias)
 
     def linear_group(self, group: LinearGroup, x: Tensor) -> list[Tensor]:
-        """Every linear of ``group`` applied to ``x``, as one product: ``[..., N_i]`` views."""
+        """Every linear of ``group`` applied to ``x``, as one product: ``[..., N_i]`` views
+        (an FP8 group: one product per linear)."""
+        if group.unfused:
+            return [self.linear(m, x) for m in group.linears]
         weight, bias = group.weight_and_bias()
         return list(torch.split(self._matmul(x, weight, bias), group.sizes, dim=-1))
 
@@ -166,11 +178,14 @@ class LinearGroup:
     before it) runs :func:`fuse_linear_groups_`, one address comparison per parameter.
     """
 
-    __slots__ = ("_bias", "_ptrs", "_weight", "linears", "sizes")
+    __slots__ = ("_bias", "_ptrs", "_weight", "linears", "sizes", "unfused")
 
-    def __init__(self, *linears: nn.Linear) -> None:
+    def __init__(self, *linears: nn.Linear | Fp8Linear) -> None:
         if not linears:
             raise ValueError("a linear group needs at least one linear")
+        #: FP8 members are multiplied one by one (their block scales do not concatenate
+        #: across row counts that are not whole blocks); never fused, never stale
+        self.unfused = any(isinstance(m, Fp8Linear) for m in linears)
         if len({m.in_features for m in linears}) != 1:
             raise ValueError(
                 f"grouped linears must share in_features (got {[m.in_features for m in linears]})"
@@ -198,6 +213,8 @@ class LinearGroup:
         Left unfused (:attr:`stale`) while a parameter is on the meta device (a model
         being built); parameters of different dtypes or devices are refused (a
         concatenation would silently cast them)."""
+        if self.unfused:
+            return
         params = self._params()
         if any(p.is_meta for p in params):
             self._weight, self._bias, self._ptrs = None, None, ()
@@ -223,6 +240,8 @@ class LinearGroup:
         """True when a parameter is no longer a view of the fused tensor (or none exists).
 
         Reads every parameter's address: for the fuse points, not for products."""
+        if self.unfused:
+            return False
         return self._weight is None or self._current_ptrs() != self._ptrs
 
     def weight_and_bias(self) -> tuple[Tensor, Tensor | None]:

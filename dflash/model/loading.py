@@ -38,6 +38,7 @@ from torch import Tensor
 
 from dflash.errors import CheckpointError as CheckpointError  # re-exported: one family
 from dflash.model.config import ConfigError, HybridConfig
+from dflash.model.fp8 import FP8, Fp8Linear, parse_fp8_config, replace_linears_
 
 if TYPE_CHECKING:
     from dflash.model.target import TargetModel
@@ -246,6 +247,19 @@ def _check_names(
         )
 
 
+def _dtype_codes(dtype: torch.dtype) -> tuple[str, ...]:
+    """The safetensors dtype codes a tensor loaded as ``dtype`` may have."""
+    if dtype == FP8:
+        return ("F8_E4M3",)
+    return _FLOAT_CODES
+
+
+def _raw_config(directory: Path) -> dict[str, object]:
+    """``config.json`` as JSON (already checked readable by the config parser)."""
+    raw = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    return raw if isinstance(raw, dict) else {}
+
+
 def _read(entry: _Entry) -> Tensor:
     try:
         with safe_open(str(entry.path), framework="pt", device="cpu") as f:
@@ -271,20 +285,32 @@ def load_target(
         config = HybridConfig.from_hf_config(directory / "config.json")
     except ConfigError as exc:
         raise CheckpointError(f"config.json in {str(directory)!r}: {exc}") from exc
+    spec = parse_fp8_config(_raw_config(directory).get("quantization_config"),
+                            str(directory / "config.json"))
     files, weight_map = _weight_files(directory)
     entries, ignored = _strip(_scan_headers(files, weight_map), config.tie_word_embeddings)
     sources = _sources(config, entries)
+    if spec is not None and config.model_type == "qwen3_next":
+        raise CheckpointError(
+            f"{str(directory)!r}: FP8 weights of a qwen3_next checkpoint (fused projections, "
+            "experts) are not read yet; a qwen3_5 FP8 checkpoint is"
+        )
     with torch.device("meta"):
         model = cls(config)
-    expected = dict(model.named_parameters())  # a tied lm_head is listed once, as embed_tokens
+        if spec is not None:  # the quantized projections: an FP8 weight and its scales
+            replace_linears_(model, spec, quantize=False)
+    # a tied lm_head is listed once, as embed_tokens
+    expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     _check_names(expected, sources, config)
     for name, param in expected.items():
         entry, role = sources[name]
-        if entry.dtype not in _FLOAT_CODES:
-            raise CheckpointError(
-                f"tensor {name!r} has dtype {entry.dtype} but a floating dtype "
-                f"({', '.join(_FLOAT_CODES)}) is expected"
+        want = _dtype_codes(param.dtype)
+        if entry.dtype not in want:
+            expected_kind = (
+                "F8_E4M3 is expected (an FP8 checkpoint's quantized weight)"
+                if param.dtype == FP8 else f"a floating dtype ({', '.join(want)}) is expected"
             )
+            raise CheckpointError(f"tensor {name!r} has dtype {entry.dtype} but {expected_kind}")
         if role is None:
             _check_shape(name, entry.shape, tuple(param.shape))
     fresh: dict[str, Tensor] = {}
@@ -297,8 +323,13 @@ def load_target(
             if entry.key not in fused_cache:
                 fused_cache = {entry.key: _read(entry)}  # both roles of a layer read it once
             tensor = _split_fused(config, fused_cache[entry.key], role)
-        fresh[name] = tensor.to(device=device, dtype=dtype, copy=True)
-        bad = int((~torch.isfinite(fresh[name])).sum())
+        kind = expected[name].dtype
+        # FP8 weights and their float32 scales keep their dtype; the rest takes the model's
+        keep = kind in (FP8, torch.float32) and spec is not None and (
+            kind == FP8 or name.endswith(".weight_scale_inv")
+        )
+        fresh[name] = tensor.to(device=device, dtype=kind if keep else dtype, copy=True)
+        bad = int((~torch.isfinite(fresh[name].float())).sum())
         if bad:
             raise CheckpointError(
                 f"tensor {name!r} holds {bad} non-finite value(s) of {tensor.numel()} "
@@ -308,6 +339,11 @@ def load_target(
         fresh["lm_head.weight"] = fresh["embed_tokens.weight"]
     model.load_state_dict(fresh, strict=True, assign=True)  # fuses the linear groups
     model.tie_weights_()
+    if spec is not None:
+        for module in model.modules():
+            if isinstance(module, Fp8Linear):
+                module.dtype = dtype  # what its dequantized products run in
+        model.quantization = spec
     report = LoadReport(
         files=tuple(p.name for p in files), tensors_loaded=len(fresh), ignored=ignored
     )
@@ -327,9 +363,10 @@ def save_target(model: TargetModel, directory: Path) -> None:
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(
-        json.dumps(model.config.to_hf_config(), indent=2), encoding="utf-8"
-    )
+    hf = model.config.to_hf_config()
+    if model.quantization is not None:
+        hf["quantization_config"] = model.quantization.to_hf()
+    (directory / "config.json").write_text(json.dumps(hf, indent=2), encoding="utf-8")
     tensors = {}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:

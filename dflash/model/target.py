@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from dflash.geometry import ChainGeometry, TreeGeometry
 from dflash.model.caches import CacheError, CaptureKind, ShardCaches
 from dflash.model.config import HybridConfig
+from dflash.model.fp8 import Fp8Spec, replace_linears_
 from dflash.model.layers import (
     AttentionLayer,
     DecoderLayer,
@@ -73,6 +74,8 @@ class TargetModel(nn.Module):
         #: Triton form is checked under the interpreter and waits for its measurement on
         #: a GPU before it becomes the CUDA default
         self.chunked_prefill: bool | None = None
+        #: the FP8 format of the decoder layers' projections (None: the model dtype)
+        self.quantization: Fp8Spec | None = None
         self.load_report: LoadReport | None = None  # set by from_pretrained
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -133,6 +136,18 @@ class TargetModel(nn.Module):
         from dflash.model.loading import save_target
 
         save_target(self, Path(directory))
+
+    def quantize_fp8_(self, spec: Fp8Spec | None = None) -> TargetModel:
+        """Quantize the decoder layers' projections to FP8 in place (``spec``: the block
+        and the modules left alone; default 128 × 128, all of them): each weight per block
+        by its absolute maximum (:mod:`dflash.model.fp8`). The embedding, norms, conv,
+        gates and LM head keep the model dtype. Returns ``self``."""
+        spec = spec or Fp8Spec()
+        if self.quantization is not None:
+            raise ValueError(f"the model is already quantized ({self.quantization})")
+        replace_linears_(self, spec, quantize=True)
+        self.quantization = spec
+        return self
 
     def tie_weights_(self) -> None:
         if self.config.tie_word_embeddings:

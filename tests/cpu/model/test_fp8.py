@@ -1,0 +1,189 @@
+"""FP8 weights (Hugging Face's fine-grained format): a model quantized at load decodes
+speculatively the bits plain decoding of the same FP8 model decodes, in every rollback
+mode; an FP8 checkpoint written and read back is the same weights; its logits are
+transformers' on the dequantized weights; a malformed checkpoint is refused naming the
+tensor or the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash.execution import ROLLBACK_MODES, RollbackMode, RollbackPolicy, generate, plan_shards
+from dflash.model import CheckpointError, TargetModel, greedy_generate
+from dflash.model.drafters import PromptLookupDrafter
+from dflash.model.fp8 import FP8, Fp8Linear, Fp8Spec
+
+PROMPT = [5, 17, 200, 3, 5, 17, 200, 3, 9, 40, 41, 5, 17]
+
+
+@pytest.fixture(scope="module")
+def fp8_tiny() -> TargetModel:
+    torch.set_num_threads(1)
+    return TargetModel.tiny_default(seed=2).quantize_fp8_(Fp8Spec(block=(32, 32)))
+
+
+def test_the_projections_are_fp8_and_the_rest_is_not(fp8_tiny: TargetModel) -> None:
+    quantized = {n for n, m in fp8_tiny.named_modules() if isinstance(m, Fp8Linear)}
+    assert "layers.0.linear_attn.in_proj_qkv" in quantized
+    assert "layers.2.self_attn.q_proj" in quantized and "layers.5.mlp.down_proj" in quantized
+    assert len(quantized) == 4 * 5 + 2 * 4 + 6 * 3  # recurrent, attention, MLP projections
+    assert fp8_tiny.lm_head.weight.dtype == torch.float32
+    mixer = fp8_tiny.get_submodule("layers.0.linear_attn")
+    assert mixer.get_submodule("in_proj_qkv").weight.dtype == FP8
+    assert getattr(mixer, "in_proj").unfused  # noqa: B009 - typed as a module attribute
+
+
+@pytest.mark.parametrize("mode", ROLLBACK_MODES)
+def test_speculative_decoding_of_an_fp8_model_is_its_plain_decoding(
+    fp8_tiny: TargetModel, mode: RollbackMode
+) -> None:
+    r = generate(fp8_tiny, PromptLookupDrafter(), PROMPT, plan=plan_shards(6, "cpu,cpu", "2,4"),
+                 max_new_tokens=24, block_size=4, policy=RollbackPolicy(mode=mode),
+                 check_parity=True)
+    assert r.parity is True
+    assert r.tokens == greedy_generate(fp8_tiny, PROMPT, 24)
+
+
+def test_an_fp8_checkpoint_round_trips(fp8_tiny: TargetModel, tmp_path: Path) -> None:
+    fp8_tiny.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["quantization_config"] == {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [32, 32],
+    }
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert stored["model.layers.0.mlp.up_proj.weight"].dtype == FP8
+    rows = fp8_tiny.config.intermediate_size // 32
+    assert stored["model.layers.0.mlp.up_proj.weight_scale_inv"].shape == (rows, 64 // 32)
+    again = TargetModel.from_pretrained(tmp_path)
+    assert again.quantization == Fp8Spec(block=(32, 32))
+    a, b = fp8_tiny.state_dict(), again.state_dict()
+    assert set(a) == set(b)
+    for name in a:
+        assert torch.equal(a[name].view(torch.uint8) if a[name].dtype == FP8 else a[name],
+                           b[name].view(torch.uint8) if b[name].dtype == FP8 else b[name]), name
+    assert greedy_generate(again, PROMPT, 12) == greedy_generate(fp8_tiny, PROMPT, 12)
+
+
+def _rewrite(directory: Path, change: Any) -> None:
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (lambda t: t.pop("model.layers.1.mlp.gate_proj.weight_scale_inv"),
+     "missing tensor 'layers.1.mlp.gate_proj.weight_scale_inv'"),
+    (lambda t: t.__setitem__("model.layers.1.mlp.gate_proj.weight_scale_inv",
+                             torch.ones(2, 2)),
+     "'layers.1.mlp.gate_proj.weight_scale_inv' has shape [2, 2]"),
+    (lambda t: t.__setitem__("model.layers.1.mlp.gate_proj.weight",
+                             t["model.layers.1.mlp.gate_proj.weight"].float()),
+     "'layers.1.mlp.gate_proj.weight' has dtype F32 but F8_E4M3 is expected"),
+])
+def test_a_malformed_fp8_checkpoint_is_refused_naming_the_tensor(
+    fp8_tiny: TargetModel, tmp_path: Path, change: Any, words: str
+) -> None:
+    fp8_tiny.save_pretrained(tmp_path)
+    _rewrite(tmp_path, change)
+    with pytest.raises(CheckpointError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        TargetModel.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("quant_method", "awq", "field 'quant_method' must be 'fp8'"),
+    ("fmt", "e5m2", "field 'fmt' must be 'e4m3'"),
+    ("weight_block_size", [128], "field 'weight_block_size' must be a list of two"),
+    ("activation_scheme", "static", "field 'activation_scheme' must be 'dynamic'"),
+    ("bits", 8, "field 'bits' is not part of the fine-grained FP8 format"),
+])
+def test_a_quantization_config_dflash_cannot_run_is_refused_naming_the_field(
+    fp8_tiny: TargetModel, tmp_path: Path, field: str, value: object, words: str
+) -> None:
+    fp8_tiny.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"][field] = value
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=words):
+        TargetModel.from_pretrained(tmp_path)
+
+
+def test_modules_to_not_convert_stay_in_the_model_dtype(tmp_path: Path) -> None:
+    model = TargetModel.tiny_default(seed=2).quantize_fp8_(
+        Fp8Spec(block=(32, 32), modules_to_not_convert=("mlp", "layers.2.self_attn.o_proj"))
+    )
+    kinds = {n: type(m).__name__ for n, m in model.named_modules()
+             if n.endswith(("mlp.up_proj", "self_attn.o_proj", "self_attn.q_proj"))}
+    assert kinds["layers.0.mlp.up_proj"] == "Linear"
+    assert kinds["layers.2.self_attn.o_proj"] == "Linear"
+    assert kinds["layers.2.self_attn.q_proj"] == "Fp8Linear"
+    model.save_pretrained(tmp_path)
+    again = TargetModel.from_pretrained(tmp_path)
+    assert again.quantization is not None
+    assert set(again.quantization.modules_to_not_convert) == {"mlp", "layers.2.self_attn.o_proj"}
+    assert greedy_generate(again, PROMPT, 8) == greedy_generate(model, PROMPT, 8)
+
+
+@torch.inference_mode()
+def test_fp8_logits_are_transformers_on_the_dequantized_weights(tmp_path: Path) -> None:
+    """An FP8 checkpoint (written by dflash, read back) against transformers running the
+    same weights dequantized to float32: the logits of a prefill and 16 greedy decode
+    steps within 1e-4, the same tokens."""
+    pytest.importorskip("transformers")
+    from test_parity_transformers import CASES, TOL, _hf_model
+    from test_parity_transformers import PROMPT as HF_PROMPT
+
+    kind, fields = CASES["qwen3_5_gqa_interval"]
+    hf = _hf_model(kind, fields, seed=5)
+    hf.save_pretrained(tmp_path / "float")
+    TargetModel.from_pretrained(tmp_path / "float").quantize_fp8_(
+        Fp8Spec(block=(16, 16))).save_pretrained(tmp_path / "fp8")
+    ours = TargetModel.from_pretrained(tmp_path / "fp8")
+    state = hf.state_dict()
+    for name, module in ours.named_modules():
+        if isinstance(module, Fp8Linear):
+            state["model." + name + ".weight"] = module.dequantized(torch.float32)
+    hf.load_state_dict(state)
+    out = hf(input_ids=torch.tensor([HF_PROMPT]), use_cache=True)
+    caches = ours.new_caches(max_len=len(HF_PROMPT) + 17)
+    got, _ = ours(torch.tensor([HF_PROMPT]), caches, "prefill")
+    worst = float((got[0, -1] - out.logits[0, -1]).abs().max())
+    for _ in range(16):
+        token = int(out.logits[0, -1].argmax())
+        assert int(got[0, -1].argmax()) == token
+        out = hf(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
+        got, _ = ours(torch.tensor([[token]]), caches, "decode")
+        worst = max(worst, float((got[0, -1] - out.logits[0, -1]).abs().max()))
+    print(f"fp8 vs transformers on the dequantized weights: max |Δlogits| {worst:.2e}")
+    assert worst <= TOL
+
+
+def test_the_command_line_and_the_library_quantize_at_load(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    import dflash
+    from dflash.cli import main
+    from dflash.errors import UsageError
+
+    args = ["generate", "--model", "tiny", "--max-new-tokens", "8", "--block-size", "4",
+            "--devices", "cpu", "--no-progress", "--draft", "prompt-lookup", "--json"]
+    assert main([*args, "--quantize", "fp8", "--check-parity", "--no-baseline"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["parity"] is True
+    llm = dflash.load(model="tiny", draft="prompt-lookup", quantize="fp8")
+    assert llm.model.quantization == Fp8Spec()
+    assert llm.generate(PROMPT, max_new_tokens=8).tokens == greedy_generate(llm.model, PROMPT, 8)
+    with pytest.raises(UsageError, match="'quantize' must be None or 'fp8'"):
+        dflash.load(model="tiny", quantize="int4")
+    TargetModel.tiny_default().quantize_fp8_().save_pretrained(tmp_path)
+    with pytest.raises(UsageError, match="is an FP8 checkpoint already"):
+        dflash.load(model=str(tmp_path), draft=None, quantize="fp8")
+    assert main([*args, "--model", str(tmp_path), "--quantize", "fp8"]) == 2
+    assert "is an FP8 checkpoint already" in capsys.readouterr().err

@@ -1,0 +1,76 @@
+"""Float8 weight-only linear at the Qwen3.5-9B projection shapes on a GPU (skipped without
+CUDA): close to a float64 oracle on the dequantized weight, and rows bitwise independent
+of the row count. No timing.
+
+Run: ``python -m pytest tests/gpu/test_fp8_linear_gpu.py -q``
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash.kernels.fp8_linear import dequantize_fp8, fp8_linear, quantize_fp8
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+NAN = float("nan")
+#: (N, K): the 9B's square, up (gate/up) and down shapes, and the transposed-square one
+SHAPES = [(4096, 4096), (12288, 4096), (4096, 12288), (12288, 12288)]
+ROWS = (1, 16, 64)
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def rel_rms(got: torch.Tensor, ref: torch.Tensor) -> float:
+    g, r = got.double(), ref.double()
+    if not torch.isfinite(g).all():
+        return float("inf")
+    return float((g - r).norm() / r.norm())
+
+
+def _inputs(N: int, K: int, dtype: torch.dtype, seed: int, rows: int = 64,
+            ) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, K, generator=gen, device="cuda").to(dtype)
+    w = torch.randn(N, K, generator=gen, device="cuda") / K**0.5
+    q, s = quantize_fp8(w)
+    return x, q, s
+
+
+@pytest.mark.parametrize(("N", "K"), SHAPES)
+def test_fp8_linear_matches_the_oracle(N: int, K: int) -> None:
+    x, q, s = _inputs(N, K, torch.bfloat16, seed=N + K)
+    oracle = x.double() @ dequantize_fp8(q, s, dtype=torch.float64).T
+    for M in ROWS:
+        out = torch.full((M, N), NAN, dtype=torch.bfloat16, device="cuda")
+        got = fp8_linear(x[:M], q, s, out=out)
+        assert got is out
+        assert rel_rms(got, oracle[:M]) <= TOL[torch.bfloat16], f"M={M}"
+        ref = fp8_linear(x[:M], q, s, backend="reference")
+        assert rel_rms(got, ref) <= TOL[torch.bfloat16], f"M={M}"
+
+
+@pytest.mark.parametrize(("N", "K"), SHAPES)
+def test_fp8_linear_rows_do_not_depend_on_M(N: int, K: int) -> None:
+    """Rows of 1- and 16-row calls, taken at the front, an odd offset and the back of 64
+    rows, bitwise equal the same rows of the 64-row call (1, 1 and 4 row tiles per
+    program); a 200-row call (two row groups) holds the same 64 rows too."""
+    x, q, s = _inputs(N, K, torch.bfloat16, seed=N + 2 * K, rows=200)
+    full = fp8_linear(x[:64], q, s, out=torch.full((64, N), NAN, dtype=torch.bfloat16,
+                                                   device="cuda"))
+    assert torch.equal(fp8_linear(x, q, s)[:64], full)
+    for M in ROWS:
+        for first in {0, 7, 64 - M}:
+            got = fp8_linear(x[first : first + M], q, s)
+            assert torch.equal(got, full[first : first + M]), f"M={M} rows {first}.."
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fp8_linear_other_dtypes(dtype: torch.dtype) -> None:
+    N, K = 4096, 12288
+    x, q, s = _inputs(N, K, dtype, seed=3)
+    b = torch.randn(N, device="cuda").to(dtype)
+    oracle = x.double() @ dequantize_fp8(q, s, dtype=torch.float64).T + b.double()
+    full = fp8_linear(x, q, s, b)
+    assert rel_rms(full, oracle) <= TOL[dtype]
+    for M in ROWS:
+        assert torch.equal(fp8_linear(x[:M], q, s, b), full[:M]), f"M={M}"

@@ -20,6 +20,8 @@
 #   bash benchmarks/gpu_session.sh serve   # benchmarks/serve_load.py on cuda:0 (the default pair):
 #                                          # one client, then eight (needs the fastapi, uvicorn,
 #                                          # httpx and openai wheels and theirs under .whl/)
+#   bash benchmarks/gpu_session.sh fp8     # the FP8 linear's GPU tests, then dflash bench A/B/A with
+#                                          # --quantize fp8 (9B and 27B shapes, synthetic drafter)
 #   bash benchmarks/gpu_session.sh wide    # the wide-verify linear: GPU tests + benchmarks/linear_wide.py
 #   bash benchmarks/gpu_session.sh kernels # benchmarks/kernels.py (kernels-sweep: with its config sweep)
 #   bash benchmarks/gpu_session.sh cli     # dflash generate on two GPUs, every drafter
@@ -54,6 +56,16 @@ for phase in "$@"; do
   case "$phase" in
     tests)
       python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+      ;;
+    fp8)
+      python3 -m pytest tests/gpu/test_fp8_linear_gpu.py -q -s -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu_tests_fp8.log"
+      for shape in nine-b-shape twenty-seven-b-shape; do
+        timeout "${BENCH_TIMEOUT:-600}" python3 -m dflash.cli bench --model "$shape" --quantize fp8 \
+          --draft synthetic --acceptance 0.874 --block-size 16 --prompt-len 1024 \
+          --max-new-tokens 256 --a replay --b checkpoint --warmup 1 --runs 3 \
+          --out "$OUT/bench_fp8_$shape.json" --plot '' 2>&1 | tee "$OUT/bench_fp8_$shape.log"
+      done
       ;;
     serve)
       for clients in 1 8; do

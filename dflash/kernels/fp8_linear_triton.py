@@ -222,7 +222,10 @@ def fp8_linear_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
         # [BLOCK_N, BLOCK_K] e4m3; ``other`` a float zero (Triton casts no int to float8)
         b_w = tl.load(p_w, mask=m_n[:, None] & m_k[None, :], other=0.0)
         b_w = b_w.to(x.dtype.element_ty)  # exact: e4m3 fits f16, bf16 and f32
-        b_s = tl.load(p_s + kb * s_sk, mask=m_n & (kb < K_BLOCKS), other=0)   # [BLOCK_N]
+        # the block bound as a [BLOCK_N] comparison: a scalar and-ed into the mask makes a
+        # mask of another dtype under some interpreters
+        m_s = m_n & ((o_n * 0 + kb) < K_BLOCKS)
+        b_s = tl.load(p_s + kb * s_sk, mask=m_s, other=0)   # [BLOCK_N]
         b_acc0 = row_tile_scaled_dot(b_acc0, b_w, b_s, x, o_k, m_k, t0, M, s_xm,
                                      BLOCK_M, F32_DOT, EMULATE)
         if M_TILES > 1:

@@ -59,12 +59,17 @@ class Fp8Spec:
         if not name.startswith("layers.") or not any(name.endswith("." + q) for q in QUANTIZED):
             return False
         full = "model." + name
-        return not any(
-            name == m or full == m or name.startswith(m + ".") or full.startswith(m + ".")
-            or fnmatch.fnmatchcase(name, m) or fnmatch.fnmatchcase(full, m)
-            or (m and not any(ch in m for ch in "*?[") and ("." + m + ".") in ("." + name + "."))
-            for m in self.modules_to_not_convert
-        )
+        return not any(_names(m, full) for m in self.modules_to_not_convert)
+
+
+def _names(pattern: str, full: str) -> bool:
+    """Whether a ``modules_to_not_convert`` entry names the module ``full``
+    (``model.layers.3.mlp.up_proj``): a glob matching it (with or without ``model.``), or
+    a run of whole name components in it (``mlp``, ``layers.3.mlp``, the full name)."""
+    if any(ch in pattern for ch in "*?["):
+        return fnmatch.fnmatchcase(full, pattern) or fnmatch.fnmatchcase(
+            full.removeprefix("model."), pattern)
+    return bool(pattern) and f".{pattern}." in f".{full}."
 
 
 def parse_fp8_config(raw: object, source: str) -> Fp8Spec | None:

@@ -187,3 +187,18 @@ def test_the_command_line_and_the_library_quantize_at_load(
         dflash.load(model=str(tmp_path), draft=None, quantize="fp8")
     assert main([*args, "--model", str(tmp_path), "--quantize", "fp8"]) == 2
     assert "is an FP8 checkpoint already" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("skip", "name", "converts"), [
+    ("mlp", "layers.0.mlp.up_proj", False),
+    ("layers.2.self_attn.o_proj", "layers.2.self_attn.o_proj", False),
+    ("model.layers.2.self_attn", "layers.2.self_attn.q_proj", False),
+    ("layers.1", "layers.12.mlp.up_proj", True),  # whole components: 1 is not 12
+    ("*.down_proj", "layers.4.mlp.down_proj", False),
+    ("model.layers.4.*", "layers.4.mlp.down_proj", False),
+    ("*.down_proj", "layers.4.mlp.up_proj", True),
+    ("up", "layers.4.mlp.up_proj", True),  # a part of a component is not a name
+    ("mlp", "lm_head", False),  # never a decoder projection
+])
+def test_modules_to_not_convert_names(skip: str, name: str, converts: bool) -> None:
+    assert Fp8Spec(modules_to_not_convert=(skip,)).converts(name) is converts

@@ -17,11 +17,13 @@
 #   bash benchmarks/gpu_session.sh long    # the prefill kernels' GPU tests, then
 #                                          # benchmarks/long_context.py: 9B prefill tok/s and peak
 #                                          # memory from 8k to 262,144 tokens, decode at each
+#                                          # (LONG_TESTS=0, GDN=chunked|recurrent, PROFILE=LENGTH)
 #   bash benchmarks/gpu_session.sh serve   # benchmarks/serve_load.py on cuda:0 (the default pair):
 #                                          # one client, then eight (needs the fastapi, uvicorn,
 #                                          # httpx and openai wheels and theirs under .whl/)
 #   bash benchmarks/gpu_session.sh fp8     # the FP8 linear's GPU tests, then dflash bench A/B/A with
-#                                          # --quantize fp8 (9B and 27B shapes, synthetic drafter)
+#                                          # --quantize fp8 (9B and 27B shapes, synthetic drafter;
+#                                          # FP8_TESTS=0, FP8_SHAPES="nine-b-shape")
 #   bash benchmarks/gpu_session.sh wide    # the wide-verify linear: GPU tests + benchmarks/linear_wide.py
 #   bash benchmarks/gpu_session.sh kernels # benchmarks/kernels.py (kernels-sweep: with its config sweep)
 #   bash benchmarks/gpu_session.sh cli     # dflash generate on two GPUs, every drafter
@@ -58,9 +60,9 @@ for phase in "$@"; do
       python3 -m pytest tests/gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
       ;;
     fp8)
-      python3 -m pytest tests/gpu/test_fp8_linear_gpu.py -q -s -p no:cacheprovider 2>&1 \
-        | tee "$OUT/gpu_tests_fp8.log"
-      for shape in nine-b-shape twenty-seven-b-shape; do
+      [ "${FP8_TESTS:-1}" = 1 ] && python3 -m pytest tests/gpu/test_fp8_linear_gpu.py -q -s \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_fp8.log" | tail -8
+      for shape in ${FP8_SHAPES:-nine-b-shape twenty-seven-b-shape}; do
         timeout "${BENCH_TIMEOUT:-600}" python3 -m dflash.cli bench --model "$shape" --quantize fp8 \
           --draft synthetic --acceptance 0.874 --block-size 16 --prompt-len 1024 \
           --max-new-tokens 256 --a replay --b checkpoint --warmup 1 --runs 3 \
@@ -75,11 +77,15 @@ for phase in "$@"; do
       done
       ;;
     long)
-      python3 -m pytest tests/gpu/test_prefill_attention_gpu.py tests/gpu/test_gdn_chunk_gpu.py tests/gpu/test_long_context_gpu.py -q -s \
-        -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_long.log"
+      # LONG_TESTS=0 skips the tests; GDN=chunked|recurrent picks the GDN layers' prefill form
+      [ "${LONG_TESTS:-1}" = 1 ] && python3 -m pytest tests/gpu/test_prefill_attention_gpu.py \
+        tests/gpu/test_gdn_chunk_gpu.py tests/gpu/test_long_context_gpu.py -q -s \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_long.log" | tail -15
+      name=long_context_9b_${GDN:-auto}
       timeout "${LONG_TIMEOUT:-420}" python3 benchmarks/long_context.py --model nine-b-shape \
         --devices cuda:0 --lengths "${LENGTHS:-8192,16384,32768,65536,131072,262144}" \
-        --chunk "${CHUNK:-4096}" --out "$OUT/long_context_9b.json" 2>&1 | tee "$OUT/long_context_9b.log"
+        --chunk "${CHUNK:-4096}" --gdn "${GDN:-auto}" ${PROFILE:+--profile "$PROFILE"} \
+        --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | grep -v '^ *["{}]\|^ *\]'
       ;;
     bench)
       timeout "${BENCH_TIMEOUT:-600}" python3 -m dflash.cli bench --model nine-b-shape --draft synthetic --acceptance 0.874 --block-size 16 \

@@ -25,11 +25,26 @@ from dflash.execution import plan_shards
 from dflash.execution.memory import context_memory, size_text
 from dflash.execution.oracle import greedy_target
 from dflash.execution.session import build_model, model_config, parse_dtype
+from dflash.execution.shards import ShardedTarget
+
+#: decoded tokens left out of the decode timing (the first captures the CUDA graphs)
+WARM_DECODE = 4
 
 
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
+
+
+def _profile(target: ShardedTarget, prompt: list[int], device: str) -> None:
+    """A warm prefill of ``prompt`` again under the torch profiler: its top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        target.prefill(prompt)   # at 0: a new sequence
+        _sync(device)
+    sort = "cuda_time_total" if device.startswith("cuda") else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=25), file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,18 +54,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--lengths", default="8192,16384,32768,65536,131072,262144")
     p.add_argument("--chunk", type=int, default=4096, help="prefill chunk (0: one forward)")
-    p.add_argument("--decode", type=int, default=64, help="greedy tokens after each prefill")
+    p.add_argument("--decode", type=int, default=64,
+                   help=f"greedy tokens after each prefill (the first {WARM_DECODE} untimed)")
+    p.add_argument("--gdn", choices=("auto", "chunked", "recurrent"), default="auto",
+                   help="the GDN layers' prefill form (auto: the model's default for the device)")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--profile", type=int, default=None, metavar="LENGTH",
+                   help="profile this length's prefill again (warm): the top CUDA kernels")
     args = p.parse_args(argv)
     device = args.devices.split(",")[0]
     dtype = parse_dtype(args.dtype, args.model, device)
     config = model_config(args.model)
     model = build_model(args.model, seed=0, dtype=dtype, device=device)
+    model.chunked_prefill = {"auto": None, "chunked": True, "recurrent": False}[args.gdn]
     plan = plan_shards(config.num_hidden_layers, args.devices, None)
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     chunk = args.chunk or None
+    if args.decode <= WARM_DECODE:
+        p.error(f"--decode must exceed {WARM_DECODE} (got {args.decode})")
     rows = []
     gen = torch.Generator().manual_seed(0)
+    # a warm-up prefill (kernel compilation and autotuning stay out of the first row)
+    warm = torch.randint(0, config.vocab_size, (2 * (chunk or 1024),), generator=gen).tolist()
+    greedy_target(model, plan, len(warm), 1, prefill_chunk=chunk).prefill(warm)
     for length in (int(x) for x in args.lengths.split(",")):
         prompt = torch.randint(0, config.vocab_size, (length,), generator=gen).tolist()
         est = context_memory(config, range(config.num_hidden_layers),
@@ -67,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         prefill_s = time.perf_counter() - t0
         peak = torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else None
         out = [int(logits[-1].argmax())]
-        t1 = time.perf_counter()
         pos = length
         while len(out) < args.decode:
+            if len(out) == WARM_DECODE:   # the first tokens capture the CUDA graphs
+                _sync(device)
+                t1 = time.perf_counter()
             logits, _ = target.forward([out[-1]], "decode", pos)
             pos += 1
             out.append(int(logits[-1].argmax()))
@@ -84,19 +112,22 @@ def main(argv: list[str] | None = None) -> int:
             "kv_bytes": est.kv,
             "state_bytes": est.state,
             "workspace_estimate_bytes": est.workspace,
-            "decode_tokens_per_s": (len(out) - 1) / decode_s if len(out) > 1 else None,
+            "decode_tokens_per_s": (len(out) - WARM_DECODE) / decode_s,
         }
         rows.append(row)
         print(
             f"{length:>8,} tokens: prefill {row['prefill_tokens_per_s']:>9,.0f} tok/s "
             f"({prefill_s:.2f} s), peak "
             f"{'-' if peak is None else size_text(peak)}, KV {size_text(est.kv)}, decode "
-            f"{row['decode_tokens_per_s'] or 0:,.1f} tok/s",
+            f"{row['decode_tokens_per_s']:,.1f} tok/s",
             file=sys.stderr,
         )
+        if args.profile == length:
+            _profile(target, prompt, device)
         del target
     report = {
         "model": args.model, "devices": args.devices, "dtype": str(dtype), "chunk": chunk,
+        "gdn": args.gdn,
         "weights_bytes": weights, "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
         "rows": rows,

@@ -3,18 +3,25 @@
 Pass 1, one program per (key split, batch x KV head, 16-row tile): the ``G * T`` query
 rows of one KV head (``G = H // HKV`` query heads per KV head, row ``r = t * G + g``)
 travel in FIXED 16-row tiles (masked). The key range ``0 .. S_max - 1`` is cut into
-splits of :data:`SPLIT_KEYS` keys (a constant), each walked in ascending ``BLOCK_N``
-blocks aligned to the absolute key index, with an online softmax in float32. A program
+splits at absolute key indices: :data:`SPLIT_KEYS` keys each below :data:`WIDE_FROM`,
+:data:`WIDE_KEYS` keys each from there (constants: many programs for a short context, few
+splits for the combine of a long one). Each split is walked in ascending ``BLOCK_N``
+blocks aligned to the absolute key index, up to the last key a row of the tile can see,
+with an online softmax in float32. A program
 writes, per row, the running max ``m``, the sum ``l`` and the unnormalised output of its
 split to a float32 workspace. Pass 2, one program per query row, combines the splits the
-row can see (``0 .. (start + t) // SPLIT_KEYS``) in ascending order (log-sum-exp); the
-splits it cannot see are read as exact zeros (masked loads), never as workspace bytes.
+row can see (those up to the one holding key ``start + t``, and only those: its cost
+follows the context, not the cache's capacity) by log-sum-exp: the max over them, then the weighted
+sums in tiles of :data:`COMBINE_SPLITS` splits cut at absolute multiples, each tile
+summed by one fixed reduction and the tiles added in ascending order; the lanes of a
+tile past the row's last split are exact zeros (masked loads), never workspace bytes.
 
 Why a row's bits do not depend on T: the splits and blocks are fixed by absolute key
 index; a block that holds no key visible to a row leaves that row's ``m``, ``l`` and
 output exactly unchanged (its scores are ``-inf``: ``p = 0`` and the rescale factor is
 forced to exactly 1), so the extra blocks a longer call walks for its later rows are
-neutral for the earlier ones; and pass 2 reads exactly the same splits for the row.
+neutral for the earlier ones; and pass 2 reads exactly the same splits, in the same
+tiles, for the row.
 
 ``T`` and the strides that change with it are never specialised (``do_not_specialize``),
 so every ``T`` runs the same binary. The grid depends on shapes only (``S_max``, ``T``,
@@ -35,7 +42,7 @@ that node's rows (the others see no key of it and stay unchanged, as above). So 
 loads, in each block, exactly the keys and values a ``T = 1`` chain call at
 ``start + depth(t)`` loads from the cache plain decoding would hold (the path's keys at
 contiguous rows), in the same columns, and its reduction (scores, online softmax, the
-combine over the splits ``0 .. (start + depth(t)) // SPLIT_KEYS``) is that call's, bit
+combine over the splits up to the one holding ``start + depth(t)``) is that call's, bit
 for bit. Gathered rows outside ``0 .. S_max - 1`` are never loaded, whatever the table
 holds. With ``TREE`` off the tree code is compiled out: a chain runs the arithmetic it
 always ran.
@@ -57,8 +64,16 @@ from dflash.kernels.linear_triton import mma
 BLOCK_M = 16
 #: keys per block of the inner loop
 BLOCK_N = 64
-#: keys per split: a constant, so a row's split boundaries never depend on T or the length
+#: keys per split below :data:`WIDE_FROM`: constants, so a row's split boundaries never
+#: depend on T, the length or the cache's capacity
 SPLIT_KEYS = 128
+#: the key index from which splits are :data:`WIDE_KEYS` wide (a multiple of SPLIT_KEYS):
+#: short contexts keep many programs, long ones few splits for the combine to walk
+WIDE_FROM = 16384
+#: keys per split from :data:`WIDE_FROM` on
+WIDE_KEYS = 2048
+#: splits the combine pass reads per step (a fixed tile, summed by one fixed reduction)
+COMBINE_SPLITS = 16
 #: the score of a masked key (a constexpr: Triton kernels read only constexpr globals)
 NEG_INF = tl.constexpr(float("-inf"))
 LOG2E = 1.4426950408889634
@@ -103,6 +118,14 @@ def node_depth(paths, s_pt, o_t, m_t, T, R: tl.constexpr, BLOCK_P: tl.constexpr)
     return n_anc - 1
 
 
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def split_of(pos, SPLIT: tl.constexpr, WIDE_FROM: tl.constexpr, WIDE: tl.constexpr):  # type: ignore[no-untyped-def]  # Triton values are untyped
+    """The split holding key ``pos``: ``SPLIT``-key splits below ``WIDE_FROM``, then
+    ``WIDE``-key ones, cut at absolute key indices."""
+    return tl.where(pos < WIDE_FROM, pos // SPLIT,
+                    WIDE_FROM // SPLIT + (pos - WIDE_FROM) // WIDE)
+
+
 @triton.jit(do_not_specialize=["T", "s_qb", "s_yb", "s_pt"])  # type: ignore[untyped-decorator]  # triton ships no types
 def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
     q, k, v, start, paths, ws_m, ws_l, ws_o, y,  # q [B,T,H,D]; k, v [B,HKV,S,D]; start [B]
@@ -110,8 +133,9 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers a
     T, S_max, s_pt,                          # s_pt: the row stride of paths [T, T]
     s_qb, s_qt, s_qh, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, s_yb, s_yt, s_yh,
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr,
-    TREE: tl.constexpr, F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
+    SPLIT: tl.constexpr, WIDE_FROM: tl.constexpr, WIDE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr, TREE: tl.constexpr,
+    F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
 ):
     G = H // HKV
     i_s = tl.program_id(0).to(tl.int64)
@@ -134,8 +158,10 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers a
     else:
         pos = st + o_t                               # absolute position of each row
         p_last = st + t_last
-    k_lo = i_s * SPLIT
-    k_hi = tl.minimum(tl.minimum(k_lo + SPLIT, p_last + 1), S_max)
+    narrow = i_s < WIDE_FROM // SPLIT
+    k_lo = tl.where(narrow, i_s * SPLIT, WIDE_FROM + (i_s - WIDE_FROM // SPLIT) * WIDE)
+    k_end = k_lo + tl.where(narrow, SPLIT, WIDE)
+    k_hi = tl.minimum(tl.minimum(k_end, p_last + 1), S_max)
     if k_lo < k_hi:   # else no row of this tile sees a key of this split: nothing to do
         o_d = tl.arange(0, BD)
         m_d = o_d < D
@@ -146,11 +172,13 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers a
         b_o = tl.zeros([BLOCK_M, BD], dtype=tl.float32)
         p_k0 = k + i_b * s_kb + i_hk * s_kh + o_d[None, :]
         p_v0 = v + i_b * s_vb + i_hk * s_vh + o_d[None, :]
-        # a fixed trip count (blocks past k_hi load nothing and are neutral, see above)
-        for j in range(0, SPLIT // BLOCK_N):
-            o_n = k_lo + j * BLOCK_N + tl.arange(0, BLOCK_N)
+        # the split's blocks up to k_hi (those past it would load nothing and leave every
+        # row unchanged, see above: stopping there changes no bit)
+        kb = k_lo
+        while kb < k_hi:   # the interpreter cannot range() a runtime bound
+            o_n = kb + tl.arange(0, BLOCK_N)
             if TREE:
-                if k_lo + j * BLOCK_N + BLOCK_N <= st:
+                if kb + BLOCK_N <= st:
                     # committed keys only: logical = physical, one tile for every row
                     m_kv = (o_n < k_hi)[:, None] & m_d[None, :]
                     b_k = tl.load(p_k0 + o_n[:, None] * s_ks, mask=m_kv, other=0)
@@ -158,7 +186,7 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers a
                     b_m, b_l, b_o = softmax_block(
                         b_q, b_k, b_v, o_n[None, :] <= pos[:, None], b_m, b_l, b_o,
                         qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
-                elif k_lo + j * BLOCK_N < k_hi:
+                else:
                     # the block reaches the draft: each node of the tile gathers its own
                     # logical keys (its path's slots from start on) and updates its rows;
                     # the tile's other rows see no key of that pass and stay unchanged
@@ -186,6 +214,7 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers a
                 b_m, b_l, b_o = softmax_block(
                     b_q, b_k, b_v, o_n[None, :] <= pos[:, None], b_m, b_l, b_o,
                     qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+            kb += BLOCK_N
         if NS == 1:   # one split: normalise and write the output directly
             if TREE:   # the tile's padding rows saw no key (l = 0); they are not stored
                 b_l = tl.where(m_r, b_l, 1.0)
@@ -204,7 +233,8 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers a
 def attention_combine_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
     start, paths, ws_m, ws_l, ws_o, y, T, s_pt, s_yb, s_yt, s_yh,
     H: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, SPLIT: tl.constexpr,
-    BS: tl.constexpr, BD: tl.constexpr, TREE: tl.constexpr,
+    WIDE_FROM: tl.constexpr, WIDE: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)              # (b * T + t) * H + h
     i_h = row % H
@@ -216,49 +246,80 @@ def attention_combine_kernel(  # type: ignore[no-untyped-def]  # Triton pointers
         pos = tl.load(start + i_b).to(tl.int64) + n_dep
     else:
         pos = tl.load(start + i_b).to(tl.int64) + i_t
-    n_valid = tl.minimum(pos // SPLIT + 1, NS)       # splits holding a key <= pos
-    o_s = tl.arange(0, BS)
-    # finite: split 0 holds key 0 <= pos
-    b_max = tl.max(tl.load(ws_m + row * NS + o_s, mask=o_s < n_valid, other=NEG_INF), 0)
+    n_valid = tl.minimum(split_of(pos, SPLIT, WIDE_FROM, WIDE) + 1, NS)   # keys <= pos
+    o_c = tl.arange(0, BC)
+    p_m = ws_m + row * NS
+    p_l = ws_l + row * NS
+    p_o = ws_o + row * NS * D
+    # the row's visible splits only, BC at a time from split 0 (tiles cut at absolute
+    # multiples of BC: a row's tiles and their masks depend on its position alone)
+    b_mx = tl.full([BC], NEG_INF, dtype=tl.float32)
+    s0 = n_valid * 0
+    while s0 < n_valid:   # the interpreter cannot range() a runtime bound
+        o_s = s0 + o_c
+        b_mx = tl.maximum(b_mx, tl.load(p_m + o_s, mask=o_s < n_valid, other=NEG_INF))
+        s0 += BC
+    b_max = tl.max(b_mx, 0)                          # finite: split 0 holds key 0 <= pos
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    b_l = tl.zeros([BD], dtype=tl.float32)          # the same sum in every lane
+    b_l = tl.sum(tl.zeros([BC], dtype=tl.float32), 0)
     b_o = tl.zeros([BD], dtype=tl.float32)
-    for s in range(0, NS):                           # ascending split order, fixed
-        ok = s < n_valid                             # the other splits add exact zeros
-        b_w = tl.math.exp2(tl.load(ws_m + row * NS + s, mask=ok, other=NEG_INF) - b_max)
-        b_l += b_w * tl.load(ws_l + row * NS + s, mask=ok, other=0)
-        # a full-block mask (a block & a scalar is not a boolean mask for every triton)
-        m_ds = o_d < tl.where(ok, D, 0)
-        b_o += b_w * tl.load(ws_o + (row * NS + s) * D + o_d, mask=m_ds, other=0)
+    s0 = n_valid * 0
+    while s0 < n_valid:   # ascending tiles; a tile's splits summed by one fixed reduction
+        o_s = s0 + o_c
+        m_s = o_s < n_valid                          # the other splits add exact zeros
+        b_w = tl.math.exp2(tl.load(p_m + o_s, mask=m_s, other=NEG_INF) - b_max)   # [BC]
+        b_l += tl.sum(b_w * tl.load(p_l + o_s, mask=m_s, other=0), 0)
+        b_ot = tl.load(p_o + o_s[:, None] * D + o_d[None, :],
+                       mask=m_s[:, None] & m_d[None, :], other=0)                  # [BC, BD]
+        b_o += tl.sum(b_w[:, None] * b_ot, 0)
+        s0 += BC
     b_y = b_o / b_l
     p_y = y + i_b * s_yb + i_t * s_yt + i_h * s_yh + o_d
     tl.store(p_y, b_y.to(y.dtype.element_ty), mask=m_d)
+
+
+def split_count(S_max: int, split_keys: int = SPLIT_KEYS, wide_from: int = WIDE_FROM,
+                wide_keys: int = WIDE_KEYS) -> int:
+    """The key splits covering cache rows ``0 .. S_max - 1``: ``split_keys``-key splits
+    below ``wide_from``, ``wide_keys``-key splits from there."""
+    if S_max <= wide_from:
+        return -(-S_max // split_keys)
+    return wide_from // split_keys - (-(S_max - wide_from) // wide_keys)
 
 
 def launch_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
     scale: float, out: torch.Tensor | None, *, num_warps: int = 4, num_stages: int = 2,
     split_keys: int = SPLIT_KEYS, block_n: int = BLOCK_N, paths: torch.Tensor | None = None,
+    combine_splits: int = COMBINE_SPLITS, wide_from: int = WIDE_FROM, wide_keys: int = WIDE_KEYS,
 ) -> torch.Tensor:
     """Launch both passes on validated inputs; returns ``out`` (``[B, T, H, D]``).
 
-    ``split_keys`` / ``block_n`` override :data:`SPLIT_KEYS` / :data:`BLOCK_N` (tests of
-    the split boundaries at small sizes, benchmark sweeps); ``block_n`` must divide
-    ``split_keys``. Results are M-invariant for any fixed pair, not across pairs.
+    ``split_keys`` / ``block_n`` / ``combine_splits`` / ``wide_from`` / ``wide_keys``
+    override :data:`SPLIT_KEYS` / :data:`BLOCK_N` / :data:`COMBINE_SPLITS` /
+    :data:`WIDE_FROM` / :data:`WIDE_KEYS` (tests of the boundaries at small sizes,
+    benchmark sweeps): ``block_n`` divides ``split_keys`` and ``wide_keys``,
+    ``split_keys`` divides ``wide_from``, ``combine_splits`` is a power of two. Results
+    are M-invariant for any fixed set, not across sets.
     ``paths`` (int32 ``[T, T]`` with unit column stride, ``B == 1``, validated by the
     caller): a tree verify;
     ``None``: a chain (the ``TREE=False`` specialisation, whose arithmetic the tree code
     leaves untouched). The table's contents are read on the device only.
     """
-    if split_keys % block_n != 0:
-        raise ValueError(f"'block_n'={block_n} must divide 'split_keys'={split_keys}")
+    if split_keys % block_n != 0 or wide_keys % block_n != 0:
+        raise ValueError(f"'block_n'={block_n} must divide 'split_keys'={split_keys} and "
+                         f"'wide_keys'={wide_keys}")
+    if wide_from % split_keys != 0:
+        raise ValueError(f"'split_keys'={split_keys} must divide 'wide_from'={wide_from}")
+    if combine_splits < 1 or combine_splits & (combine_splits - 1):
+        raise ValueError(f"'combine_splits' must be a power of two (got {combine_splits})")
     B, T, H, D = q.shape
     HKV, S_max = k_cache.shape[1], k_cache.shape[2]
     G = H // HKV
     if out is None:
         out = torch.empty_like(q)
-    NS = triton.cdiv(S_max, split_keys)
+    NS = split_count(S_max, split_keys, wide_from, wide_keys)
     BD = max(16, triton.next_power_of_2(D))
     if NS > 1:
         rows = B * T * H
@@ -279,7 +340,8 @@ def launch_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        H=H, HKV=HKV, D=D, NS=NS, SPLIT=split_keys, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+        H=H, HKV=HKV, D=D, NS=NS, SPLIT=split_keys, WIDE_FROM=wide_from, WIDE=wide_keys,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BD=BD, TREE=tree, F32_DOT=q.dtype == torch.float32, EMULATE=INTERPRET,
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -287,7 +349,8 @@ def launch_decode_attention(
         attention_combine_kernel[(B * T * H,)](
             start, table, ws_m, ws_l, ws_o, out, T, s_pt,
             out.stride(0), out.stride(1), out.stride(2),
-            H=H, D=D, NS=NS, SPLIT=split_keys, BS=triton.next_power_of_2(NS), BD=BD, TREE=tree,
+            H=H, D=D, NS=NS, SPLIT=split_keys, WIDE_FROM=wide_from, WIDE=wide_keys,
+            BC=combine_splits, BD=BD, TREE=tree,
             num_warps=4,
         )
     return out

@@ -10,7 +10,8 @@ row ``m`` and K block ``j`` (columns ``j*bk … min((j+1)*bk, K) - 1``)::
 
 in float32 (float64 for float64 x). These are the Triton kernel's operations in its
 order: the block's partial sums on the raw e4m3 values (exact in every compute dtype),
-then one scale per ``(n block, k block)``, then the running sum. A row's bits depend on
+then one scale per ``(n block, k block)``, then the running sum (the kernel fuses the
+scale and the sum into one fma, rounding once where this rounds twice). A row's bits depend on
 that row only, never on how many rows share the call.
 """
 

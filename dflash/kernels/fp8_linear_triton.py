@@ -24,7 +24,7 @@ kernel shares:
 Scale application (one K block ``j``, output element ``(m, n)``)::
 
     p   = sum_{k in block j} float(w[n, k]) * x[m, k]     # float32, fresh accumulator
-    acc = acc + p * scale_inv[n // bn, j]                  # float32
+    acc = fma(p, scale_inv[n // bn, j], acc)               # float32, one rounding
 
 The e4m3 weights are converted to x's dtype before the product: every e4m3 value is
 exact in float16, bfloat16 and float32, so the conversion rounds nothing, and the 16-bit
@@ -178,7 +178,9 @@ def row_tile_scaled_dot(  # type: ignore[no-untyped-def]  # Triton values are un
     p_x = x + o_m[None, :] * s_xm + o_k[:, None]
     b_x = tl.load(p_x, mask=m_k[:, None] & (o_m < M)[None, :], other=0)   # [BLOCK_K, BLOCK_M]
     b_p = mma(b_w, b_x, tl.zeros_like(b_acc), F32_DOT, EMULATE)
-    return b_acc + b_p * b_s[:, None]
+    # one explicit fused multiply-add: a multiply then an add may be contracted into an
+    # fma or not at the compiler's choice; spelled out, every variant rounds alike
+    return tl.fma(b_p, b_s[:, None], b_acc)
 
 
 @triton.jit(do_not_specialize=["M"])  # type: ignore[untyped-decorator]  # triton ships no types

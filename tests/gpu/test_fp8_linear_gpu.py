@@ -59,7 +59,7 @@ def test_fp8_linear_rows_do_not_depend_on_M(N: int, K: int) -> None:
                                                    device="cuda"))
     assert torch.equal(fp8_linear(x, q, s)[:64], full)
     for M in ROWS:
-        for first in {0, 7, 64 - M}:
+        for first in sorted({f for f in (0, 7, 64 - M) if f + M <= 64}):
             got = fp8_linear(x[first : first + M], q, s)
             assert torch.equal(got, full[first : first + M]), f"M={M} rows {first}.."
 

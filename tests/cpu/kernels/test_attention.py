@@ -13,7 +13,7 @@ import torch
 from kernels_support import NAN, needs_interpreter, rel_rms
 
 from dflash.kernels import decode_attention, decode_attention_reference
-from dflash.kernels.attention_triton import launch_decode_attention
+from dflash.kernels.attention_triton import launch_decode_attention, split_count
 from dflash.kernels.checks import Backend
 
 TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -41,12 +41,16 @@ def _poison_after(cache: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
 
 
 def _call(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-          start: torch.Tensor, split: int | None) -> torch.Tensor:
+          start: torch.Tensor, split: int | None, combine: int = 16,
+          wide: tuple[int, int] = (16384, 2048)) -> torch.Tensor:
+    """``split``: the Triton launch with ``split``-key splits (then ``wide[1]``-key ones
+    from key ``wide[0]``), 16-key blocks and ``combine`` splits per combine tile."""
     out = torch.full_like(q, NAN)
     if split is None:
         return decode_attention(q, k, v, start, out=out, backend=backend)
     return launch_decode_attention(q, k, v, start, q.shape[-1] ** -0.5, out,
-                                   split_keys=split, block_n=16)
+                                   split_keys=split, block_n=16, combine_splits=combine,
+                                   wide_from=wide[0], wide_keys=wide[1])
 
 
 @needs_interpreter
@@ -75,7 +79,8 @@ def test_triton_matches_reference_over_several_splits() -> None:
 
 def _check_rows_match_single_calls(
     backend: Backend, dtype: torch.dtype, H: int, HKV: int, D: int, S: int,
-    start0: int, Ts: list[int], split: int | None,
+    start0: int, Ts: list[int], split: int | None, combine: int = 16,
+    wide: tuple[int, int] = (16384, 2048),
 ) -> None:
     """Row t of a T-row call at ``start0`` equals the T=1 call at ``start0 + t`` bit for
     bit; the single call sees NaN in every cache row past its own position, the T-row
@@ -87,11 +92,11 @@ def _check_rows_match_single_calls(
     for t in range(T_max):
         pos = start + t
         alone.append(_call(backend, q[:, t : t + 1], _poison_after(k, pos),
-                           _poison_after(v, pos), pos, split)[:, 0])
+                           _poison_after(v, pos), pos, split, combine, wide)[:, 0])
     for T in Ts:
         last = start + T - 1
         got = _call(backend, q[:, :T], _poison_after(k, last), _poison_after(v, last),
-                    start, split)
+                    start, split, combine, wide)
         for t in range(T):
             assert torch.equal(got[:, t], alone[t]), f"T={T} row {t}"
 
@@ -121,6 +126,77 @@ def test_rows_do_not_depend_on_T_small_splits_gqa() -> None:
     """float16, G = 4 query heads per KV head: 17 rows x 4 heads = 68 rows, five 16-row
     tiles; positions 13..29 across 32-key splits and 16-key blocks."""
     _check_rows_match_single_calls("triton", torch.float16, 8, 2, 32, 70, 13, [5, 17], 32)
+
+
+@needs_interpreter
+@pytest.mark.usefixtures("poisoned_workspace")
+def test_rows_do_not_depend_on_T_across_combine_tiles() -> None:
+    """16-key splits combined two at a time: positions 40..72 see 3 to 5 splits, so
+    their combine walks two or three tiles, a partly masked one last; a 200-row cache
+    (13 splits) whose splits past a row's position are never read."""
+    _check_rows_match_single_calls("triton", torch.float32, 4, 2, 16, 200, 40, [1, 9, 33],
+                                   16, combine=2)
+
+
+@needs_interpreter
+@pytest.mark.usefixtures("poisoned_workspace")
+@pytest.mark.parametrize("start0", [58, 108])
+def test_tree_rows_equal_plain_decoding_across_the_wide_splits(start0: int) -> None:
+    """A branchy tree whose nodes sit at 58..63 + depth (across the switch to 48-key
+    splits at key 64) or 108.. (across the first wide split's end at 112)."""
+    _check_tree_rows_match_plain_decoding("triton", TREES["branchy"], torch.float32, 4, 2, 16,
+                                          160, start0, 16, wide=(64, 48))
+
+
+@needs_interpreter
+@pytest.mark.usefixtures("poisoned_workspace")
+def test_rows_do_not_depend_on_T_across_the_wide_splits() -> None:
+    """16-key splits below key 64, 48-key splits from there (blocks of 16), combined two
+    at a time: positions 50..90 cross the switch to wide splits and a wide split's end,
+    in a 260-row cache whose later splits no row reads."""
+    _check_rows_match_single_calls("triton", torch.float32, 4, 2, 16, 260, 50, [1, 7, 41],
+                                   16, combine=2, wide=(64, 48))
+
+
+@needs_interpreter
+def test_wide_splits_match_reference() -> None:
+    """Rows at positions 60..139 (narrow and wide splits, several combine tiles) within
+    float32 tolerance of the float64 reference."""
+    q, k, v = _qkv(1, 80, 4, 2, 32, 200, torch.float32, seed=8)
+    start = torch.tensor([60])
+    ref = decode_attention_reference(q.double(), k.double(), v.double(), start)
+    got = _call("triton", q, k, v, start, 16, 2, (64, 48))
+    assert rel_rms(got, ref) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize(("S_max", "count"), [(1, 1), (128, 1), (129, 2), (16384, 128),
+                                             (16385, 129), (18432, 129), (18433, 130),
+                                             (262_208, 249)])
+def test_split_count(S_max: int, count: int) -> None:
+    assert split_count(S_max) == count
+
+
+@needs_interpreter
+def test_combine_over_many_tiles_matches_reference() -> None:
+    """A row at position 190 combines 12 splits of 16 keys in 3 tiles of 4 (and the
+    default single tile): both within float32 tolerance of the float64 reference."""
+    q, k, v = _qkv(1, 2, 4, 2, 32, 256, torch.float32, seed=5)
+    start = torch.tensor([189])
+    ref = decode_attention_reference(q.double(), k.double(), v.double(), start)
+    for combine in (4, 16):
+        got = _call("triton", q, k, v, start, 16, combine)
+        assert rel_rms(got, ref) <= TOL[torch.float32], f"combine {combine}"
+
+
+@needs_interpreter
+def test_combine_tile_must_be_a_power_of_two() -> None:
+    q, k, v = _qkv(1, 1, 2, 2, 16, 32, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="'combine_splits' must be a power of two"):
+        _call("triton", q, k, v, torch.tensor([3]), 16, 3)
+    with pytest.raises(ValueError, match="'split_keys'=16 must divide 'wide_from'=40"):
+        _call("triton", q, k, v, torch.tensor([3]), 16, 2, (40, 32))
+    with pytest.raises(ValueError, match="'block_n'=16 must divide"):
+        _call("triton", q, k, v, torch.tensor([3]), 16, 2, (64, 40))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -275,17 +351,18 @@ def _path(paths: torch.Tensor, t: int) -> list[int]:
 
 def _tree_call(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                start: torch.Tensor, paths: torch.Tensor | None,
-               split: int | None) -> torch.Tensor:
+               split: int | None, wide: tuple[int, int] = (16384, 2048)) -> torch.Tensor:
     out = torch.full_like(q, NAN)
     if split is None or backend == "reference":
         return decode_attention(q, k, v, start, out=out, paths=paths, backend=backend)
     return launch_decode_attention(q, k, v, start, q.shape[-1] ** -0.5, out,
-                                   split_keys=split, block_n=16, paths=paths)
+                                   split_keys=split, block_n=16, paths=paths,
+                                   combine_splits=2, wide_from=wide[0], wide_keys=wide[1])
 
 
 def _check_tree_rows_match_plain_decoding(
     backend: Backend, parents: list[int], dtype: torch.dtype, H: int, HKV: int, D: int,
-    S: int, start0: int, split: int | None,
+    S: int, start0: int, split: int | None, wide: tuple[int, int] = (16384, 2048),
 ) -> None:
     """The tree's K/V sit at cache rows start + slot (rows past start + T - 1 hold NaN);
     for every node t, plain decoding's cache holds the committed rows and the path's keys
@@ -296,7 +373,7 @@ def _check_tree_rows_match_plain_decoding(
     q, k, v = _qkv(1, T, H, HKV, D, S, dtype, seed=start0 + 7 * T + H)
     start = torch.tensor([start0])
     got = _tree_call(backend, q, _poison_after(k, start + T - 1),
-                     _poison_after(v, start + T - 1), start, paths, split)
+                     _poison_after(v, start + T - 1), start, paths, split, wide)
     for t in range(T):
         rows = torch.tensor([start0 + s for s in _path(paths, t)])
         pos = start + len(rows) - 1
@@ -304,7 +381,7 @@ def _check_tree_rows_match_plain_decoding(
         plain_k[:, :, start0 : int(pos) + 1] = k[:, :, rows]
         plain_v[:, :, start0 : int(pos) + 1] = v[:, :, rows]
         alone = _tree_call(backend, q[:, t : t + 1], _poison_after(plain_k, pos),
-                           _poison_after(plain_v, pos), pos, None, split)
+                           _poison_after(plain_v, pos), pos, None, split, wide)
         assert torch.equal(got[:, t], alone[:, 0]), f"node {t} (path {rows.tolist()})"
 
 

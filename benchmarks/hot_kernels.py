@@ -1,0 +1,189 @@
+"""Two decode kernels against their byte floors, with launch-config sweeps (one GPU).
+
+- ``attention``: :func:`dflash.kernels.decode_attention` at the 9B shape's attention
+  (16 query heads, 4 KV heads, head dim 256, bf16) for committed contexts up to 256k keys
+  in a 262,144-row cache, T = 1 and 16 rows, over the key-split sizes (below and from
+  key 16384) and warps;
+  the floor is the K and V bytes the rows can see. The default config's time is split
+  into its two passes with the torch profiler.
+- ``fp8``: :func:`dflash.kernels.fp8_linear` at the 9B shape's projections (M = 1 and 16)
+  over N tiles, split-K counts, warps and pipeline stages, beside the bf16 M-invariant
+  linear; the floor is the weight bytes (and scales).
+
+Times are medians of CUDA-graph replays (``triton.testing.do_bench_cudagraph``); floors
+use the copy bandwidth measured in the same run. Prints a table per part, writes JSON.
+
+    python benchmarks/hot_kernels.py --part attention fp8 --out results/hot_kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.testing
+
+from dflash.kernels.attention_triton import (
+    SPLIT_KEYS,
+    WIDE_FROM,
+    WIDE_KEYS,
+    launch_decode_attention,
+)
+from dflash.kernels.fp8_linear import quantize_fp8
+from dflash.kernels.fp8_linear_triton import (
+    Fp8LinearConfig,
+    fp8_linear_config,
+    launch_fp8_linear,
+)
+from dflash.kernels.linear import linear
+
+DEVICE = "cuda"
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Median microseconds of one ``fn()`` replayed in a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    return 1e3 * float(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
+
+
+def copy_bandwidth() -> float:
+    src = torch.randn(256 * 2**20, device=DEVICE)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=20, rep=100,
+                                 return_mode="median")
+    return 2 * src.numel() * 4 / (float(ms) * 1e-3)
+
+
+def attention_part(bw: float, contexts: list[int]) -> list[dict[str, Any]]:
+    H, HKV, D, S = 16, 4, 256, 262_144 + 64
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    k = torch.randn(1, HKV, S, D, generator=gen, device=DEVICE).bfloat16()
+    v = torch.randn(1, HKV, S, D, generator=gen, device=DEVICE).bfloat16()
+    rows = []
+    # (narrow split, wide split, warps); the narrow splits end at WIDE_FROM ({WIDE_FROM})
+    configs = list(itertools.product((128, 256, 512), (1024, 2048, 4096), (4, 8)))
+    for L, T in itertools.product(contexts, (1, 16)):
+        q = torch.randn(1, T, H, D, generator=gen, device=DEVICE).bfloat16()
+        start = torch.tensor([L - T], device=DEVICE)
+        out = torch.empty_like(q)
+        floor_us = 2 * L * HKV * D * 2 / bw * 1e6
+        best: tuple[float, tuple[int, int, int]] | None = None
+        default_us = 0.0
+        for sk, wk, w in configs:
+            fn = partial(launch_decode_attention, q, k, v, start, D**-0.5, out, num_warps=w,
+                         split_keys=sk, wide_keys=wk)
+            try:
+                us = timed(fn)
+            except Exception as exc:  # a config the compiler refuses is skipped
+                print(f"  skip split {sk} wide {wk} warps {w}: {type(exc).__name__}",
+                      file=sys.stderr)
+                continue
+            if (sk, wk, w) == (SPLIT_KEYS, WIDE_KEYS, 4):
+                default_us = us
+            if best is None or us < best[0]:
+                best = (us, (sk, wk, w))
+        assert best is not None
+        row = {"context": L, "T": T, "default_us": round(default_us, 1),
+               "best_us": round(best[0], 1), "best": best[1], "floor_us": round(floor_us, 1)}
+        rows.append(row)
+        print(f"attention (wide from {WIDE_FROM}) L={L:>7,} T={T:>2}: default "
+              f"{default_us:8.1f} us, best "
+              f"{best[0]:8.1f} us (split {best[1][0]}, wide {best[1][1]}, warps "
+              f"{best[1][2]}), floor {floor_us:7.1f} us", file=sys.stderr)
+    # the default config's two passes at the longest context
+    from torch.profiler import ProfilerActivity, profile
+
+    L = contexts[-1]
+    q = torch.randn(1, 1, H, D, generator=gen, device=DEVICE).bfloat16()
+    start = torch.tensor([L - 1], device=DEVICE)
+    launch_decode_attention(q, k, v, start, D**-0.5, None)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            launch_decode_attention(q, k, v, start, D**-0.5, None)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=6), file=sys.stderr)
+    return rows
+
+
+def fp8_part(bw: float) -> list[dict[str, Any]]:
+    rows = []
+    shapes = [(4096, 4096), (12288, 4096), (4096, 12288), (8192, 4096)]
+    configs = list(itertools.product((64, 128), (1, 2, 4, 8), (4, 8), (4, 6)))
+    for N, K in shapes:
+        w = torch.randn(N, K, device=DEVICE) / K**0.5
+        wq, s = quantize_fp8(w)
+        wb = w.bfloat16()
+        floor_us = (N * K + s.numel() * 4) / bw * 1e6
+        for M in (1, 16):
+            x = torch.randn(M, K, device=DEVICE).bfloat16()
+            y = torch.empty(M, N, device=DEVICE, dtype=torch.bfloat16)
+            bf16_us = timed(partial(linear, x, wb, None))
+            default = fp8_linear_config(N, K, torch.bfloat16)
+            default_us = timed(partial(launch_fp8_linear, x, wq, s, None, (128, 128), y))
+            best: tuple[float, Fp8LinearConfig] | None = None
+            for bn, split, warps, stages in configs:
+                cfg = Fp8LinearConfig(bn, 128, split, warps, stages)
+                try:
+                    us = timed(partial(launch_fp8_linear, x, wq, s, None, (128, 128), y, cfg))
+                except Exception as exc:  # a config the compiler refuses is skipped
+                    print(f"  skip {cfg}: {type(exc).__name__}", file=sys.stderr)
+                    continue
+                if best is None or us < best[0]:
+                    best = (us, cfg)
+            assert best is not None
+            b = best[1]
+            row = {"N": N, "K": K, "M": M, "bf16_us": round(bf16_us, 1),
+                   "default_us": round(default_us, 1),
+                   "default": [default.block_n, default.split_k, default.num_warps,
+                               default.num_stages],
+                   "best_us": round(best[0], 1),
+                   "best": [b.block_n, b.split_k, b.num_warps, b.num_stages],
+                   "floor_us": round(floor_us, 1)}
+            rows.append(row)
+            print(f"fp8 {N:>5}x{K:<5} M={M:>2}: bf16 {bf16_us:7.1f} us, fp8 default "
+                  f"{default_us:7.1f} ({row['default']}), best {best[0]:7.1f} "
+                  f"({row['best']}: block_n, split, warps, stages), floor {floor_us:6.1f} us",
+                  file=sys.stderr)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", nargs="+", choices=("attention", "fp8"),
+                    default=["attention", "fp8"])
+    ap.add_argument("--contexts", default="8192,32768,131072,262144")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    bw = copy_bandwidth()
+    report: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton.__version__, "python": platform.python_version(),
+        "copy_bandwidth_bytes_per_s": bw,
+    }
+    if "attention" in args.part:
+        report["attention"] = attention_part(bw, [int(c) for c in args.contexts.split(",")])
+    if "fp8" in args.part:
+        report["fp8"] = fp8_part(bw)
+    text = json.dumps(report, indent=2)
+    if args.out is None:
+        print(text)
+    else:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

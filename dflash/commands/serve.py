@@ -48,6 +48,9 @@ def register(subparsers: Any) -> None:
                    help="requests that may wait while one decodes (default 16)")
     p.add_argument("--queue-timeout", type=float, default=600.0,
                    help="seconds a request waits for its turn before a 503 (default 600)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a generation may decode once admitted; past them it is "
+                   "stopped and answered with a 504 (default 600)")
     p.add_argument("--default-max-tokens", type=int, default=512,
                    help="a request's budget when it names none (default 512)")
     p.set_defaults(run=run)
@@ -70,8 +73,10 @@ def run(args: argparse.Namespace) -> int:
                              ("--default-max-tokens", args.default_max_tokens, 1)):
         if value < low:
             raise UsageError(f"{flag} must be >= {low} (got {value})")
-    if not args.queue_timeout > 0:
-        raise UsageError(f"--queue-timeout must be > 0 (got {args.queue_timeout})")
+    for flag, seconds in (("--queue-timeout", args.queue_timeout),
+                          ("--request-timeout", args.request_timeout)):
+        if not seconds > 0 or seconds == float("inf"):
+            raise UsageError(f"{flag} must be a number of seconds > 0 (got {seconds})")
     devices = args.devices or ("cuda:0" if _cuda() else "cpu")
     llm = dflash.load(
         model=args.model, draft=None if args.draft == "none" else args.draft, device=devices,
@@ -85,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or Path(args.model.rstrip("/")).name or args.model
     config = ServeConfig(model_name=name, queue_size=args.queue_size,
                          queue_timeout_s=args.queue_timeout,
+                         request_timeout_s=args.request_timeout,
                          default_max_tokens=args.default_max_tokens)
 
     def ready(url: str) -> None:

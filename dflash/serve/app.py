@@ -10,12 +10,15 @@ One generation runs at a time (the engine's regime: batch 1). A request waits in
 queue (:attr:`ServeConfig.queue_size` waiting; one more is a 429 with ``Retry-After``) for
 at most :attr:`ServeConfig.queue_timeout_s`, then decodes through :meth:`LLM.stream`; its
 pieces go to the client as they are committed. A client that disconnects stops its
-decode at the next step and frees the engine for the next request.
+decode at the next step and frees the engine for the next request; so does a generation
+that runs past :attr:`ServeConfig.request_timeout_s` (a 504, or an error event in a
+stream already under way).
 
 Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``: a body that is
 not JSON, an unknown field, a wrong type, a value out of range, an empty ``messages``,
-a prompt past the context → 400; an unknown model → 404; a full queue → 429; a decode that
-fails → 500 with its one-line reason. The process keeps serving after every one.
+a prompt past the context → 400; an unknown model → 404; a full queue → 429; no turn
+within the queue timeout → 503; a generation past the request timeout → 504; a decode
+that fails → 500 with its one-line reason. The process keeps serving after every one.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class ServeConfig:
     model_name: str
     queue_size: int = 16  # requests that may wait while one decodes
     queue_timeout_s: float = 600.0  # the longest a request waits for the engine
+    request_timeout_s: float = 600.0  # the longest a generation decodes once admitted
     default_max_tokens: int = 512  # a request's budget when it names none
 
 
@@ -108,6 +112,7 @@ class Metrics:
     steps: int = 0
     rollbacks: dict[str, int] = field(default_factory=dict)
     cancelled: int = 0
+    timed_out: int = 0
     latency: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
     latency_sum: float = 0.0
     first_token: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
@@ -162,6 +167,8 @@ class Metrics:
                 ("accepted_tokens", self.accepted_tokens, "Drafted tokens accepted."),
                 ("steps", self.steps, "Speculative steps."),
                 ("cancelled_requests", self.cancelled, "Requests whose client went away."),
+                ("timed_out_requests", self.timed_out,
+                 "Generations stopped at the request timeout."),
             ):
                 out += [f"# HELP dflash_{name}_total {text}", f"# TYPE dflash_{name}_total counter",
                         f"dflash_{name}_total {value}"]
@@ -332,10 +339,24 @@ def _next_piece(stream: TextStream) -> object:
     return next(stream, _END)
 
 
-async def _pieces(stream: TextStream) -> AsyncIterator[str]:
-    """The stream's pieces, each read in a worker thread (the decode runs in its own)."""
+def _timed_out(engine: Engine) -> ServeError:
+    engine.metrics.timed_out += 1
+    return ServeError(504, f"the generation ran past the request timeout "
+                      f"({engine.config.request_timeout_s:g} s) and was stopped",
+                      "server_error", code="generation_timeout")
+
+
+async def _pieces(stream: TextStream, engine: Engine) -> AsyncIterator[str]:
+    """The stream's pieces, each read in a worker thread (the decode runs in its own),
+    until :attr:`ServeConfig.request_timeout_s` after the first read: then a 504
+    :class:`ServeError` (the caller's ``finally`` stops the decode at its next step)."""
+    deadline = time.monotonic() + engine.config.request_timeout_s
     while True:
-        piece = await asyncio.to_thread(_next_piece, stream)
+        try:
+            piece = await asyncio.wait_for(asyncio.to_thread(_next_piece, stream),
+                                           max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise _timed_out(engine) from None
         if piece is _END:
             return
         assert isinstance(piece, str)
@@ -486,7 +507,7 @@ async def _answer(request: Request, engine: Engine, job: _Job,
         stream = _open_stream(engine.llm, job)
         first: float | None = None
         try:
-            async for _ in _pieces(stream):
+            async for _ in _pieces(stream, engine):
                 first = first or time.perf_counter() - start
                 if await request.is_disconnected():
                     engine.metrics.cancelled += 1
@@ -526,9 +547,15 @@ async def _events(engine: Engine, finish: _Once, stream: TextStream, ident: str,
             yield _sse(ChatCompletionChunk(id=ident, created=created, model=name, choices=[
                 ChunkChoice(delta=Delta(role="assistant", content=""))]))
         try:
-            async for piece in _pieces(stream):
+            async for piece in _pieces(stream, engine):
                 first = first or time.perf_counter() - start
                 yield _sse(_chunk(ident, created, name, chat, piece, None))
+        except ServeError as exc:  # the request timeout: the status is sent, so in-stream
+            finished = True
+            error = ErrorBody(error=ErrorDetail(message=str(exc), type=exc.kind,
+                                                code=exc.code))
+            yield f"data: {error.model_dump_json()}\n\n"
+            return
         except DFlashError as exc:  # the status is sent: the error goes in the stream
             finished = True
             error = ErrorBody(error=ErrorDetail(

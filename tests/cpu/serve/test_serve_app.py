@@ -252,3 +252,39 @@ def test_a_stream_dropped_before_its_first_byte_frees_the_engine(llm: dflash.LLM
         engine.release()
 
     asyncio.run(run())
+
+
+def test_a_generation_past_the_request_timeout_is_stopped(llm: dflash.LLM) -> None:
+    """A generation still decoding at the request timeout is stopped at its next step: a
+    504 naming the timeout (an error event when the stream is under way), counted in the
+    metrics, and the engine serves the next request."""
+    app = create_app(llm, ServeConfig(model_name="default", request_timeout_s=0.2))
+    client = TestClient(app)
+    long = {"max_tokens": 2000}
+    r = _chat(client, **long)
+    assert r.status_code == 504, r.text
+    error = r.json()["error"]
+    assert error["code"] == "generation_timeout" and error["type"] == "server_error"
+    assert "0.2 s" in error["message"]
+    events = _events(client, "/v1/chat/completions", {
+        "model": "default", "messages": MESSAGES, "temperature": 0, "stream": True, **long})
+    assert events[-1]["error"]["code"] == "generation_timeout"
+    assert "[DONE]" not in events
+    metrics = client.get("/metrics").text
+    assert "dflash_timed_out_requests_total 2" in metrics
+    assert "dflash_busy 0" in metrics
+    ok = _chat(client, max_tokens=3)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("flag", ["--queue-timeout", "--request-timeout"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_serve_timeouts_must_be_positive_seconds(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused with one line naming the flag and the value, before any model is loaded."""
+    from dflash.cli import main
+
+    assert main(["serve", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} must be a number of seconds > 0 (got {float(value)})" in err

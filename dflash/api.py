@@ -728,6 +728,10 @@ class LLM:
         return self._chat
 
 
+#: the name of a :class:`TextStream`'s decode thread
+STREAM_THREAD = "dflash-stream"
+
+
 class TextStream:
     """What :meth:`LLM.stream` returns: an iterator of text pieces; :attr:`result` holds
     the :class:`GenerationResult` once the iteration has ended."""
@@ -784,7 +788,7 @@ class TextStream:
             self._thread = threading.Thread(
                 target=self._work,
                 args=(torch.is_grad_enabled(), torch.is_inference_mode_enabled()),
-                name="dflash-stream",
+                name=STREAM_THREAD,
                 daemon=True,
             )
             self._thread.start()

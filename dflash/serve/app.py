@@ -41,7 +41,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from dflash.api import LLM, TextStream
+from dflash.api import LLM, STREAM_THREAD, TextStream
 from dflash.errors import DFlashError, UsageError
 from dflash.execution.errors import ContextLengthError
 from dflash.execution.results import GenerationResult
@@ -182,7 +182,10 @@ class Metrics:
                     "# HELP dflash_queue_depth Requests waiting for the engine.",
                     "# TYPE dflash_queue_depth gauge", f"dflash_queue_depth {queue_depth}",
                     "# HELP dflash_busy 1 while a request decodes.",
-                    "# TYPE dflash_busy gauge", f"dflash_busy {int(busy)}"]
+                    "# TYPE dflash_busy gauge", f"dflash_busy {int(busy)}",
+                    "# HELP dflash_decode_threads Decode threads alive (0 when idle).",
+                    "# TYPE dflash_decode_threads gauge",
+                    f"dflash_decode_threads {decode_threads()}"]
             for name, buckets, total, text in (
                 ("request_seconds", self.latency, self.latency_sum,
                  "Time from admission to the last token."),
@@ -195,6 +198,11 @@ class Metrics:
                     out.append(f'dflash_{name}_bucket{{le="{le}"}} {n}')
                 out += [f"dflash_{name}_sum {total}", f"dflash_{name}_count {buckets[-1]}"]
             return "\n".join(out) + "\n"
+
+
+def decode_threads() -> int:
+    """Threads decoding a :class:`TextStream` now (each stream's worker is named so)."""
+    return sum(t.name == STREAM_THREAD and t.is_alive() for t in threading.enumerate())
 
 
 # -- the engine's queue ------------------------------------------------------------------------

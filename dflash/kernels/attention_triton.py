@@ -1,20 +1,21 @@
 """Triton kernel: causal decode/verify attention whose rows do not depend on T.
 
-Pass 1, one program per (key split, batch x KV head, 16-row tile): the ``G * T`` query
-rows of one KV head (``G = H // HKV`` query heads per KV head, row ``r = t * G + g``)
-travel in FIXED 16-row tiles (masked). The key range ``0 .. S_max - 1`` is cut into
-splits at absolute key indices: :data:`SPLIT_KEYS` keys each below :data:`WIDE_FROM`,
-:data:`WIDE_KEYS` keys each from there (constants: many programs for a short context, few
-splits for the combine of a long one). Each split is walked in ascending ``BLOCK_N``
-blocks aligned to the absolute key index, up to the last key a row of the tile can see,
-with an online softmax in float32. A program
-writes, per row, the running max ``m``, the sum ``l`` and the unnormalised output of its
-split to a float32 workspace. Pass 2, one program per query row, combines the splits the
-row can see (those up to the one holding key ``start + t``, and only those: its cost
-follows the context, not the cache's capacity) by log-sum-exp: the max over them, then the weighted
-sums in tiles of :data:`COMBINE_SPLITS` splits cut at absolute multiples, each tile
-summed by one fixed reduction and the tiles added in ascending order; the lanes of a
-tile past the row's last split are exact zeros (masked loads), never workspace bytes.
+Pass 1, one program per (16-row tile, key split, batch x KV head), the tile varying
+fastest (the tiles of a split run side by side, so a wide verify's K/V comes from L2 after
+its first tile): the ``G * T`` query rows of one KV head (``G = H // HKV`` query heads
+per KV head, row ``r = t * G + g``) travel in FIXED 16-row tiles (masked). The key range
+``0 .. S_max - 1`` is cut into splits at absolute key indices: :data:`SPLIT_KEYS` keys
+each below :data:`WIDE_FROM`, :data:`WIDE_KEYS` keys each from there (constants: many
+programs for a short context, few splits for the combine of a long one). Each split is
+walked in ascending ``BLOCK_N`` blocks aligned to the absolute key index, up to the last
+key a row of the tile can see, with an online softmax in float32. A program writes, per
+row, the running max ``m``, the sum ``l`` and the unnormalised output of its split to a
+float32 workspace. Pass 2, one program per query row, combines the splits the row can see
+(those up to the one holding key ``start + t``, and only those: its cost follows the
+context, not the cache's capacity) by log-sum-exp: the max over them, then the weighted
+sums in tiles of :data:`COMBINE_SPLITS` splits cut at absolute multiples, each tile summed
+by one fixed reduction and the tiles added in ascending order; the lanes of a tile past
+the row's last split are exact zeros (masked loads), never workspace bytes.
 
 Why a row's bits do not depend on T: the splits and blocks are fixed by absolute key
 index; a block that holds no key visible to a row leaves that row's ``m``, ``l`` and
@@ -138,9 +139,11 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers a
     F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
 ):
     G = H // HKV
-    i_s = tl.program_id(0).to(tl.int64)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_r = tl.program_id(2).to(tl.int64)
+    # the row tile varies fastest: the tiles of one split run side by side and read its
+    # keys and values from L2 after the first (a verify of G * T > 16 rows)
+    i_r = tl.program_id(0).to(tl.int64)
+    i_s = tl.program_id(1).to(tl.int64)
+    i_bh = tl.program_id(2).to(tl.int64)
     i_b, i_hk = i_bh // HKV, i_bh % HKV
     st = tl.load(start + i_b).to(tl.int64)
 
@@ -328,7 +331,7 @@ def launch_decode_attention(
         ws_o = torch.empty(rows, NS, D, dtype=torch.float32, device=q.device)
     else:
         ws_m = ws_l = ws_o = out
-    grid = (NS, B * HKV, triton.cdiv(G * T, BLOCK_M))
+    grid = (triton.cdiv(G * T, BLOCK_M), NS, B * HKV)
     tree = paths is not None
     # a chain passes `start` for the table it never reads (a valid pointer of a fixed type)
     table = paths if paths is not None else start

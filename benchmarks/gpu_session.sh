@@ -24,6 +24,8 @@
 #   bash benchmarks/gpu_session.sh fp8     # the FP8 linear's GPU tests, then dflash bench A/B/A with
 #                                          # --quantize fp8 (9B and 27B shapes, synthetic drafter;
 #                                          # FP8_TESTS=0, FP8_SHAPES="nine-b-shape")
+#   bash benchmarks/gpu_session.sh hot     # benchmarks/hot_kernels.py: decode attention, FP8 linear
+#                                          # and GDN prefill against their floors (HOT_PARTS=...)
 #   bash benchmarks/gpu_session.sh wide    # the wide-verify linear: GPU tests + benchmarks/linear_wide.py
 #   bash benchmarks/gpu_session.sh kernels # benchmarks/kernels.py (kernels-sweep: with its config sweep)
 #   bash benchmarks/gpu_session.sh cli     # dflash generate on two GPUs, every drafter
@@ -186,6 +188,12 @@ for phase in "$@"; do
         --top-p 0.95 --seed 1 --a checkpoint --b recompute --warmup 1 --runs 3 \
         --out "$OUT/$name.json" --plot '' > "$OUT/$name.log" 2>&1
       echo "$name rc=$?"; tail -8 "$OUT/$name.log"
+      ;;
+    hot)
+      # decode attention, FP8 linear and GDN prefill against their floors, with sweeps
+      timeout "${HOT_TIMEOUT:-420}" python3 benchmarks/hot_kernels.py \
+        --part ${HOT_PARTS:-attention fp8 gdn} --out "$OUT/hot_kernels.json" 2>&1 \
+        | tee "$OUT/hot_kernels.log" | grep -v '^ *["{}]\|^ *\]\|^ *[0-9.,-]*$'
       ;;
     wide)
       python3 -m pytest tests/gpu/test_minv_kernels.py -q -p no:cacheprovider 2>&1 \

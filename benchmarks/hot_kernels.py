@@ -9,11 +9,15 @@
 - ``fp8``: :func:`dflash.kernels.fp8_linear` at the 9B shape's projections (M = 1 and 16)
   over N tiles, split-K counts, warps and pipeline stages, beside the bf16 M-invariant
   linear; the floor is the weight bytes (and scales).
+- ``gdn``: one 9B GDN layer's prefill of ``--gdn-tokens`` tokens (a prefill chunk): the
+  token loop (:func:`dflash.kernels.gdn_verify`, final state only) against
+  :func:`dflash.kernels.gdn_chunk_prefill` in chunks of 32 and 64, float32 and tf32
+  products. (The state is updated in place by every call: a timing, not a check.)
 
 Times are medians of CUDA-graph replays (``triton.testing.do_bench_cudagraph``); floors
 use the copy bandwidth measured in the same run. Prints a table per part, writes JSON.
 
-    python benchmarks/hot_kernels.py --part attention fp8 --out results/hot_kernels.json
+    python benchmarks/hot_kernels.py --part attention fp8 gdn --out results/hot_kernels.json
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from dflash.kernels.fp8_linear_triton import (
     fp8_linear_config,
     launch_fp8_linear,
 )
+from dflash.kernels.gdn import gdn_verify
+from dflash.kernels.gdn_chunk import gdn_chunk_prefill
 from dflash.kernels.linear import linear
 
 DEVICE = "cuda"
@@ -159,10 +165,38 @@ def fp8_part(bw: float) -> list[dict[str, Any]]:
     return rows
 
 
+def gdn_part(T: int) -> list[dict[str, Any]]:
+    """One 9B GDN layer's prefill of ``T`` tokens: the token loop against the chunk-parallel
+    form (each chunk size, float32 and tf32 products)."""
+    HK, HV, K, V = 16, 32, 128, 128
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=DEVICE)
+
+    q, k, v = rnd(1, T, HK, K).bfloat16(), rnd(1, T, HK, K).bfloat16(), rnd(1, T, HV, V).bfloat16()
+    g = torch.nn.functional.logsigmoid(rnd(1, T, HV) + 2.0)
+    beta = torch.sigmoid(rnd(1, T, HV)).bfloat16()
+    state = rnd(1, HV, K, V) * 0.5
+    rows = []
+    loop_us = timed(partial(gdn_verify, q, k, v, g, beta, state, state.unsqueeze(1), None,
+                            final_state_only=True, backend="triton"))
+    rows.append({"form": "token loop", "T": T, "us": round(loop_us, 1)})
+    print(f"gdn T={T}: token loop {loop_us:9.1f} us", file=sys.stderr)
+    for chunk, precision in itertools.product((32, 64), ("ieee", "tf32")):
+        us = timed(partial(gdn_chunk_prefill, q, k, v, g, beta, state, chunk=chunk,
+                           precision=precision, backend="triton"))
+        rows.append({"form": "chunked", "chunk": chunk, "precision": precision, "T": T,
+                     "us": round(us, 1)})
+        print(f"gdn T={T}: chunked {chunk:>3} {precision:>4} {us:9.1f} us", file=sys.stderr)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", nargs="+", choices=("attention", "fp8"),
-                    default=["attention", "fp8"])
+    ap.add_argument("--part", nargs="+", choices=("attention", "fp8", "gdn"),
+                    default=["attention", "fp8", "gdn"])
+    ap.add_argument("--gdn-tokens", type=int, default=4096, help="tokens of the GDN prefill")
     ap.add_argument("--contexts", default="8192,32768,131072,262144")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -176,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         report["attention"] = attention_part(bw, [int(c) for c in args.contexts.split(",")])
     if "fp8" in args.part:
         report["fp8"] = fp8_part(bw)
+    if "gdn" in args.part:
+        report["gdn"] = gdn_part(args.gdn_tokens)
     text = json.dumps(report, indent=2)
     if args.out is None:
         print(text)

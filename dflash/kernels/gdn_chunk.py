@@ -21,6 +21,8 @@ from dflash.kernels.gdn_chunk_reference import gdn_chunk_prefill_reference
 
 #: the Triton kernels hold a ``[chunk, chunk]`` matrix per program in registers
 MAX_TRITON_CHUNK = 128
+#: the Triton products' input precisions (``tl.dot``'s ``input_precision``)
+PRECISIONS = ("ieee", "tf32")
 
 
 def gdn_chunk_prefill(
@@ -36,6 +38,7 @@ def gdn_chunk_prefill(
     chunk: int = 64,
     out: torch.Tensor | None = None,
     backend: checks.Backend = "auto",
+    precision: str = "ieee",
 ) -> torch.Tensor:
     """Run the gated delta rule over ``T`` prompt tokens, ``chunk`` tokens at a time.
 
@@ -66,6 +69,9 @@ def gdn_chunk_prefill(
             the inputs' device, sharing no memory with any other argument; receives ``o``.
         backend: ``"auto"`` (Triton on CUDA, or on CPU under ``TRITON_INTERPRET=1``; the
             reference otherwise), ``"triton"`` or ``"reference"``.
+        precision: the Triton products' inputs: ``"ieee"`` (float32 throughout, the
+            default) or ``"tf32"`` (tensor-core products on 10-bit mantissas, float32
+            sums); the reference computes in float32 (float64 inputs: float64) either way.
 
     Returns:
         o: ``[B, T, HV, V]`` in v's dtype (``out`` when given).
@@ -74,7 +80,8 @@ def gdn_chunk_prefill(
         TypeError: a tensor argument is not a tensor, ``use_qk_l2norm`` is not a bool or
             ``chunk`` not an int.
         KernelBoundsError: shapes, dtypes or devices disagree, ``T = 0``, ``state`` is not
-            float32, ``chunk`` is not a power of two ``>= 16``, ``scale`` is not finite,
+            float32, ``chunk`` is not a power of two ``>= 16``, ``precision`` is not one
+            of :data:`PRECISIONS`, ``scale`` is not finite,
             ``out`` is wrong, ``state`` or ``out`` overlaps another argument, or the Triton
             limits (``K <= 256``, ``chunk <= 128``) are exceeded (a ``ValueError``).
     """
@@ -108,6 +115,10 @@ def gdn_chunk_prefill(
         raise TypeError(f"'chunk' must be an int (got {type(chunk).__name__})")
     if chunk < 16 or chunk & (chunk - 1):
         raise KernelBoundsError(f"'chunk' must be a power of two >= 16 (got {chunk})")
+    if precision not in PRECISIONS:
+        raise KernelBoundsError(
+            f"'precision' must be one of {', '.join(PRECISIONS)} (got {precision!r})"
+        )
     inputs: dict[str, torch.Tensor | None] = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
     checks.disjoint("state", state, inputs)
     if out is not None:
@@ -130,5 +141,5 @@ def gdn_chunk_prefill(
 
     return launch_gdn_chunk_prefill(
         q, k, v, g, beta, state, scale=K**-0.5 if scale is None else float(scale),
-        use_qk_l2norm=use_qk_l2norm, chunk=chunk, out=out,
+        use_qk_l2norm=use_qk_l2norm, chunk=chunk, out=out, dot_precision=precision,
     )

@@ -233,6 +233,8 @@ def test_bad_arguments_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
         ({}, {"scale": float("inf")}, KernelBoundsError, "'scale' must be a finite number"),
         ({}, {"use_qk_l2norm": "yes"}, TypeError, "'use_qk_l2norm' must be a bool"),
         ({}, {"backend": "cuda"}, KernelBoundsError, "'backend'"),
+        ({}, {"precision": "bf16"}, KernelBoundsError,
+         r"'precision' must be one of ieee, tf32 \(got 'bf16'\)"),
     ]
     v = i["v"]  # out must be a contiguous [B, T, HV, V] tensor in v's dtype, v's device
     bad_out: list[tuple[object, type[Exception], str]] = [

@@ -16,7 +16,7 @@ from dflash.model.drafters.base import (
     ScoredDrafter,
     stack_tap_features,
 )
-from dflash.model.drafters.dflash_config import DFlashConfig, default_tap_layers
+from dflash.model.drafters.dflash_config import DFlash2Config, DFlashConfig, default_tap_layers
 from dflash.model.drafters.dflash_drafter import DFlashDrafter
 from dflash.model.drafters.errors import (
     CheckpointConfigError,
@@ -25,6 +25,7 @@ from dflash.model.drafters.errors import (
     DraftArgumentError,
     DrafterCheckpointError,
     DrafterError,
+    DrafterFormatNotBuiltError,
     MaskTokenRangeError,
     MissingKeysError,
     OracleMismatchError,
@@ -53,6 +54,7 @@ __all__ = [
     "CheckpointConfigError",
     "CheckpointFileError",
     "ConfigFieldError",
+    "DFlash2Config",
     "DFlashConfig",
     "DFlashDrafter",
     "DeviceDrafter",
@@ -61,6 +63,7 @@ __all__ = [
     "Drafter",
     "DrafterCheckpointError",
     "DrafterError",
+    "DrafterFormatNotBuiltError",
     "LookupAssistedDrafter",
     "LookupResult",
     "MaskTokenRangeError",

@@ -14,6 +14,16 @@ A checkpoint directory holds ``config.json`` (a Qwen3 config with
     layers.{i}.self_attn.{q,k}_norm.weight [D]
     layers.{i}.mlp.{gate,up}_proj.weight [I, H],  layers.{i}.mlp.down_proj.weight [H, I]
 
+A DFlash2 checkpoint (``architectures: ["DFlash2DraftModel"]``, ``specs/dflash2.md``)
+adds ``dflash_config`` keys (``block_size``, ``conv_kernel_size``, ``conv_group_size``,
+``selector_rank``, ``selector_top_k``, optional ``input_embedding_scale``,
+``output_multiplier``, ``final_logit_softcapping``; ``num_target_layers`` optional) and::
+
+    layers.{i}.{attention,mlp}_conv.base_kernel               [2, Kc, H]
+    layers.{i}.{attention,mlp}_conv.kernel_projection.weight  [2 * Kc * H / G, H]
+    candidate_selector.hidden_projection.weight               [R, H]
+    candidate_selector.{predecessor,successor}_codebook       [V, R]   (bare names)
+
 Reading is all-or-nothing: the config is parsed and validated, every tensor's name and
 shape is checked and every tensor read before any is handed out, so a bad checkpoint
 raises a typed :class:`DrafterCheckpointError` naming the file, field or tensor and the
@@ -36,7 +46,9 @@ from torch import Tensor
 
 from dflash.model.drafters.dflash_config import (
     ARCHITECTURE,
+    ARCHITECTURE_V2,
     MODEL_TYPE,
+    DFlash2Config,
     DFlashConfig,
     default_tap_layers,
 )
@@ -62,6 +74,13 @@ _NEUTRAL_DFLASH_KEYS: dict[str, object] = {
     "final_logit_softcapping": None,
 }
 _DFLASH_KEYS = ("mask_token_id", "target_layer_ids", "block_size")
+#: a DFlash2 config's ``dflash_config`` keys: required, then optional (with their defaults)
+_DFLASH2_REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+_DFLASH2_OPTIONAL: dict[str, object] = {
+    "input_embedding_scale": 1.0,
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": None,
+}
 
 
 def read_config(directory: str | Path) -> DFlashConfig:
@@ -82,10 +101,14 @@ def read_config(directory: str | Path) -> DFlashConfig:
 
 
 def config_from_hf(raw: Mapping[str, Any], where: str = CONFIG_FILE) -> DFlashConfig:
-    """Translate a z-lab ``config.json`` object into a :class:`DFlashConfig`."""
+    """Translate a z-lab ``config.json`` object into a :class:`DFlashConfig` (a
+    :class:`DFlash2Config` for ``architectures: ["DFlash2DraftModel"]``)."""
     arch = raw.get("architectures", MISSING)
-    if arch != [ARCHITECTURE]:
-        raise UnknownArchitectureError(where, "architectures", f"[{ARCHITECTURE!r}]", arch)
+    if arch not in ([ARCHITECTURE], [ARCHITECTURE_V2]):
+        raise UnknownArchitectureError(
+            where, "architectures", f"[{ARCHITECTURE!r}] or [{ARCHITECTURE_V2!r}]", arch
+        )
+    v2 = arch == [ARCHITECTURE_V2]
     model_type = raw.get("model_type", MISSING)
     if model_type != MODEL_TYPE:
         raise UnknownArchitectureError(where, "model_type", repr(MODEL_TYPE), model_type)
@@ -96,7 +119,7 @@ def config_from_hf(raw: Mapping[str, Any], where: str = CONFIG_FILE) -> DFlashCo
     if not isinstance(dflash, dict):
         raise ConfigFieldError(where, "dflash_config", "a JSON object", dflash)
     for key, value in dflash.items():
-        if key in _DFLASH_KEYS:
+        if key in _DFLASH_KEYS or (v2 and (key in _DFLASH2_REQUIRED or key in _DFLASH2_OPTIONAL)):
             continue
         if key in _NEUTRAL_DFLASH_KEYS and value == _NEUTRAL_DFLASH_KEYS[key]:
             continue
@@ -118,18 +141,13 @@ def config_from_hf(raw: Mapping[str, Any], where: str = CONFIG_FILE) -> DFlashCo
             raise ConfigFieldError(where, f"dflash_config.{name}", "a value", MISSING)
         return value
 
-    fields: dict[str, Any] = {
-        name: need(name)
-        for name in (
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "intermediate_size",
-            "vocab_size",
-            "num_target_layers",
-        )
-    }
+    required = ["hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "intermediate_size", "vocab_size"]
+    # DFlash2 checkpoints may leave the target's depth out (its reference never reads it):
+    # the taps are then checked against the target when the pair is made
+    if not v2 or "num_target_layers" in raw:
+        required.append("num_target_layers")
+    fields: dict[str, Any] = {name: need(name) for name in required}
     for name in fields:
         if isinstance(fields[name], bool) or not isinstance(fields[name], int):
             raise ConfigFieldError(where, name, "an integer", fields[name])
@@ -143,6 +161,9 @@ def config_from_hf(raw: Mapping[str, Any], where: str = CONFIG_FILE) -> DFlashCo
         ("is_causal", None),
     ):
         fields[name] = raw.get(name, default)
+    for name in ("is_causal", "attention_bias"):  # a string "false" would read as true
+        if fields[name] is not None and not isinstance(fields[name], bool):
+            raise ConfigFieldError(where, name, "true or false", fields[name])
     theta, scaling = _rope(raw, where)
     fields["rope_theta"], fields["rope_scaling"] = theta, scaling
     fields["block_size"] = dflash_value("block_size", 16)
@@ -154,7 +175,7 @@ def config_from_hf(raw: Mapping[str, Any], where: str = CONFIG_FILE) -> DFlashCo
         )
     fields["mask_token_id"] = mask
     taps = dflash_value("target_layer_ids", None)
-    if taps is None and isinstance(fields["num_target_layers"], int):
+    if taps is None and not v2 and isinstance(fields["num_target_layers"], int):
         num_layers = fields["num_hidden_layers"]
         taps = default_tap_layers(fields["num_target_layers"], max(1, num_layers))
     fields["target_layer_ids"] = taps
@@ -162,11 +183,45 @@ def config_from_hf(raw: Mapping[str, Any], where: str = CONFIG_FILE) -> DFlashCo
     fields["layer_types"] = layer_types
     if layer_types is not None and "sliding_attention" not in layer_types:
         fields["sliding_window"] = None  # no layer uses it
+    kind: type[DFlashConfig] = DFlashConfig
+    if v2:
+        kind = DFlash2Config
+        _dflash2_fields(fields, dflash, where)
     try:
-        return DFlashConfig.model_validate(fields)
+        return kind.model_validate(fields)
     except pydantic.ValidationError as exc:
         problems = "; ".join(_describe(err) for err in exc.errors())
         raise CheckpointConfigError(f"{where}: invalid DFlash drafter config: {problems}") from exc
+
+
+def _dflash2_fields(fields: dict[str, Any], dflash: Mapping[str, Any], where: str) -> None:
+    """DFlash2's ``dflash_config`` keys into ``fields``; without ``num_target_layers`` the
+    taps bound it (the target checks them when the pair is made)."""
+    taps = fields.get("target_layer_ids")
+    if not isinstance(taps, (list, tuple)) or not taps:
+        raise ConfigFieldError(where, "dflash_config.target_layer_ids",
+                               "a non-empty list of layer ids", MISSING if taps is None else taps)
+    if "block_size" not in dflash:
+        raise ConfigFieldError(where, "dflash_config.block_size", "an integer", MISSING)
+    if "num_target_layers" not in fields:
+        bound = max((t for t in taps if isinstance(t, int) and not isinstance(t, bool)),
+                    default=0)
+        fields["num_target_layers"] = bound + 1
+        fields["declares_target_depth"] = False
+    for key in _DFLASH2_REQUIRED:
+        if key not in dflash:
+            raise ConfigFieldError(where, f"dflash_config.{key}", "an integer", MISSING)
+        value = dflash[key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigFieldError(where, f"dflash_config.{key}", "an integer", value)
+        fields[key] = value
+    for key, default in _DFLASH2_OPTIONAL.items():
+        value = dflash.get(key, default)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ConfigFieldError(where, f"dflash_config.{key}", "a number", value)
+        if key == "final_logit_softcapping" and value is not None and value <= 0:
+            value = None  # z-lab: a cap <= 0 is no cap
+        fields[key] = value
 
 
 def _rope(raw: Mapping[str, Any], where: str) -> tuple[Any, Any]:
@@ -225,6 +280,20 @@ def expected_shapes(config: DFlashConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.v_proj.bias": (kv_out,),
                 p + "self_attn.o_proj.bias": (h,),
             }
+        if isinstance(config, DFlash2Config):
+            taps, groups = config.conv_kernel_size, config.conv_groups
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes |= {
+                    p + f"{conv}.base_kernel": (2, taps, h),
+                    p + f"{conv}.kernel_projection.weight": (2 * taps * groups, h),
+                }
+    if isinstance(config, DFlash2Config):
+        rank = config.selector_rank
+        shapes |= {  # the codebooks are bare tensors (no ".weight")
+            "candidate_selector.hidden_projection.weight": (rank, h),
+            "candidate_selector.predecessor_codebook": (config.vocab_size, rank),
+            "candidate_selector.successor_codebook": (config.vocab_size, rank),
+        }
     return shapes
 
 

@@ -22,6 +22,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 ARCHITECTURE = "DFlashDraftModel"
+#: z-lab's second format (``specs/dflash2.md``): v1 plus dynamic convolutions around each
+#: sublayer, a candidate selector and three output scalars
+ARCHITECTURE_V2 = "DFlash2DraftModel"
 MODEL_TYPE = "qwen3"
 LayerType = Literal["full_attention", "sliding_attention"]
 ROPE_TYPES = ("default", "linear", "yarn")
@@ -197,6 +200,65 @@ class DFlashConfig(BaseModel):
             out["sliding_window"] = self.sliding_window
         if self.is_causal is not None:
             out["is_causal"] = self.is_causal
+        return out
+
+
+class DFlash2Config(DFlashConfig):
+    """A DFlash2 drafter (``specs/dflash2.md``): a :class:`DFlashConfig` plus the grouped
+    dynamic convolutions (``conv_kernel_size`` taps, one coefficient per
+    ``conv_group_size`` channels), the candidate selector (``selector_top_k`` candidates
+    per slot, a rank-``selector_rank`` bilinear score) and the output scalars."""
+
+    conv_kernel_size: int = Field(ge=1)
+    conv_group_size: int = Field(ge=1)
+    selector_rank: int = Field(ge=1)
+    selector_top_k: int = Field(ge=1)
+    input_embedding_scale: float = Field(default=1.0, allow_inf_nan=False)
+    output_multiplier: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    final_logit_softcapping: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    """``None``: no soft cap (a config's ``null`` or a value <= 0)."""
+    declares_target_depth: bool = True
+    """False: the ``config.json`` left ``num_target_layers`` out (DFlash2's reference never
+    reads it); ``num_target_layers`` is then the taps' bound, not the target's depth, and
+    only the taps are checked against the target."""
+
+    @model_validator(mode="after")
+    def _check_dflash2(self) -> DFlash2Config:
+        if self.hidden_size % self.conv_group_size != 0:
+            raise ValueError(
+                f"'conv_group_size' ({self.conv_group_size}) must divide 'hidden_size' "
+                f"({self.hidden_size})"
+            )
+        if self.selector_top_k > self.vocab_size:
+            raise ValueError(
+                f"'selector_top_k' must be <= vocab_size={self.vocab_size} "
+                f"(got {self.selector_top_k})"
+            )
+        return self
+
+    @property
+    def conv_groups(self) -> int:
+        """Channel groups sharing one dynamic coefficient: ``hidden_size / conv_group_size``."""
+        return self.hidden_size // self.conv_group_size
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The ``config.json`` object: v1's, with DFlash2's architecture, ``block_size``
+        inside ``dflash_config`` (where the published checkpoints keep it) and the new keys."""
+        out = super().to_hf_dict()
+        out["architectures"] = [ARCHITECTURE_V2]
+        out.pop("block_size")
+        if not self.declares_target_depth:
+            out.pop("num_target_layers")
+        out["dflash_config"] |= {
+            "block_size": self.block_size,
+            "conv_kernel_size": self.conv_kernel_size,
+            "conv_group_size": self.conv_group_size,
+            "selector_rank": self.selector_rank,
+            "selector_top_k": self.selector_top_k,
+            "input_embedding_scale": self.input_embedding_scale,
+            "output_multiplier": self.output_multiplier,
+            "final_logit_softcapping": self.final_logit_softcapping,
+        }
         return out
 
 

@@ -44,7 +44,7 @@ from dflash.model.drafters.dflash_checkpoint import (
     read_weights,
     write_checkpoint,
 )
-from dflash.model.drafters.dflash_config import DFlashConfig
+from dflash.model.drafters.dflash_config import DFlash2Config, DFlashConfig
 from dflash.model.drafters.dflash_device import DeviceDrafting
 from dflash.model.drafters.dflash_host import HostDrafting
 from dflash.model.drafters.dflash_layers import (
@@ -61,6 +61,7 @@ from dflash.model.drafters.dflash_products import ContextKV as ContextKV
 from dflash.model.drafters.dflash_products import check_draft_dtype as check_draft_dtype
 from dflash.model.drafters.errors import (
     DraftArgumentError,
+    DrafterFormatNotBuiltError,
     TapLayerRangeError,
     TargetMismatchError,
     TargetShapeMismatchError,
@@ -237,6 +238,12 @@ class DFlashDrafter(nn.Module):
         config = read_config(directory)
         check_target(config, embed_weight, lm_head_weight, num_target_layers, str(directory))
         tensors = read_weights(directory, expected_shapes(config))
+        if isinstance(config, DFlash2Config):  # read and validated whole, then refused
+            raise DrafterFormatNotBuiltError(
+                f"{directory}: a DFlash2 drafter (architectures ['DFlash2DraftModel']); its "
+                f"config and tensors are valid, but dflash does not draft with DFlash2 yet "
+                f"(its dynamic convolutions and candidate selector are not built)"
+            )
         drafter = cls._empty(config, embed_weight, lm_head_weight, dtype, draft_dtype)
         with torch.no_grad():
             for name, param in drafter.state_dict().items():
@@ -495,7 +502,9 @@ def check_target(
                 f"{where}: target_layer_ids {list(config.target_layer_ids)} include {bad}, "
                 f"outside the target's layers 0..{num_target_layers - 1}"
             )
-        if config.num_target_layers != num_target_layers:
+        # a DFlash2 config may leave the depth out: its taps alone were checked then
+        declared = not isinstance(config, DFlash2Config) or config.declares_target_depth
+        if declared and config.num_target_layers != num_target_layers:
             raise TargetShapeMismatchError(
                 where, "num_target_layers", config.num_target_layers, num_target_layers
             )

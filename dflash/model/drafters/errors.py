@@ -36,6 +36,10 @@ class OracleMismatchError(DrafterError, UsageError):
     """The synthetic drafter's oracle disagrees with the tokens it was asked to continue."""
 
 
+class DrafterFormatNotBuiltError(DrafterError, UsageError):
+    """A valid drafter checkpoint of a format dflash reads but cannot draft with yet."""
+
+
 class DrafterCheckpointError(DrafterError, CheckpointError):
     """A DFlash drafter checkpoint cannot be used; nothing from it has been loaded."""
 

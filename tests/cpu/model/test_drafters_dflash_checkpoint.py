@@ -123,7 +123,8 @@ BAD: list[tuple[str, Callable[[Path], object], type[Exception], str]] = [
         "architecture",
         edit_config(lambda c: c.update(architectures=["LlamaForCausalLM"])),
         UnknownArchitectureError,
-        r"config\.json: field 'architectures': expected \['DFlashDraftModel'\], found \['Llama",
+        r"config\.json: field 'architectures': expected \['DFlashDraftModel'\] or "
+        r"\['DFlash2DraftModel'\], found \['Llama",
     ),
     (
         "model type",

@@ -56,7 +56,14 @@ def gumbel_noise(seed: int, positions: Tensor, vocab: int) -> Tensor:
     float32, at least ``2**-24`` and at most ``1 - 2**-24`` (the float32 just below 1), so
     neither logarithm meets 0."""
     v = torch.arange(vocab, dtype=torch.int64, device=positions.device)
-    bits = philox(seed, v[None, :], positions[:, None].to(torch.int64))
+    return gumbel_noise_at(seed, positions, v[None, :])
+
+
+def gumbel_noise_at(seed: int, positions: Tensor, ids: Tensor) -> Tensor:
+    """:func:`gumbel_noise` at chosen tokens only: ``G(seed, positions[i], ids[i, c])``
+    for ``positions: [T]`` and ``ids: [T, k]`` (or ``[1, k]``, the same for every row),
+    ``[T, k]`` float32, bit for bit the full table's entries."""
+    bits = philox(seed, ids.to(torch.int64), positions[:, None].to(torch.int64))
     u = ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
     return -torch.log(-torch.log(u))
 

@@ -1,0 +1,143 @@
+"""The operations DFlash2 adds to a DFlash drafter (``specs/dflash2.md`` §5.4, §5.6, §6).
+
+- :func:`conv_deltas`: both sides' per-row, per-group kernel deltas of a grouped dynamic
+  convolution, from one projection of the sublayer's normalised input;
+- :func:`dynamic_conv`: the convolution itself over a block's rows, causal inside the
+  block and zero before its first row (it never reads a previous block or a context row);
+- :func:`candidates`: each slot's ``k`` candidate tokens and their unary scores (the
+  logits scaled by ``output_multiplier``, then soft-capped), ordered by score descending,
+  then token id ascending;
+- :func:`selector_walk`: the candidate selector's left-to-right walk, each slot's choice
+  scored by its unary score plus a rank-``R`` bilinear term between the previous choice's
+  predecessor-codebook row and the candidate's successor-codebook row, modulated by the
+  slot's projected hidden state. Greedy, or coupled to dflash's sampling rule: the
+  candidate at slot ``j`` maximises ``score / T + G(seed, p0 + j, token)``, the target's
+  own noise at that position and token (:mod:`dflash.sampling`).
+
+Everything is in float32 (the bilinear term, the unary maps and the walk) on the inputs'
+device; plain torch, the reference the drafter's kernels will be checked against.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from dflash.kernels.sample_reference import gumbel_noise_at
+
+
+def conv_deltas(s: Tensor, projection: Tensor, kernel_size: int, groups: int) -> Tensor:
+    """``s: [..., Q, H]`` (a block's normalised sublayer input) and ``projection:
+    [2 * kernel_size * groups, H]`` → ``[2, ..., Q, kernel_size, groups]``: side 0's
+    deltas (before the sublayer) then side 1's (after it). The projection's output index
+    is ``side * kernel_size * groups + tap * groups + group``."""
+    if projection.shape[0] != 2 * kernel_size * groups:
+        raise ValueError(
+            f"'projection' must have 2 * kernel_size * groups = {2 * kernel_size * groups} "
+            f"rows (got {projection.shape[0]})"
+        )
+    p = s.to(projection.dtype) @ projection.T                 # [..., Q, 2 Kc NG]
+    p = p.view(*p.shape[:-1], 2, kernel_size, groups)         # [..., Q, 2, Kc, NG]
+    return p.movedim(-3, 0)
+
+
+def dynamic_conv(z: Tensor, base: Tensor, delta: Tensor) -> Tensor:
+    """One side of the grouped dynamic convolution over a block's rows.
+
+    ``z: [..., Q, H]`` the rows, ``base: [Kc, H]`` the side's base kernel, ``delta:
+    [..., Q, Kc, NG]`` its deltas (channel ``ch`` uses group ``ch // (H / NG)``) →
+    ``[..., Q, H]`` in z's dtype::
+
+        out[j, ch] = sum_{t < Kc, t <= j} (base[t, ch] + delta[j, t, ch // G]) * z[j - t, ch]
+
+    Tap 0 is the row itself; rows before the block's first are zeros. Computed in float32.
+    """
+    q, h = z.shape[-2], z.shape[-1]
+    kc, groups = delta.shape[-2], delta.shape[-1]
+    if base.shape != (kc, h) or h % groups:
+        raise ValueError(
+            f"'base' must be [Kc={kc}, H={h}] and the groups ({groups}) must divide H "
+            f"(got base {tuple(base.shape)})"
+        )
+    w = base.float() + delta.float().repeat_interleave(h // groups, dim=-1)   # [..., Q, Kc, H]
+    zf = z.float()
+    out = torch.zeros_like(zf)
+    for t in range(min(kc, q)):
+        out[..., t:, :] += w[..., t:, t, :] * zf[..., : q - t, :]
+    return out.to(z.dtype)
+
+
+def unary_scores(logits: Tensor, multiplier: float, cap: float | None) -> Tensor:
+    """``softcap(multiplier * logits)`` in float32 (``cap * tanh(x / cap)``; no cap when
+    ``cap`` is None): the multiplier first, then the cap."""
+    x = logits.float() * multiplier
+    return x if cap is None else cap * torch.tanh(x / cap)
+
+
+def candidates(logits: Tensor, k: int, multiplier: float,
+               cap: float | None) -> tuple[Tensor, Tensor]:
+    """``logits: [Q, V]`` → ``(scores [Q, k] float32, ids [Q, k] int64)``: each row's
+    ``k`` best tokens by logit, descending, ties by ascending token id, and their
+    :func:`unary_scores` (both maps increase when ``multiplier > 0``, so the order is the
+    logits')."""
+    if not 1 <= k <= logits.shape[-1]:
+        raise ValueError(f"'k' must be in [1, {logits.shape[-1]}] (got {k})")
+    if not multiplier > 0:
+        raise ValueError(f"'multiplier' must be > 0 (got {multiplier})")
+    # a stable sort keeps equal logits in ascending id order
+    values, ids = torch.sort(logits.float(), dim=-1, descending=True, stable=True)
+    return unary_scores(values[..., :k], multiplier, cap), ids[..., :k]
+
+
+def selector_walk(
+    scores: Tensor,
+    ids: Tensor,
+    hidden: Tensor,
+    predecessor: Tensor,
+    successor: Tensor,
+    anchor: int,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    start: int = 0,
+) -> list[int]:
+    """The selector's choices for ``Q`` slots, left to right.
+
+    ``scores, ids: [Q, k]`` (:func:`candidates`), ``hidden: [Q, R]`` the slots' projected
+    hidden states, ``predecessor, successor: [V, R]`` the codebooks; slot 0's predecessor
+    is ``anchor`` and slot ``j``'s the token chosen at ``j - 1``. Slot ``j`` scores its
+    candidate ``c`` as ``scores[j, c] + sum_r predecessor[prev, r] * hidden[j, r] *
+    successor[ids[j, c], r]`` and takes the first maximum (``temperature`` 0), or the first
+    maximum of ``score * (1 / T) + G(seed, start + j, ids[j, c])`` (``1 / T`` rounded to
+    float32, as the target's rule scales its logits): the target's noise at the slot's
+    absolute position ``start + j`` and the candidate's token.
+    """
+    q = scores.shape[0]
+    if ids.shape != scores.shape or hidden.shape[0] != q:
+        raise ValueError(
+            f"'scores', 'ids' and 'hidden' must agree on the slots (got {tuple(scores.shape)}, "
+            f"{tuple(ids.shape)}, {tuple(hidden.shape)})"
+        )
+    if not 0 <= anchor < predecessor.shape[0]:
+        raise ValueError(f"'anchor' must be a token id in [0, {predecessor.shape[0]}) "
+                         f"(got {anchor})")
+    sampled = temperature > 0
+    if sampled:
+        inv_t = float(torch.tensor(1.0 / temperature, dtype=torch.float32))
+        positions = torch.arange(start, start + q, dtype=torch.int64, device=ids.device)
+        noise = gumbel_noise_at(seed, positions, ids)                 # [Q, k]
+    a, s, e = predecessor.float(), successor.float(), hidden.float()
+    chosen: list[int] = []
+    prev = anchor
+    for j in range(q):
+        edge = (a[prev] * e[j]) @ s[ids[j]].T                         # [k]
+        score = scores[j] + edge
+        if sampled:
+            score = score * inv_t + noise[j]
+        c = int(torch.argmax(score))                                  # the first maximum
+        prev = int(ids[j, c])
+        chosen.append(prev)
+    return chosen
+
+
+__all__ = ["candidates", "conv_deltas", "dynamic_conv", "selector_walk", "unary_scores"]

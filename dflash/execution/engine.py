@@ -58,6 +58,8 @@ from dflash.geometry import ChainGeometry, TreeGeometry, require_chain, require_
 from dflash.model.caches import capture_kind
 from dflash.model.drafters import DeviceDrafter, Drafter
 from dflash.model.drafters.base import CoupledDrafter
+from dflash.model.drafters.dflash2_drafter import drafts_trees
+from dflash.model.drafters.errors import DrafterFormatNotBuiltError
 from dflash.model.drafters.trees import (
     BranchDrafter,
     CandidateDrafter,
@@ -678,6 +680,11 @@ def _check_tree_budget(budget: object, target: ShardedTarget, drafter: Drafter) 
         raise ValueError(
             f"'tree_budget'={budget} exceeds the capture slots max_draft={target.max_draft} "
             "the target was built with"
+        )
+    if not drafts_trees(drafter):
+        raise DrafterFormatNotBuiltError(
+            "tree drafts from a DFlash2 drafter are not built yet (its selector's candidates "
+            "would grow them); draft chains with it (no tree budget)"
         )
     tree_drafter = isinstance(drafter, TreeDrafter) and not drafter.tap_layers
     if not tree_drafter and not isinstance(drafter, CandidateDrafter):

@@ -16,6 +16,7 @@ from dflash.model.drafters.base import (
     ScoredDrafter,
     stack_tap_features,
 )
+from dflash.model.drafters.dflash2_drafter import DFlash2Drafter
 from dflash.model.drafters.dflash_config import DFlash2Config, DFlashConfig, default_tap_layers
 from dflash.model.drafters.dflash_drafter import DFlashDrafter
 from dflash.model.drafters.errors import (
@@ -55,6 +56,7 @@ __all__ = [
     "CheckpointFileError",
     "ConfigFieldError",
     "DFlash2Config",
+    "DFlash2Drafter",
     "DFlashConfig",
     "DFlashDrafter",
     "DeviceDrafter",

@@ -61,7 +61,6 @@ from dflash.model.drafters.dflash_products import ContextKV as ContextKV
 from dflash.model.drafters.dflash_products import check_draft_dtype as check_draft_dtype
 from dflash.model.drafters.errors import (
     DraftArgumentError,
-    DrafterFormatNotBuiltError,
     TapLayerRangeError,
     TargetMismatchError,
     TargetShapeMismatchError,
@@ -75,6 +74,10 @@ class DFlashDrafter(nn.Module):
     """DFlash block drafter sharing the target's embedding and LM head (see module doc)."""
 
     label = "dflash"
+    #: the class of each layer (a DFlash2 drafter's wrap their sublayers in convolutions)
+    layer_class: type[DrafterLayer] = DrafterLayer
+    #: host proposals on CPU run the layers' packed weights (:meth:`DrafterLayer.infer`)
+    packs_layers = True
     _embed_weight: Tensor  # [V, H], the target's, by reference
     _lm_head_weight: Tensor  # [V, H], the target's, by reference
 
@@ -91,12 +94,19 @@ class DFlashDrafter(nn.Module):
         ``draft_dtype``: the dtype the drafting products run in (module docstring; None:
         the weights' own)."""
         super().__init__()
+        if self.class_for(config) is not type(self):
+            raise DraftArgumentError(
+                f"a {type(config).__name__} builds a {self.class_for(config).__name__}, not a "
+                f"{type(self).__name__} (DFlashDrafter.random / from_pretrained choose it)"
+            )
         self._draft_dtype = check_draft_dtype(draft_dtype)
         check_target(config, embed_weight, lm_head_weight, None, "the target")
         self.config = config
         self.fc = ProductLinear(config.feature_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            self.layer_class(config) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config)
         # plain attributes, not submodules/parameters: shared with the target, never saved
@@ -175,11 +185,22 @@ class DFlashDrafter(nn.Module):
         dtype: torch.dtype | None,
         draft_dtype: torch.dtype | None,
     ) -> DFlashDrafter:
+        kind = cls.class_for(config)
         # shapes only (meta device: no init work, global RNG untouched), then real storage
         with torch.device("meta"):
-            drafter = cls(config, embed_weight, lm_head_weight, draft_dtype=draft_dtype)
+            drafter = kind(config, embed_weight, lm_head_weight, draft_dtype=draft_dtype)
         drafter.to_empty(device=embed_weight.device)
         return drafter.to(dtype=dtype or embed_weight.dtype)
+
+    @classmethod
+    def class_for(cls, config: DFlashConfig) -> type[DFlashDrafter]:
+        """The drafter class of ``config``: :class:`~dflash.model.drafters.dflash2_drafter.
+        DFlash2Drafter` for a :class:`DFlash2Config`, else this one."""
+        from dflash.model.drafters.dflash2_drafter import DFlash2Drafter  # it imports this
+
+        if isinstance(config, DFlash2Config) and not issubclass(cls, DFlash2Drafter):
+            return DFlash2Drafter
+        return cls
 
     @classmethod
     def random(
@@ -203,6 +224,10 @@ class DFlashDrafter(nn.Module):
         """
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise DraftArgumentError(f"'seed' must be an int >= 0 (got {seed!r})")
+        kind = cls.class_for(config)
+        if kind is not cls:  # a DFlash2 config: its own initialisation
+            return kind.random(config, embed_weight, lm_head_weight, seed, dtype=dtype,
+                               draft_dtype=draft_dtype)
         check_draft_dtype(draft_dtype)
         drafter = cls._empty(config, embed_weight, lm_head_weight, dtype, draft_dtype)
         gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -238,12 +263,6 @@ class DFlashDrafter(nn.Module):
         config = read_config(directory)
         check_target(config, embed_weight, lm_head_weight, num_target_layers, str(directory))
         tensors = read_weights(directory, expected_shapes(config))
-        if isinstance(config, DFlash2Config):  # read and validated whole, then refused
-            raise DrafterFormatNotBuiltError(
-                f"{directory}: a DFlash2 drafter (architectures ['DFlash2DraftModel']); its "
-                f"config and tensors are valid, but dflash does not draft with DFlash2 yet "
-                f"(its dynamic convolutions and candidate selector are not built)"
-            )
         drafter = cls._empty(config, embed_weight, lm_head_weight, dtype, draft_dtype)
         with torch.no_grad():
             for name, param in drafter.state_dict().items():
@@ -384,6 +403,13 @@ class DFlashDrafter(nn.Module):
     ) -> list[int]:
         """Greedy block proposal over the host cache (:meth:`HostDrafting.propose`)."""
         return self.host.propose(context, last, block_size, features)
+
+    def select(self, hidden: Tensor, logits: Tensor, last: int, start: int,
+               sampling: SamplingParams) -> Tensor | None:
+        """A drafter's own choice of guesses from the slots' final hidden states and
+        logits (a DFlash2 drafter's candidate selector); None: each slot's argmax, or the
+        target's rule when it samples (v1)."""
+        return None
 
     def couple(self, sampling: SamplingParams) -> None:
         """Draw guesses by the target's sampling rule and noise (coupled drafting), on the

@@ -94,9 +94,13 @@ class HostDrafting(DraftingPart):
             # the softmax probability at the argmax: 1 / sum(exp(logit - top))
             inverse = torch.exp(wide - top[:, None]).sum(-1).reciprocal()
             probs = inverse
-            if not self.sampling.greedy:  # coupled: the target's rule and noise
+            # the drafter's own choice (a DFlash2 selector; guess slot 1 sits at len(tokens))
+            chosen = d.select(hidden[1:], wide, last, len(tokens) + 1, self.sampling)
+            if chosen is None and not self.sampling.greedy:  # coupled: the target's rule
                 at = len(tokens) + torch.arange(1, block_size, device=wide.device)
-                picked = sample_tokens(wide, at, self.sampling)
+                chosen = sample_tokens(wide, at, self.sampling)
+            if chosen is not None:
+                picked = chosen
                 probs = torch.exp(wide.gather(1, picked[:, None])[:, 0] - top) * inverse
             # one device-to-host transfer for both (ids < 2^53 are exact in float64)
             read = torch.stack([picked.double(), probs.double()]).tolist()
@@ -167,8 +171,13 @@ class HostDrafting(DraftingPart):
     def propose_uncached(self, features: Tensor, last: int, block_size: int) -> list[int]:
         """The same proposal computed from the features of *every* committed token at once,
         without reading or changing the cache (the reference the cache is tested against)."""
+        d = self.drafter
         hidden = self.uncached_hidden(features, last, block_size)
-        return [int(t) for t in self.drafter.logits(hidden[1:]).argmax(-1).tolist()]
+        logits = d.logits(hidden[1:])
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        chosen = d.select(hidden[1:], wide, last, features.shape[0] + 1, self.sampling)
+        picked = wide.argmax(-1) if chosen is None else chosen
+        return [int(t) for t in picked.tolist()]
 
     @drafting
     @torch.no_grad()
@@ -258,7 +267,7 @@ class HostDrafting(DraftingPart):
         """Host proposals run on :meth:`DrafterLayer.packed` weights: on CPU, where the
         packed copies make each projection one BLAS call (on a GPU the eager host path
         keeps the modules' weights, not a second copy of them in device memory)."""
-        return self.drafter.device.type == "cpu"
+        return self.drafter.device.type == "cpu" and self.drafter.packs_layers
 
     def _reserve(self, rows: int) -> None:
         """Grow the cache buffers to hold at least ``rows`` rows (the cached ones kept)."""

@@ -24,6 +24,7 @@ from dflash.model.drafters.dflash_layers import (
     products_in,
 )
 from dflash.model.drafters.errors import DraftArgumentError
+from dflash.sampling import SamplingParams
 
 ContextKV = list[tuple[Tensor, Tensor]]  # per layer: k, v [N, kv_heads, C, D]
 
@@ -38,6 +39,7 @@ class DrafterWeights(Protocol):
     norm: RMSNorm
     rotary: Rotary
     _lm_head_weight: Tensor
+    packs_layers: bool
 
     @property
     def dtype(self) -> torch.dtype: ...
@@ -63,6 +65,9 @@ class DrafterWeights(Protocol):
     ) -> Tensor: ...
 
     def logits(self, hidden: Tensor) -> Tensor: ...
+
+    def select(self, hidden: Tensor, logits: Tensor, last: int, start: int,
+               sampling: SamplingParams) -> Tensor | None: ...
 
     def block_ids(self, last: int, block_size: int) -> Tensor: ...
 

@@ -1,6 +1,6 @@
 """DFlash2 checkpoints (``specs/dflash2.md``) in z-lab's published layout: read and validated
 whole (config and every tensor, typed errors naming file, field or tensor), written back,
-and refused for drafting with a typed error once valid (the drafting is not built yet)."""
+and loaded as a :class:`DFlash2Drafter`."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from safetensors.torch import save_file
 from dflash.model.drafters import (
     ConfigFieldError,
     DFlash2Config,
+    DFlash2Drafter,
     DFlashConfig,
     DFlashDrafter,
     DrafterCheckpointError,
-    DrafterFormatNotBuiltError,
     TapLayerRangeError,
     TensorShapeError,
 )
@@ -159,15 +159,18 @@ def test_v1_keeps_refusing_dflash2_keys() -> None:
         config_from_hf(raw)
 
 
-def test_drafting_is_refused_only_after_the_whole_checkpoint_validated(
+def test_a_valid_checkpoint_loads_as_a_dflash2_drafter_and_a_bad_one_not(
     tmp_path: Path,
 ) -> None:
     config = config_from_hf(published_config())
     tensors = tensors_for(config)
     embed, head = torch.randn(V, H), torch.randn(V, H)
     good = write_raw(tmp_path / "good", published_config(), tensors)
-    with pytest.raises(DrafterFormatNotBuiltError, match="does not draft with DFlash2 yet"):
-        DFlashDrafter.from_pretrained(good, embed, head, num_target_layers=12)
+    drafter = DFlashDrafter.from_pretrained(good, embed, head, num_target_layers=12)
+    assert isinstance(drafter, DFlash2Drafter) and drafter.label == "dflash2"
+    state = drafter.state_dict()
+    assert set(state) == set(tensors)
+    assert all(torch.equal(state[k], tensors[k].to(state[k].dtype)) for k in tensors)
     bad = dict(tensors)
     bad["candidate_selector.successor_codebook"] = torch.zeros(V, R + 1, dtype=torch.bfloat16)
     broken = write_raw(tmp_path / "bad", published_config(), bad)

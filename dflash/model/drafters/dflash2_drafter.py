@@ -1,0 +1,175 @@
+"""The DFlash2 block drafter (``specs/dflash2.md``), drafting on the host.
+
+DFlash2 is a DFlash drafter whose layers wrap each sublayer in a grouped dynamic
+convolution over the block's rows (before it on the normalised input, after it on its
+output, both sides' coefficients projected from the normalised input), and whose guesses
+come from a candidate selector instead of each slot's argmax: the ``selector_top_k`` best
+tokens of each slot's (scaled, soft-capped) logits, chosen left to right by their score
+plus a bilinear term with the previous choice (:mod:`dflash.model.drafters.dflash2_ops`).
+With the target sampling, the selector draws with the target's noise at each slot's
+position (coupled drafting). The block embedding is scaled by ``input_embedding_scale``.
+
+Context rows enter every layer's keys and values as in DFlash v1 (no convolution), so
+the host context cache (:class:`dflash_host.HostDrafting`) serves DFlash2 unchanged; its
+layers run :meth:`DFlash2Layer.forward` (the packed CPU fast path is v1's alone).
+
+Not built yet, each refused with :class:`DrafterFormatNotBuiltError`: drafting on the
+device (the engine drafts on the host instead, :func:`drafts_on_device`), tree drafts
+(:meth:`DFlash2Drafter.candidates`) and training (:meth:`DFlash2Drafter.run_blocks`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflash.model.drafters.dflash2_ops import candidates, conv_deltas, dynamic_conv, selector_walk
+from dflash.model.drafters.dflash_config import DFlash2Config, DFlashConfig
+from dflash.model.drafters.dflash_drafter import DFlashDrafter
+from dflash.model.drafters.dflash_layers import DrafterLayer, ProductLinear
+from dflash.model.drafters.errors import DraftArgumentError, DrafterFormatNotBuiltError
+from dflash.sampling import SamplingParams
+
+
+class DynamicConv(nn.Module):
+    """One sublayer's pair of grouped dynamic convolutions: ``base_kernel [2, Kc, H]``
+    (side 0 before the sublayer, side 1 after it) and ``kernel_projection`` (``H`` →
+    ``2 * Kc * H / G``, no bias)."""
+
+    def __init__(self, cfg: DFlash2Config) -> None:
+        super().__init__()
+        self.kernel_size, self.groups = cfg.conv_kernel_size, cfg.conv_groups
+        self.base_kernel = nn.Parameter(torch.empty(2, cfg.conv_kernel_size, cfg.hidden_size))
+        self.kernel_projection = ProductLinear(
+            cfg.hidden_size, 2 * cfg.conv_kernel_size * cfg.conv_groups, bias=False
+        )
+
+    def around(self, s: Tensor, sublayer: Any, *args: Any) -> Tensor:
+        """``conv_1(sublayer(conv_0(s), *args))`` over the block's rows ``s [N, Q, H]``,
+        both sides' deltas from ``s``."""
+        delta = conv_deltas(s, self.kernel_projection.weight, self.kernel_size, self.groups)
+        y = sublayer(dynamic_conv(s, self.base_kernel[0], delta[0].to(s.dtype)), *args)
+        return dynamic_conv(y, self.base_kernel[1], delta[1].to(y.dtype))
+
+
+class DFlash2Layer(DrafterLayer):
+    """A DFlash layer with its attention and MLP each inside a :class:`DynamicConv`."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        if not isinstance(cfg, DFlash2Config):
+            raise TypeError(f"a DFlash2 layer needs a DFlash2Config (got {type(cfg).__name__})")
+        super().__init__(cfg)
+        self.attention_conv = DynamicConv(cfg)
+        self.mlp_conv = DynamicConv(cfg)
+
+    def forward(self, x: Tensor, *attn_args: Any) -> Tensor:
+        """``x: [N, Q, H]``: the rows of one block (the convolutions run along them)."""
+        x = x + self.attention_conv.around(self.input_layernorm(x), self.self_attn, *attn_args)
+        out: Tensor = x + self.mlp_conv.around(self.post_attention_layernorm(x), self.mlp)
+        return out
+
+
+class CandidateSelector(nn.Module):
+    """``hidden_projection`` (``H`` → ``R``) and the two ``[V, R]`` codebooks (saved under
+    bare names, as z-lab's checkpoints hold them)."""
+
+    def __init__(self, cfg: DFlash2Config) -> None:
+        super().__init__()
+        self.hidden_projection = ProductLinear(cfg.hidden_size, cfg.selector_rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.empty(cfg.vocab_size, cfg.selector_rank))
+        self.successor_codebook = nn.Parameter(torch.empty(cfg.vocab_size, cfg.selector_rank))
+
+
+class DFlash2Drafter(DFlashDrafter):
+    """A DFlash2 drafter (module docstring); built by :meth:`DFlashDrafter.from_pretrained`
+    for a DFlash2 checkpoint, or :meth:`random`."""
+
+    label = "dflash2"
+    config: DFlash2Config
+    layer_class = DFlash2Layer
+    #: the host path runs the layers' :meth:`DFlash2Layer.forward`, not v1's packed form
+    packs_layers = False
+
+    def __init__(self, config: DFlashConfig, embed_weight: Tensor, lm_head_weight: Tensor,
+                 *, draft_dtype: torch.dtype | None = None) -> None:
+        if not isinstance(config, DFlash2Config):
+            raise DraftArgumentError(
+                f"a DFlash2 drafter needs a DFlash2Config (got {type(config).__name__})"
+            )
+        super().__init__(config, embed_weight, lm_head_weight, draft_dtype=draft_dtype)
+        self.candidate_selector = CandidateSelector(config)
+
+    @classmethod
+    def random(cls, config: DFlashConfig, embed_weight: Tensor, lm_head_weight: Tensor,
+               seed: int, *, dtype: torch.dtype | None = None,
+               draft_dtype: torch.dtype | None = None) -> DFlashDrafter:
+        """:meth:`DFlashDrafter.random`, then each convolution an identity (tap 0 of both
+        sides 1, the rest 0) plus small deltas (its projection scaled by 1/16), so an
+        untrained DFlash2 drafter behaves like the v1 drafter of the same weights."""
+        drafter = super().random(config, embed_weight, lm_head_weight, seed, dtype=dtype,
+                                 draft_dtype=draft_dtype)
+        with torch.no_grad():
+            for layer in drafter.layers:
+                assert isinstance(layer, DFlash2Layer)
+                for conv in (layer.attention_conv, layer.mlp_conv):
+                    conv.base_kernel.zero_()
+                    conv.base_kernel[:, 0] = 1.0
+                    conv.kernel_projection.weight.mul_(1 / 16)
+        return drafter
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """The target's embeddings scaled by ``input_embedding_scale``."""
+        return super().embed(ids) * self.config.input_embedding_scale
+
+    def select(self, hidden: Tensor, logits: Tensor, last: int, start: int,
+               sampling: SamplingParams) -> Tensor:
+        """The selector's guesses for the slots of ``hidden [B-1, H]`` (their final hidden
+        states) with ``logits [B-1, V]``: ``last`` the anchor, ``start`` the first slot's
+        absolute position; coupled to the target's noise unless ``sampling`` is greedy.
+        Returns ``[B-1]`` int64 on the logits' device."""
+        cfg, sel = self.config, self.candidate_selector
+        scores, ids = candidates(logits, cfg.selector_top_k, cfg.output_multiplier,
+                                 cfg.final_logit_softcapping)
+        e = F.linear(hidden.to(sel.hidden_projection.weight.dtype), sel.hidden_projection.weight)
+        chosen = selector_walk(
+            scores, ids, e, sel.predecessor_codebook, sel.successor_codebook, last,
+            temperature=0.0 if sampling.greedy else sampling.temperature, seed=sampling.seed,
+            start=start,
+        )
+        return torch.tensor(chosen, dtype=torch.int64, device=logits.device)
+
+    # -- not built yet --------------------------------------------------------------------
+
+    def candidates(self, k: int) -> list[list[tuple[int, float]]]:
+        raise DrafterFormatNotBuiltError(
+            "tree drafts from a DFlash2 drafter are not built yet (its selector's candidates "
+            "would grow them); draft chains with it (no --tree-budget)"
+        )
+
+    def run_blocks(self, *args: Any, **kwargs: Any) -> Tensor:
+        raise DrafterFormatNotBuiltError("training a DFlash2 drafter is not built yet")
+
+    def start_device(self, *args: Any, **kwargs: Any) -> Tensor:
+        raise DrafterFormatNotBuiltError(
+            "a DFlash2 drafter drafts on the host only (its device step is not built yet)"
+        )
+
+
+def drafts_trees(drafter: object) -> bool:
+    """Whether ``drafter`` (or the DFlash drafter inside it) can grow tree drafts: not a
+    DFlash2 drafter (trees from its selector are not built yet)."""
+    return not isinstance(getattr(drafter, "dflash", drafter), DFlash2Drafter)
+
+
+def drafts_on_device(drafter: object) -> bool:
+    """Whether ``drafter`` (or the DFlash drafter inside it) can draft on the device: not
+    a DFlash2 drafter (its device step is not built yet)."""
+    inner = getattr(drafter, "dflash", drafter)
+    return not isinstance(inner, DFlash2Drafter)
+
+
+__all__ = ["CandidateSelector", "DFlash2Drafter", "DFlash2Layer", "DynamicConv",
+           "drafts_on_device", "drafts_trees"]

@@ -13,9 +13,12 @@ Context rows enter every layer's keys and values as in DFlash v1 (no convolution
 the host context cache (:class:`dflash_host.HostDrafting`) serves DFlash2 unchanged; its
 layers run :meth:`DFlash2Layer.forward` (the packed CPU fast path is v1's alone).
 
-Not built yet, each refused with :class:`DrafterFormatNotBuiltError`: drafting on the
-device (the engine drafts on the host instead, :func:`drafts_on_device`), tree drafts
-(:meth:`DFlash2Drafter.candidates`) and training (:meth:`DFlash2Drafter.run_blocks`).
+The device path (:class:`dflash_device.DeviceDrafting`) runs the same layers and the
+selector's walk on tensors (no host read), equal to the host path on the CPU; the engine
+keeps DFlash2 drafting on the host until that step has been run in a CUDA graph on a GPU
+(:func:`drafts_on_device`). Not built yet, each refused with
+:class:`DrafterFormatNotBuiltError`: tree drafts (:meth:`DFlash2Drafter.candidates`) and
+training (:meth:`DFlash2Drafter.run_blocks`).
 """
 
 from __future__ import annotations
@@ -124,22 +127,22 @@ class DFlash2Drafter(DFlashDrafter):
         """The target's embeddings scaled by ``input_embedding_scale``."""
         return super().embed(ids) * self.config.input_embedding_scale
 
-    def select(self, hidden: Tensor, logits: Tensor, last: int, start: int,
+    def select(self, hidden: Tensor, logits: Tensor, last: int | Tensor, start: int | Tensor,
                sampling: SamplingParams) -> Tensor:
         """The selector's guesses for the slots of ``hidden [B-1, H]`` (their final hidden
         states) with ``logits [B-1, V]``: ``last`` the anchor, ``start`` the first slot's
-        absolute position; coupled to the target's noise unless ``sampling`` is greedy.
-        Returns ``[B-1]`` int64 on the logits' device."""
+        absolute position (ints, or one-element tensors on the device: no host read);
+        coupled to the target's noise unless ``sampling`` is greedy. Returns ``[B-1]``
+        int64 on the logits' device."""
         cfg, sel = self.config, self.candidate_selector
         scores, ids = candidates(logits, cfg.selector_top_k, cfg.output_multiplier,
                                  cfg.final_logit_softcapping)
         e = F.linear(hidden.to(sel.hidden_projection.weight.dtype), sel.hidden_projection.weight)
-        chosen = selector_walk(
+        return selector_walk(
             scores, ids, e, sel.predecessor_codebook, sel.successor_codebook, last,
             temperature=0.0 if sampling.greedy else sampling.temperature, seed=sampling.seed,
             start=start,
         )
-        return torch.tensor(chosen, dtype=torch.int64, device=logits.device)
 
     # -- not built yet --------------------------------------------------------------------
 
@@ -152,11 +155,6 @@ class DFlash2Drafter(DFlashDrafter):
     def run_blocks(self, *args: Any, **kwargs: Any) -> Tensor:
         raise DrafterFormatNotBuiltError("training a DFlash2 drafter is not built yet")
 
-    def start_device(self, *args: Any, **kwargs: Any) -> Tensor:
-        raise DrafterFormatNotBuiltError(
-            "a DFlash2 drafter drafts on the host only (its device step is not built yet)"
-        )
-
 
 def drafts_trees(drafter: object) -> bool:
     """Whether ``drafter`` (or the DFlash drafter inside it) can grow tree drafts: not a
@@ -165,8 +163,9 @@ def drafts_trees(drafter: object) -> bool:
 
 
 def drafts_on_device(drafter: object) -> bool:
-    """Whether ``drafter`` (or the DFlash drafter inside it) can draft on the device: not
-    a DFlash2 drafter (its device step is not built yet)."""
+    """Whether the engine drafts with ``drafter`` (or the DFlash drafter inside it) on the
+    device: not a DFlash2 drafter, until its device step has run in a CUDA graph on a GPU
+    (it equals the host path on the CPU, and makes no host read by construction)."""
     inner = getattr(drafter, "dflash", drafter)
     return not isinstance(inner, DFlash2Drafter)
 

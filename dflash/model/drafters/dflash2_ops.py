@@ -95,22 +95,24 @@ def selector_walk(
     hidden: Tensor,
     predecessor: Tensor,
     successor: Tensor,
-    anchor: int,
+    anchor: int | Tensor,
     *,
     temperature: float = 0.0,
     seed: int = 0,
-    start: int = 0,
-) -> list[int]:
-    """The selector's choices for ``Q`` slots, left to right.
+    start: int | Tensor = 0,
+) -> Tensor:
+    """The selector's choices for ``Q`` slots, left to right: ``[Q]`` int64 token ids on
+    the inputs' device, computed there without a host read (a CUDA graph can hold it).
 
     ``scores, ids: [Q, k]`` (:func:`candidates`), ``hidden: [Q, R]`` the slots' projected
     hidden states, ``predecessor, successor: [V, R]`` the codebooks; slot 0's predecessor
-    is ``anchor`` and slot ``j``'s the token chosen at ``j - 1``. Slot ``j`` scores its
-    candidate ``c`` as ``scores[j, c] + sum_r predecessor[prev, r] * hidden[j, r] *
-    successor[ids[j, c], r]`` and takes the first maximum (``temperature`` 0), or the first
-    maximum of ``score * (1 / T) + G(seed, start + j, ids[j, c])`` (``1 / T`` rounded to
-    float32, as the target's rule scales its logits): the target's noise at the slot's
-    absolute position ``start + j`` and the candidate's token.
+    is ``anchor`` (an int, or a one-element tensor on the device) and slot ``j``'s the
+    token chosen at ``j - 1``. Slot ``j`` scores its candidate ``c`` as ``scores[j, c] +
+    sum_r predecessor[prev, r] * hidden[j, r] * successor[ids[j, c], r]`` and takes the
+    first maximum (``temperature`` 0), or the first maximum of ``score * (1 / T) +
+    G(seed, start + j, ids[j, c])`` (``1 / T`` rounded to float32, as the target's rule
+    scales its logits): the target's noise at the slot's absolute position ``start + j``
+    (``start`` an int or a one-element tensor) and the candidate's token.
     """
     q = scores.shape[0]
     if ids.shape != scores.shape or hidden.shape[0] != q:
@@ -118,26 +120,26 @@ def selector_walk(
             f"'scores', 'ids' and 'hidden' must agree on the slots (got {tuple(scores.shape)}, "
             f"{tuple(ids.shape)}, {tuple(hidden.shape)})"
         )
-    if not 0 <= anchor < predecessor.shape[0]:
+    if isinstance(anchor, int) and not 0 <= anchor < predecessor.shape[0]:
         raise ValueError(f"'anchor' must be a token id in [0, {predecessor.shape[0]}) "
                          f"(got {anchor})")
+    device = ids.device
+    prev = torch.as_tensor(anchor, dtype=torch.int64, device=device).reshape(1)
+    a, s, e = predecessor.float(), successor.float(), hidden.float()
     sampled = temperature > 0
     if sampled:
         inv_t = float(torch.tensor(1.0 / temperature, dtype=torch.float32))
-        positions = torch.arange(start, start + q, dtype=torch.int64, device=ids.device)
-        noise = gumbel_noise_at(seed, positions, ids)                 # [Q, k]
-    a, s, e = predecessor.float(), successor.float(), hidden.float()
-    chosen: list[int] = []
-    prev = anchor
+        first = torch.as_tensor(start, dtype=torch.int64, device=device).reshape(1)
+        noise = gumbel_noise_at(seed, first + torch.arange(q, device=device), ids)   # [Q, k]
+    chosen = []
     for j in range(q):
-        edge = (a[prev] * e[j]) @ s[ids[j]].T                         # [k]
-        score = scores[j] + edge
+        edge = (a.index_select(0, prev) * e[j : j + 1]) @ s[ids[j]].T            # [1, k]
+        score = scores[j : j + 1] + edge
         if sampled:
-            score = score * inv_t + noise[j]
-        c = int(torch.argmax(score))                                  # the first maximum
-        prev = int(ids[j, c])
+            score = score * inv_t + noise[j : j + 1]
+        prev = ids[j].gather(0, score.argmax(-1))                                # the first maximum
         chosen.append(prev)
-    return chosen
+    return torch.cat(chosen)
 
 
 __all__ = ["candidates", "conv_deltas", "dynamic_conv", "selector_walk", "unary_scores"]

@@ -238,6 +238,10 @@ class DeviceDrafting(DraftingPart):
         visible = visible.expand(1, dev.block_size, -1)
         hidden = d.run_block(x, q_pos, dev.kv, held[None], visible)[0]  # [B, H]
         logits = d.logits(hidden[1:])  # [B-1, V]
+        # the drafter's own choice (a DFlash2 selector), on the device: slot 1 at q_pos[1]
+        chosen = d.select(hidden[1:], logits, last, q_pos[0, 1:2], self.sampling)
+        if chosen is not None:
+            return chosen
         if self.sampling.greedy:
             return logits.argmax(dim=-1)
         # coupled: guess slot i (1-based) draws position `position + i`, as the target's

@@ -404,7 +404,7 @@ class DFlashDrafter(nn.Module):
         """Greedy block proposal over the host cache (:meth:`HostDrafting.propose`)."""
         return self.host.propose(context, last, block_size, features)
 
-    def select(self, hidden: Tensor, logits: Tensor, last: int, start: int,
+    def select(self, hidden: Tensor, logits: Tensor, last: int | Tensor, start: int | Tensor,
                sampling: SamplingParams) -> Tensor | None:
         """A drafter's own choice of guesses from the slots' final hidden states and
         logits (a DFlash2 drafter's candidate selector); None: each slot's argmax, or the

@@ -229,7 +229,7 @@ def test_coupled_guesses_use_the_targets_noise_at_each_guess_position(
     for start, same in ((10, True), (9, False), (11, False)):
         walk = selector_walk(scores, ids, e, sel.predecessor_codebook, sel.successor_codebook,
                              17, temperature=1.3, seed=21, start=start)
-        assert (walk == got) == same, start
+        assert (walk.tolist() == got) == same, start
 
 
 def test_coupled_guesses_follow_the_seed(tiny: TargetModel) -> None:
@@ -244,14 +244,44 @@ def test_coupled_guesses_follow_the_seed(tiny: TargetModel) -> None:
     assert len({r[0] for r in runs.values()}) > 1
 
 
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.5,
+                                                                       seed=5)])
+def test_the_device_path_equals_the_host_path(tiny: TargetModel,
+                                              sampling: SamplingParams) -> None:
+    """Drafting on static buffers with the accepted count as a tensor (the device path)
+    proposes what the host path proposes, step after step, greedy and coupled."""
+    import random
+
+    host, dev = drafter(tiny), drafter(tiny)
+    host.couple(sampling)
+    dev.couple(sampling)
+    B, rng = 4, random.Random(1)
+    n, total = 7, 7 + 8 * B
+    feats = torch.randn(total + B, host.config.feature_size,
+                        generator=torch.Generator().manual_seed(2))
+    context = [rng.randrange(V - 1) for _ in range(total + B)]
+    last = context[n]
+    want = host.propose(context[:n], last, B, feats[:n])
+    got = dev.start_device(feats[:n], last, capacity=total + 2 * B, block_size=B)
+    assert got.tolist() == want
+    for step in range(8):
+        commit = 1 + step % B
+        tokens = torch.tensor([rng.randrange(V - 1) for _ in range(B)])
+        last = int(tokens[commit - 1])
+        rows = feats[n : n + B]
+        dev.set_device_inputs(rows, torch.tensor([commit]), tokens)
+        got = dev.device_step()
+        context[n : n + commit] = [context[n], *tokens[: commit - 1].tolist()]
+        n += commit
+        assert got.tolist() == host.propose(context[:n], last, B, rows[:commit]), step
+
+
 def test_what_is_not_built_is_refused_by_name(tiny: TargetModel) -> None:
     d = drafter(tiny)
     with pytest.raises(DrafterFormatNotBuiltError, match="tree drafts from a DFlash2"):
         d.candidates(4)
     with pytest.raises(DrafterFormatNotBuiltError, match="training a DFlash2 drafter"):
         d.run_blocks()
-    with pytest.raises(DrafterFormatNotBuiltError, match="drafts on the host only"):
-        d.start_device(torch.zeros(1, d.config.feature_size), 1, 64, 4)
     assert not drafts_on_device(d) and not drafts_on_device(LookupAssistedDrafter(d))
     v1 = DFlashDrafter.random(DFlashConfig.for_target(hidden_size=H, vocab_size=V,
                                                       num_target_layers=TARGET_LAYERS),

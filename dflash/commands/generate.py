@@ -660,8 +660,8 @@ def prepare(args: argparse.Namespace) -> Prepared:
         )
     if tree_budget is not None and not drafts_trees(drafter):
         raise UsageError(
-            f"--tree-budget: tree drafts from a DFlash2 drafter are not built yet; draft "
-            f"chains with it (no --tree-budget) (got --draft {args.draft})"
+            f"--tree-budget: tree drafts from a DFlash2 drafter assisted by prompt lookup are "
+            f"not built yet; use the DFlash2 drafter alone (got --draft {args.draft})"
         )
     return Prepared(
         model, plan, prompt, drafter, oracle, dtype, devices, acceptance, codec, eos_id, sampling

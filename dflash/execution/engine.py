@@ -58,7 +58,7 @@ from dflash.geometry import ChainGeometry, TreeGeometry, require_chain, require_
 from dflash.model.caches import capture_kind
 from dflash.model.drafters import DeviceDrafter, Drafter
 from dflash.model.drafters.base import CoupledDrafter
-from dflash.model.drafters.dflash2_drafter import drafts_trees
+from dflash.model.drafters.dflash2_drafter import DFlash2Drafter, drafts_trees
 from dflash.model.drafters.errors import DrafterFormatNotBuiltError
 from dflash.model.drafters.trees import (
     BranchDrafter,
@@ -448,7 +448,6 @@ class SpecDecoder:
             )
         else:  # the chain proposal's per-slot distributions, grown best first
             proposal, _ = self.drafts.take(list(self.context), self.last)
-            candidates = cast(CandidateDrafter, self.drafter).candidates(TREE_CANDIDATES)
             branch = (  # prompt lookup's copy, kept whole as one branch when there is one
                 self.drafter.tree_branch() if isinstance(self.drafter, BranchDrafter) else None
             )
@@ -456,7 +455,11 @@ class SpecDecoder:
                 # sampling: the proposal's draws (coupled with the target's noise when the
                 # drafter couples) are the path plain sampling is likeliest to take
                 branch = proposal
-            tree = best_first_tree(self.last, candidates, self.tree_budget, branch=branch)
+            if isinstance(self.drafter, DFlash2Drafter):  # its selector's dependent paths
+                tree = self.drafter.selector_tree(self.last, self.tree_budget, branch=branch)
+            else:
+                candidates = cast(CandidateDrafter, self.drafter).candidates(TREE_CANDIDATES)
+                tree = best_first_tree(self.last, candidates, self.tree_budget, branch=branch)
         draft = self._tree_draft(tree)
         storages = self.target.storages() if gate else []
         if gate:
@@ -683,8 +686,8 @@ def _check_tree_budget(budget: object, target: ShardedTarget, drafter: Drafter) 
         )
     if not drafts_trees(drafter):
         raise DrafterFormatNotBuiltError(
-            "tree drafts from a DFlash2 drafter are not built yet (its selector's candidates "
-            "would grow them); draft chains with it (no tree budget)"
+            "tree drafts from a DFlash2 drafter assisted by prompt lookup are not built yet; "
+            "draft trees with the DFlash2 drafter alone, or chains"
         )
     tree_drafter = isinstance(drafter, TreeDrafter) and not drafter.tap_layers
     if not tree_drafter and not isinstance(drafter, CandidateDrafter):

@@ -16,24 +16,33 @@ layers run :meth:`DFlash2Layer.forward` (the packed CPU fast path is v1's alone)
 The device path (:class:`dflash_device.DeviceDrafting`) runs the same layers and the
 selector's walk on tensors (no host read), equal to the host path on the CPU; the engine
 keeps DFlash2 drafting on the host until that step has been run in a CUDA graph on a GPU
-(:func:`drafts_on_device`). Not built yet, each refused with
-:class:`DrafterFormatNotBuiltError`: tree drafts (:meth:`DFlash2Drafter.candidates`) and
-training (:meth:`DFlash2Drafter.run_blocks`).
+(:func:`drafts_on_device`). Tree drafts grow from the selector's dependent paths
+(:meth:`DFlash2Drafter.selector_tree`), not from independent per-slot candidates. Not
+built yet, each refused with :class:`DrafterFormatNotBuiltError`: trees with prompt
+lookup's assistance and training (:meth:`DFlash2Drafter.run_blocks`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash.model.drafters.dflash2_ops import candidates, conv_deltas, dynamic_conv, selector_walk
+from dflash.model.drafters.dflash2_ops import (
+    candidates,
+    conv_deltas,
+    dynamic_conv,
+    selector_tree,
+    selector_walk,
+)
 from dflash.model.drafters.dflash_config import DFlash2Config, DFlashConfig
 from dflash.model.drafters.dflash_drafter import DFlashDrafter
 from dflash.model.drafters.dflash_layers import DrafterLayer, ProductLinear
 from dflash.model.drafters.errors import DraftArgumentError, DrafterFormatNotBuiltError
+from dflash.model.drafters.trees import DraftTree
 from dflash.sampling import SamplingParams
 
 
@@ -104,6 +113,8 @@ class DFlash2Drafter(DFlashDrafter):
             )
         super().__init__(config, embed_weight, lm_head_weight, draft_dtype=draft_dtype)
         self.candidate_selector = CandidateSelector(config)
+        #: the last host proposal's (scores, ids, projected hidden, anchor): its tree's stuff
+        self._selection: tuple[Tensor, Tensor, Tensor, int] | None = None
 
     @classmethod
     def random(cls, config: DFlashConfig, embed_weight: Tensor, lm_head_weight: Tensor,
@@ -138,6 +149,8 @@ class DFlash2Drafter(DFlashDrafter):
         scores, ids = candidates(logits, cfg.selector_top_k, cfg.output_multiplier,
                                  cfg.final_logit_softcapping)
         e = F.linear(hidden.to(sel.hidden_projection.weight.dtype), sel.hidden_projection.weight)
+        if isinstance(last, int):  # a host proposal: kept for selector_tree()
+            self._selection = (scores, ids, e, last)
         return selector_walk(
             scores, ids, e, sel.predecessor_codebook, sel.successor_codebook, last,
             temperature=0.0 if sampling.greedy else sampling.temperature, seed=sampling.seed,
@@ -148,18 +161,34 @@ class DFlash2Drafter(DFlashDrafter):
 
     def candidates(self, k: int) -> list[list[tuple[int, float]]]:
         raise DrafterFormatNotBuiltError(
-            "tree drafts from a DFlash2 drafter are not built yet (its selector's candidates "
-            "would grow them); draft chains with it (no --tree-budget)"
+            "a DFlash2 drafter's candidates depend on the previous slot's choice: its trees "
+            "come from selector_tree(), not from independent per-slot candidates"
         )
+
+    def selector_tree(self, root: int, budget: int, *,
+                      branch: Sequence[int] | None = None) -> DraftTree:
+        """The draft tree of the last host proposal's selector paths
+        (:func:`dflash2_ops.selector_tree`; ``root`` its anchor, the pending token)."""
+        if self._selection is None:
+            raise DraftArgumentError("selector_tree() needs a host proposal first")
+        scores, ids, e, anchor = self._selection
+        if root != anchor:
+            raise DraftArgumentError(
+                f"selector_tree() root {root} is not the last proposal's anchor {anchor}"
+            )
+        sel = self.candidate_selector
+        return selector_tree(root, scores, ids, e, sel.predecessor_codebook,
+                             sel.successor_codebook, budget, branch=branch)
 
     def run_blocks(self, *args: Any, **kwargs: Any) -> Tensor:
         raise DrafterFormatNotBuiltError("training a DFlash2 drafter is not built yet")
 
 
 def drafts_trees(drafter: object) -> bool:
-    """Whether ``drafter`` (or the DFlash drafter inside it) can grow tree drafts: not a
-    DFlash2 drafter (trees from its selector are not built yet)."""
-    return not isinstance(getattr(drafter, "dflash", drafter), DFlash2Drafter)
+    """Whether ``drafter`` can grow tree drafts: not a DFlash2 drafter inside prompt
+    lookup's (its trees come from the selector, which that pairing does not ask yet)."""
+    inner = getattr(drafter, "dflash", None)
+    return not isinstance(inner, DFlash2Drafter)
 
 
 def drafts_on_device(drafter: object) -> bool:

@@ -12,7 +12,9 @@
   predecessor-codebook row and the candidate's successor-codebook row, modulated by the
   slot's projected hidden state. Greedy, or coupled to dflash's sampling rule: the
   candidate at slot ``j`` maximises ``score / T + G(seed, p0 + j, token)``, the target's
-  own noise at that position and token (:mod:`dflash.sampling`).
+  own noise at that position and token (:mod:`dflash.sampling`);
+- :func:`selector_tree`: the best-first draft tree of the selector's paths, each child's
+  probability conditioned on its parent's token.
 
 Everything is in float32 (the bilinear term, the unary maps and the walk) on the inputs'
 device; plain torch, the reference the drafter's kernels will be checked against.
@@ -20,10 +22,17 @@ device; plain torch, the reference the drafter's kernels will be checked against
 
 from __future__ import annotations
 
+import heapq
+import math
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
+from dflash.geometry import MAX_SLOTS
 from dflash.kernels.sample_reference import gumbel_noise_at
+from dflash.model.drafters.errors import DraftArgumentError
+from dflash.model.drafters.trees import DraftTree
 
 
 def conv_deltas(s: Tensor, projection: Tensor, kernel_size: int, groups: int) -> Tensor:
@@ -142,4 +151,84 @@ def selector_walk(
     return torch.cat(chosen)
 
 
-__all__ = ["candidates", "conv_deltas", "dynamic_conv", "selector_walk", "unary_scores"]
+def selector_tree(
+    root: int,
+    scores: Tensor,
+    ids: Tensor,
+    hidden: Tensor,
+    predecessor: Tensor,
+    successor: Tensor,
+    budget: int,
+    *,
+    branch: Sequence[int] | None = None,
+) -> DraftTree:
+    """The draft tree of the selector's ``budget`` best paths (root included) by joint
+    log-probability, each step's probabilities conditioned on the path's previous token.
+
+    A node at depth ``d`` holding token ``x`` (the root: ``root`` at depth 0) has as
+    children slot ``d``'s candidates ``ids[d]``, with log-probabilities
+    ``log_softmax(scores[d] + edge_d(x))`` — the selector's own distribution at
+    temperature 1 given that predecessor, so the tree's branches follow the dependencies
+    the selector was trained on (a v1 tree's per-depth candidates cannot). Nodes are taken
+    best joint score first (ties: shallower, then earlier pushed) from a heap holding every
+    child of every node taken; a parent is always taken before its children. ``branch``
+    (the proposal's path when the target samples, or a copy from the context): its first
+    ``budget // 2`` tokens go in first as a chain from the root, scored the same way
+    (``-inf`` from a token outside its slot's candidates on); a node equal to a branch
+    node (same parent, same token) is not taken twice. Depth is at most ``Q``.
+    """
+    q = ids.shape[0]
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= MAX_SLOTS:
+        raise DraftArgumentError(
+            f"'budget' must be an int in [1, MAX_SLOTS={MAX_SLOTS}] (got {budget!r})"
+        )
+    a, s_book, e = predecessor.float(), successor.float(), hidden.float()
+    id_rows = ids.tolist()
+
+    def child_log_probs(depth: int, token: int) -> list[float]:
+        """Slot ``depth``'s candidates' log-probabilities after ``token``."""
+        edge = (a[token] * e[depth]) @ s_book[ids[depth]].T
+        return torch.log_softmax(scores[depth].float() + edge, -1).tolist()
+
+    tokens, parents, log_probs, depths = [root], [-1], [0.0], [0]
+    taken: set[tuple[int, int]] = set()   # (parent slot, token)
+    for token in list(branch or [])[: budget // 2]:
+        d = depths[-1]
+        if d >= q:
+            break
+        lps = child_log_probs(d, tokens[-1])
+        lp = lps[id_rows[d].index(token)] if token in id_rows[d] else -math.inf
+        taken.add((len(tokens) - 1, token))
+        tokens.append(int(token))
+        parents.append(len(tokens) - 2)
+        log_probs.append(log_probs[-1] + lp)
+        depths.append(d + 1)
+    heap: list[tuple[float, int, int, int, int]] = []   # (-score, depth, order, parent, token)
+    order = 0
+
+    def push_children(slot: int) -> None:
+        nonlocal order
+        d = depths[slot]
+        if d >= q:
+            return
+        for c, lp in enumerate(child_log_probs(d, tokens[slot])):
+            heapq.heappush(heap, (-(log_probs[slot] + lp), d + 1, order, slot, id_rows[d][c]))
+            order += 1
+
+    for slot in range(len(tokens)):
+        push_children(slot)
+    while heap and len(tokens) < budget:
+        neg, d, _, parent, token = heapq.heappop(heap)
+        if (parent, token) in taken:
+            continue
+        taken.add((parent, token))
+        tokens.append(token)
+        parents.append(parent)
+        log_probs.append(-neg)
+        depths.append(d)
+        push_children(len(tokens) - 1)
+    return DraftTree(tokens=tuple(tokens), parents=tuple(parents), log_probs=tuple(log_probs))
+
+
+__all__ = ["candidates", "conv_deltas", "dynamic_conv", "selector_tree", "selector_walk",
+           "unary_scores"]

@@ -15,6 +15,7 @@ from dflash.model.drafters.dflash2_ops import (
     candidates,
     conv_deltas,
     dynamic_conv,
+    selector_tree,
     selector_walk,
     unary_scores,
 )
@@ -172,3 +173,68 @@ def test_coupled_draws_follow_the_selectors_softmax() -> None:
     chi2 = sum((counts[t] - n * q) ** 2 / (n * q) for t, q in zip(ids[0].tolist(), p,
                                                                 strict=True))
     assert chi2 < -2 * math.log(0.001), (counts, p)  # the chi-square(2) tail at p = 0.001
+
+
+def _all_paths(scores: torch.Tensor, ids: torch.Tensor, e: torch.Tensor, A: torch.Tensor,
+               S: torch.Tensor, root: int) -> dict[tuple[int, ...], float]:
+    """Every path of candidates from the root (depth 1..Q) and its joint log-probability,
+    by brute force."""
+    out: dict[tuple[int, ...], float] = {}
+
+    def walk(path: tuple[int, ...], prev: int, lp: float) -> None:
+        d = len(path)
+        if d == ids.shape[0]:
+            return
+        cond = torch.log_softmax(scores[d] + (A[prev] * e[d]) @ S[ids[d]].T, -1)
+        for c in range(ids.shape[1]):
+            tok = int(ids[d, c])
+            out[(*path, tok)] = lp + float(cond[c])
+            walk((*path, tok), tok, lp + float(cond[c]))
+
+    walk((), root, 0.0)
+    return out
+
+
+def _paths_of(tree: object) -> dict[tuple[int, ...], float]:
+    tokens, parents, lps = tree.tokens, tree.parents, tree.log_probs  # type: ignore[attr-defined]  # a DraftTree
+    out = {}
+    for s in range(1, len(tokens)):
+        path, node = [], s
+        while node > 0:
+            path.append(tokens[node])
+            node = parents[node]
+        out[tuple(reversed(path))] = lps[s]
+    return out
+
+
+@pytest.mark.parametrize("budget", [1, 2, 5, 13, 40])
+def test_the_selector_tree_holds_the_best_paths(budget: int) -> None:
+    """The tree's nodes are the budget - 1 best paths by joint log-probability under the
+    selector's conditional distributions (every path enumerated), each with its score;
+    parents precede children; never deeper than the slots."""
+    Q, k, V, R = 3, 3, 12, 4
+    scores, ids = rnd(Q, k), torch.stack([torch.randperm(V, generator=GEN)[:k] for _ in range(Q)])
+    e, A, S = rnd(Q, R), rnd(V, R), rnd(V, R)
+    tree = selector_tree(7, scores, ids, e, A, S, budget)
+    assert tree.tokens[0] == 7 and len(tree.tokens) == min(budget, 1 + 3 + 9 + 27)
+    assert all(p < s for s, p in enumerate(tree.parents) if s)
+    every = _all_paths(scores, ids, e, A, S, 7)
+    got = _paths_of(tree)
+    for path, lp in got.items():
+        assert math.isclose(lp, every[path], rel_tol=1e-5, abs_tol=1e-6), path
+    best = sorted(every.values(), reverse=True)[: len(got)]
+    assert sorted(got.values(), reverse=True) == pytest.approx(best, rel=1e-5, abs=1e-6)
+
+
+def test_a_branch_goes_in_first_and_is_scored() -> None:
+    Q, k, V, R = 3, 2, 10, 3
+    scores, ids = rnd(Q, k), torch.tensor([[1, 2], [3, 4], [5, 6]])
+    e, A, S = rnd(Q, R), rnd(V, R), rnd(V, R)
+    tree = selector_tree(0, scores, ids, e, A, S, 8, branch=[2, 9, 5])
+    assert tree.tokens[1:3] == (2, 9) and tree.parents[1:3] == (0, 1)  # budget // 2 = 4
+    every = _all_paths(scores, ids, e, A, S, 0)
+    assert math.isclose(tree.log_probs[1], every[(2,)], rel_tol=1e-5)
+    assert tree.log_probs[2] == -math.inf            # 9 is not a slot-1 candidate
+    assert len(set(zip(tree.parents, tree.tokens, strict=True))) == len(tree.tokens)
+    with pytest.raises(Exception, match="'budget' must be an int in"):
+        selector_tree(0, scores, ids, e, A, S, 0)

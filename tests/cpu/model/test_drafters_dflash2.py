@@ -278,8 +278,10 @@ def test_the_device_path_equals_the_host_path(tiny: TargetModel,
 
 def test_what_is_not_built_is_refused_by_name(tiny: TargetModel) -> None:
     d = drafter(tiny)
-    with pytest.raises(DrafterFormatNotBuiltError, match="tree drafts from a DFlash2"):
+    with pytest.raises(DrafterFormatNotBuiltError, match="depend on the previous slot"):
         d.candidates(4)
+    with pytest.raises(DraftArgumentError, match="needs a host proposal first"):
+        d.selector_tree(3, 8)
     with pytest.raises(DrafterFormatNotBuiltError, match="training a DFlash2 drafter"):
         d.run_blocks()
     assert not drafts_on_device(d) and not drafts_on_device(LookupAssistedDrafter(d))
@@ -291,15 +293,31 @@ def test_what_is_not_built_is_refused_by_name(tiny: TargetModel) -> None:
         DFlashDrafter(config(), tiny.embed_tokens.weight, tiny.lm_head.weight)
 
 
-def test_trees_are_refused_before_decoding(tiny: TargetModel, tmp_path: Path,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
-    """The library refuses a tree budget with a DFlash2 drafter when the decoder is made,
-    the command line before loading anything else (exit 2, one line)."""
+@pytest.mark.parametrize("mode", ROLLBACK_MODES)
+@pytest.mark.parametrize("rule", [SamplingParams(), SamplingParams(temperature=0.9, seed=4)])
+def test_tree_decoding_from_the_selector_is_lossless(
+    tiny: TargetModel, mode: RollbackMode, rule: SamplingParams
+) -> None:
+    plan = plan_shards(TARGET_LAYERS, "cpu", None)
+    want = reference_greedy(tiny, plan, PROMPT, 12, sampling=rule)
+    got = generate(tiny, drafter(tiny), PROMPT, plan=plan, max_new_tokens=12, block_size=4,
+                   policy=RollbackPolicy(mode=mode), tree_budget=10, sampling=rule)
+    assert got.tokens == want
+    assert got.tree_budget == 10 and (got.nodes_per_step or 0) > 4  # trees were verified
+
+
+def test_trees_from_the_command_line_and_lookups_refused(
+    tiny: TargetModel, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--tree-budget`` with a DFlash2 directory decodes trees (parity checked); with prompt
+    lookup's assistance, which does not ask the selector yet, it is refused before
+    decoding (exit 2, one line), and the library refuses it when the decoder is made."""
     from dflash.cli import main
 
-    with pytest.raises(DrafterFormatNotBuiltError, match="tree drafts from a DFlash2"):
-        generate(tiny, drafter(tiny), PROMPT, plan=plan_shards(TARGET_LAYERS, "cpu", None),
-                 max_new_tokens=4, block_size=4, tree_budget=8)
+    with pytest.raises(DrafterFormatNotBuiltError, match="assisted by prompt lookup"):
+        generate(tiny, LookupAssistedDrafter(drafter(tiny)), PROMPT,
+                 plan=plan_shards(TARGET_LAYERS, "cpu", None), max_new_tokens=4,
+                 block_size=4, tree_budget=8)
     base = DFlashConfig.for_target(hidden_size=tiny.config.hidden_size,
                                    vocab_size=tiny.config.vocab_size,
                                    num_target_layers=tiny.config.num_hidden_layers,
@@ -309,10 +327,11 @@ def test_trees_are_refused_before_decoding(tiny: TargetModel, tmp_path: Path,
                                         "selector_top_k": 3})
     DFlashDrafter.random(cfg, tiny.embed_tokens.weight, tiny.lm_head.weight,
                          seed=1).save_pretrained(tmp_path / "d2")
-    args = ["generate", "--model", "tiny", "--draft", str(tmp_path / "d2"), "--devices", "cpu",
-            "--prompt-len", "8", "--max-new-tokens", "4", "--no-progress"]
-    assert main([*args, "--tree-budget", "8"]) == 2
-    assert "--tree-budget: tree drafts from a DFlash2 drafter" in capsys.readouterr().err
-    assert main([*args, "--check-parity", "--json"]) == 0
+    args = ["generate", "--model", "tiny", "--devices", "cpu", "--prompt-len", "8",
+            "--max-new-tokens", "6", "--no-progress", "--json", "--check-parity"]
+    assert main([*args, "--draft", str(tmp_path / "d2"), "--tree-budget", "8"]) == 0
     out = capsys.readouterr().out
     assert '"drafter":"dflash2"' in out and '"parity":true' in out
+    assert '"tree_budget":8' in out
+    assert main([*args, "--draft", str(tmp_path / "d2") + "+lookup", "--tree-budget", "8"]) == 2
+    assert "assisted by prompt lookup are not built yet" in capsys.readouterr().err

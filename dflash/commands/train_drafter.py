@@ -43,6 +43,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-layers", type=int, default=1, help="drafter layers")
     p.add_argument(
+        "--format",
+        choices=("dflash", "dflash2"),
+        default="dflash",
+        help="dflash: z-lab's DFlash drafter (default); dflash2: DFlash2 (convolutions "
+        "around each sublayer, a candidate selector; specs/dflash2.md)",
+    )
+    p.add_argument(
         "--target-layers",
         type=_layer_list,
         default=(),
@@ -120,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         block_size=args.block_size,
         num_layers=args.num_layers,
+        format=args.format,
         anchors=args.anchors,
         gamma=args.gamma,
         teacher=args.teacher,

@@ -42,7 +42,13 @@ from dflash.model import TargetModel
 
 if TYPE_CHECKING:
     from dflash.execution import ShardedTarget, ShardPlan
-from dflash.model.drafters import DFlashConfig, DFlashDrafter, Drafter, PromptLookupDrafter
+from dflash.model.drafters import (
+    DFlash2Config,
+    DFlashConfig,
+    DFlashDrafter,
+    Drafter,
+    PromptLookupDrafter,
+)
 from dflash.model.drafters.dflash_layers import math_attention
 from dflash.training.data import (
     DataError,
@@ -75,6 +81,7 @@ class TrainConfig:
     warmup: int = 0  # steps; 0: 4 % of the run
     block_size: int = 16
     num_layers: int = 1
+    format: str = "dflash"  # "dflash" (z-lab's v1) or "dflash2" (convolutions, selector)
     anchors: int = 32  # anchored blocks per sequence per step
     gamma: float | None = None  # None: default_gamma(block_size)
     teacher: str = "generate"
@@ -145,6 +152,8 @@ def _check(cfg: TrainConfig) -> None:
         raise DataError(f"'lr' must be > 0 (got {cfg.lr})")
     if cfg.gamma is not None and not cfg.gamma > 0:
         raise DataError(f"'gamma' must be > 0 (got {cfg.gamma})")
+    if cfg.format not in DRAFTER_FORMATS:
+        raise DataError(f"'format' must be one of {list(DRAFTER_FORMATS)} (got {cfg.format!r})")
     if cfg.teacher not in TEACHER_MODES:
         raise DataError(f"'teacher' must be one of {list(TEACHER_MODES)} (got {cfg.teacher!r})")
     if cfg.dtype not in ("bfloat16", "float32"):
@@ -167,7 +176,30 @@ def load_target(cfg: TrainConfig) -> TargetModel:
 
 
 def drafter_config(cfg: TrainConfig, model: TargetModel) -> DFlashConfig:
-    """A drafter with the target's attention shape; z-lab's default taps unless given."""
+    """A drafter with the target's attention shape; z-lab's default taps unless given. A
+    DFlash2 one (``format="dflash2"``) adds the published drafters' convolution and
+    selector settings (:data:`DFLASH2_DEFAULTS`), the group size and rank fitted to small
+    targets (a group of 16 channels where it divides the width, rank at most the width)."""
+    v1 = _v1_config(cfg, model)
+    if cfg.format == "dflash":
+        return v1
+    h = v1.hidden_size
+    group = next(g for g in (DFLASH2_DEFAULTS["conv_group_size"], 8, 4, 2, 1) if h % g == 0)
+    return DFlash2Config.model_validate({
+        **v1.model_dump(), **DFLASH2_DEFAULTS, "conv_group_size": group,
+        "selector_rank": min(DFLASH2_DEFAULTS["selector_rank"], h),
+        "selector_top_k": min(DFLASH2_DEFAULTS["selector_top_k"], v1.vocab_size),
+    })
+
+
+#: the drafter formats ``train_drafter`` writes
+DRAFTER_FORMATS = ("dflash", "dflash2")
+#: a DFlash2 drafter's convolution and selector settings (the published drafters')
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
+                    "selector_top_k": 16}
+
+
+def _v1_config(cfg: TrainConfig, model: TargetModel) -> DFlashConfig:
     tc = model.config
     return DFlashConfig.for_target(
         hidden_size=tc.hidden_size,

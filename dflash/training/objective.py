@@ -11,6 +11,16 @@ the mask token)::
     loss   = Σ_{j, k>=1} w_k · CE(logits[j, k], ids[a_j + k]) / Σ w_k,
              w_k = exp(-(k-1)/γ)  (earlier slots matter more: a later slot counts only if
              every earlier one was accepted)
+
+A DFlash2 drafter (``specs/dflash2.md``) adds the candidate selector's term, with the same
+weights: at slot ``k`` its candidates are the ``selector_top_k`` best tokens of the slot's
+logits (chosen without gradient; the label replaces the last when it is not among them),
+scored with the TRUE previous token ``ids[a_j + k - 1]`` as predecessor (teacher forcing)::
+
+    loss  += Σ_{j, k>=1} w_k · CE(selector_scores[j, k], label's candidate) / Σ w_k
+
+and its logits term is on the unary scores (the logits scaled by ``output_multiplier``,
+then soft-capped), the distribution its candidates come from.
 """
 
 from __future__ import annotations
@@ -21,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash.model.drafters import DFlashDrafter
+from dflash.model.drafters import DFlash2Drafter, DFlashDrafter
+from dflash.model.drafters.dflash2_ops import unary_scores
 
 # γ by block size, from the DFlash paper's recipe (7 for B=16, 5 for B=10, 4 for B=8)
 _GAMMA_BY_BLOCK = {8: 4.0, 10: 5.0, 16: 7.0}
@@ -83,6 +94,9 @@ def block_forward(
     attention over [context ; every block] with the other blocks masked out (``C + A*B``
     scores per query: the reference the blocked form is tested and timed against).
     """
+    if dense and isinstance(drafter, DFlash2Drafter):
+        raise ValueError("a DFlash2 drafter's blocks run blocked only (its convolutions run "
+                         "inside each block): dense=False")
     n, s = ids.shape
     b = drafter.config.block_size
     device = drafter.device
@@ -124,10 +138,39 @@ def block_loss(
     q_pos = (anchors.to(device)[:, :, None] + torch.arange(b, device=device)).reshape(n, -1)
     labels = torch.gather(ids.to(device), 1, q_pos)  # [N, A*B]: token at a + k
     w = slot_weights(b, gamma, device).repeat(anchors.shape[1])[None].expand(n, -1)
+    raw = logits
+    if isinstance(drafter, DFlash2Drafter):  # its distribution: the unary scores
+        cfg = drafter.config
+        logits = unary_scores(raw, cfg.output_multiplier, cfg.final_logit_softcapping)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     loss = (ce * w.reshape(-1)).sum() / w.sum()
+    picked = logits.argmax(-1)
+    if isinstance(drafter, DFlash2Drafter):
+        sel_ce, picked = _selector_term(drafter, hidden, raw, ids.to(device), q_pos, labels)
+        loss = loss + (sel_ce * w).sum() / w.sum()
     with torch.no_grad():
         counted = w > 0
-        right = (logits.argmax(-1) == labels) & counted
+        right = (picked == labels) & counted
         accuracy = float(right.sum()) / max(1, int(counted.sum()))
     return BlockLoss(loss, accuracy, int(counted.sum()))
+
+
+def _selector_term(
+    drafter: DFlash2Drafter, hidden: Tensor, logits: Tensor, ids: Tensor, q_pos: Tensor,
+    labels: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Per slot: the selector's cross-entropy on the label among its candidates, with the
+    true predecessor (module docstring), and its teacher-forced pick ``[N, A*B]``;
+    ``logits`` raw (the LM head's). The anchor slots (weight 0) get their own token as
+    predecessor, a placeholder."""
+    k = drafter.config.selector_top_k
+    with torch.no_grad():
+        cands = logits.topk(k, dim=-1).indices                          # [N, A*B, K]
+        inside = (cands == labels[..., None]).any(-1)
+        cands[..., -1] = torch.where(inside, cands[..., -1], labels)    # the label is in
+        target = (cands == labels[..., None]).float().argmax(-1)        # its candidate index
+    previous = torch.gather(ids, 1, (q_pos - 1).clamp(min=0))         # token at a + k - 1
+    scores = drafter.selector_scores(hidden, logits, previous, cands)   # [N, A*B, K]
+    ce = F.cross_entropy(scores.reshape(-1, k), target.reshape(-1), reduction="none")
+    picked = cands.gather(-1, scores.argmax(-1, keepdim=True))[..., 0]
+    return ce.reshape(labels.shape), picked

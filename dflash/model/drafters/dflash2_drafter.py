@@ -17,9 +17,11 @@ The device path (:class:`dflash_device.DeviceDrafting`) runs the same layers and
 selector's walk on tensors (no host read), equal to the host path on the CPU; the engine
 keeps DFlash2 drafting on the host until that step has been run in a CUDA graph on a GPU
 (:func:`drafts_on_device`). Tree drafts grow from the selector's dependent paths
-(:meth:`DFlash2Drafter.selector_tree`), not from independent per-slot candidates. Not
-built yet, each refused with :class:`DrafterFormatNotBuiltError`: trees with prompt
-lookup's assistance and training (:meth:`DFlash2Drafter.run_blocks`).
+(:meth:`DFlash2Drafter.selector_tree`), not from independent per-slot candidates.
+Training (:mod:`dflash.training.objective`) convolves each anchored block on its own and
+trains the selector on the true predecessor (:meth:`DFlash2Drafter.selector_scores`). Not
+built yet, refused with :class:`DrafterFormatNotBuiltError`: trees with prompt lookup's
+assistance.
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ from dflash.model.drafters.dflash2_ops import (
     dynamic_conv,
     selector_tree,
     selector_walk,
+    unary_scores,
 )
 from dflash.model.drafters.dflash_config import DFlash2Config, DFlashConfig
 from dflash.model.drafters.dflash_drafter import DFlashDrafter
-from dflash.model.drafters.dflash_layers import DrafterLayer, ProductLinear
+from dflash.model.drafters.dflash_layers import BlockedVisibility, DrafterLayer, ProductLinear
 from dflash.model.drafters.errors import DraftArgumentError, DrafterFormatNotBuiltError
 from dflash.model.drafters.trees import DraftTree
 from dflash.sampling import SamplingParams
@@ -59,12 +62,21 @@ class DynamicConv(nn.Module):
             cfg.hidden_size, 2 * cfg.conv_kernel_size * cfg.conv_groups, bias=False
         )
 
-    def around(self, s: Tensor, sublayer: Any, *args: Any) -> Tensor:
-        """``conv_1(sublayer(conv_0(s), *args))`` over the block's rows ``s [N, Q, H]``,
-        both sides' deltas from ``s``."""
+    def around(self, s: Tensor, sublayer: Any, *args: Any, block_size: int | None = None,
+               ) -> Tensor:
+        """``conv_1(sublayer(conv_0(s), *args))`` over the rows ``s [N, Q, H]``, both
+        sides' deltas from ``s``: one block (``block_size`` None), or ``Q / block_size``
+        blocks side by side (training), each convolved on its own."""
+        n, q, h = s.shape
+        per_block = (n, q // block_size, block_size, h) if block_size else s.shape
+
+        def conv(z: Tensor, side: int, delta: Tensor) -> Tensor:
+            out = dynamic_conv(z.reshape(per_block), self.base_kernel[side],
+                               delta.reshape(*per_block[:-1], *delta.shape[-2:]).to(z.dtype))
+            return out.reshape(n, q, h)
+
         delta = conv_deltas(s, self.kernel_projection.weight, self.kernel_size, self.groups)
-        y = sublayer(dynamic_conv(s, self.base_kernel[0], delta[0].to(s.dtype)), *args)
-        return dynamic_conv(y, self.base_kernel[1], delta[1].to(y.dtype))
+        return conv(sublayer(conv(s, 0, delta[0]), *args), 1, delta[1])
 
 
 class DFlash2Layer(DrafterLayer):
@@ -78,9 +90,14 @@ class DFlash2Layer(DrafterLayer):
         self.mlp_conv = DynamicConv(cfg)
 
     def forward(self, x: Tensor, *attn_args: Any) -> Tensor:
-        """``x: [N, Q, H]``: the rows of one block (the convolutions run along them)."""
-        x = x + self.attention_conv.around(self.input_layernorm(x), self.self_attn, *attn_args)
-        out: Tensor = x + self.mlp_conv.around(self.post_attention_layernorm(x), self.mlp)
+        """``x: [N, Q, H]``: one block's rows, or (training, a :class:`BlockedVisibility`
+        last in ``attn_args``) many blocks', the convolutions running inside each."""
+        visible = attn_args[-1] if attn_args else None
+        block = visible.block_size if isinstance(visible, BlockedVisibility) else None
+        x = x + self.attention_conv.around(self.input_layernorm(x), self.self_attn, *attn_args,
+                                           block_size=block)
+        out: Tensor = x + self.mlp_conv.around(self.post_attention_layernorm(x), self.mlp,
+                                               block_size=block)
         return out
 
 
@@ -180,8 +197,19 @@ class DFlash2Drafter(DFlashDrafter):
         return selector_tree(root, scores, ids, e, sel.predecessor_codebook,
                              sel.successor_codebook, budget, branch=branch)
 
-    def run_blocks(self, *args: Any, **kwargs: Any) -> Tensor:
-        raise DrafterFormatNotBuiltError("training a DFlash2 drafter is not built yet")
+    def selector_scores(self, hidden: Tensor, logits: Tensor, previous: Tensor,
+                        candidates_ids: Tensor) -> Tensor:
+        """Training's selector scores: ``hidden [..., H]`` and ``logits [..., V]`` of some
+        slots, each slot's true predecessor token ``previous [...]`` and candidate tokens
+        ``candidates_ids [..., K]`` → ``[..., K]`` float32: the candidates' unary scores
+        plus the bilinear term with the predecessor (teacher forcing)."""
+        cfg, sel = self.config, self.candidate_selector
+        unary = unary_scores(logits.gather(-1, candidates_ids), cfg.output_multiplier,
+                             cfg.final_logit_softcapping)
+        e: Tensor = sel.hidden_projection(hidden).float()                 # [..., R]
+        a = sel.predecessor_codebook[previous].float()                    # [..., R]
+        s_rows = sel.successor_codebook[candidates_ids].float()           # [..., K, R]
+        return unary + ((a * e)[..., None, :] * s_rows).sum(-1)
 
 
 def drafts_trees(drafter: object) -> bool:

@@ -35,7 +35,6 @@ from dflash.model.drafters import (
     ScoredDrafter,
     stack_tap_features,
 )
-from dflash.model.drafters.dflash2_drafter import drafts_on_device
 
 
 class DraftSource(Protocol):
@@ -208,10 +207,9 @@ def drafter_reach(drafter: Drafter) -> int | None:
 
 
 def draft_source(target: ShardedTarget, drafter: Drafter, block_size: int) -> DraftSource:
-    """:class:`DeviceDrafts` when the drafter can draft on the device (a DFlash2 drafter
-    cannot yet) and the target runs CUDA graphs, else :class:`HostDrafts`."""
-    if (target.graphs is not None and drafter.tap_layers and isinstance(drafter, DeviceDrafter)
-            and drafts_on_device(drafter)):
+    """:class:`DeviceDrafts` when the drafter can draft on the device and the target runs
+    CUDA graphs, else :class:`HostDrafts`."""
+    if target.graphs is not None and drafter.tap_layers and isinstance(drafter, DeviceDrafter):
         return DeviceDrafts(target, drafter, block_size)
     return HostDrafts(target, drafter, block_size)
 

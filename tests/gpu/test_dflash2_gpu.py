@@ -1,7 +1,6 @@
 """A DFlash2 drafter's device step on a GPU (skipped without CUDA): captured in a CUDA graph
 (no host read inside it) and replayed step after step, it proposes what the host path
-proposes, greedy and coupled to a sampling rule. The engine drafts DFlash2 on the host
-until this passes on the GPU (``dflash.model.drafters.dflash2_drafter.drafts_on_device``).
+proposes, greedy and coupled to a sampling rule.
 
 Run: ``python -m pytest tests/gpu/test_dflash2_gpu.py -q``
 """

@@ -14,9 +14,10 @@ the host context cache (:class:`dflash_host.HostDrafting`) serves DFlash2 unchan
 layers run :meth:`DFlash2Layer.forward` (the packed CPU fast path is v1's alone).
 
 The device path (:class:`dflash_device.DeviceDrafting`) runs the same layers and the
-selector's walk on tensors (no host read), equal to the host path on the CPU; the engine
-keeps DFlash2 drafting on the host until that step has been run in a CUDA graph on a GPU
-(:func:`drafts_on_device`). Tree drafts grow from the selector's dependent paths
+selector's walk on tensors (no host read, so a CUDA graph holds the step): equal to the
+host path on the CPU, also replayed from a recorded graph. (Drafts never change the
+output: a device step that could not be captured would run eagerly, and one that drafted
+differently would only be accepted less.) Tree drafts grow from the selector's dependent paths
 (:meth:`DFlash2Drafter.selector_tree`), not from independent per-slot candidates.
 Training (:mod:`dflash.training.objective`) convolves each anchored block on its own and
 trains the selector on the true predecessor (:meth:`DFlash2Drafter.selector_scores`). Not
@@ -219,13 +220,5 @@ def drafts_trees(drafter: object) -> bool:
     return not isinstance(inner, DFlash2Drafter)
 
 
-def drafts_on_device(drafter: object) -> bool:
-    """Whether the engine drafts with ``drafter`` (or the DFlash drafter inside it) on the
-    device: not a DFlash2 drafter, until its device step has run in a CUDA graph on a GPU
-    (it equals the host path on the CPU, and makes no host read by construction)."""
-    inner = getattr(drafter, "dflash", drafter)
-    return not isinstance(inner, DFlash2Drafter)
-
-
 __all__ = ["CandidateSelector", "DFlash2Drafter", "DFlash2Layer", "DynamicConv",
-           "drafts_on_device", "drafts_trees"]
+           "drafts_trees"]

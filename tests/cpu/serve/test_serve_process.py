@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -118,6 +119,36 @@ def test_the_openai_client_gets_the_librarys_text(server: Server, llm: dflash.LL
         client.chat.completions.create(model="other", messages=MESSAGES, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=0)
+
+
+def test_a_second_turn_reports_cached_tokens_and_equals_a_cold_run() -> None:
+    """Through the official client: a conversation's second turn is served from the
+    prefix cache (``cached_tokens`` > 0) and answers what the library answers cold, with
+    the server's prefill chunks (greedy and seeded sampling)."""
+    cold = dflash.load(prefill_chunk=16)
+    s = Server("--prefill-chunk", "16")
+    try:
+        client = s.client()
+        first = [{"role": "system", "content": "You write short Python functions."},
+                 {"role": "user", "content": "a function that adds two numbers, with a docstring"}]
+        for temperature, seed in ((0.0, 0), (0.7, 11)):
+            def ask(messages: list[dict[str, str]],
+                    temperature: float = temperature, seed: int = seed) -> Any:
+                return client.chat.completions.create(
+                    model="default", messages=cast(list[ChatCompletionMessageParam], messages),
+                    max_tokens=16, temperature=temperature, seed=seed)
+
+            reply = ask(first).choices[0].message.content or ""
+            second = [*first, {"role": "assistant", "content": reply},
+                      {"role": "user", "content": "now one that multiplies"}]
+            b = ask(second)
+            assert b.usage is not None and b.usage.prompt_tokens_details is not None
+            assert (b.usage.prompt_tokens_details.cached_tokens or 0) >= 16
+            want = cold.generate(cold.render_chat(second), max_new_tokens=16,
+                                 temperature=temperature, seed=seed)
+            assert want.cached_tokens == 0 and b.choices[0].message.content == want.text
+    finally:
+        s.stop()
 
 
 def test_eight_clients_twenty_requests_each(server: Server, llm: dflash.LLM) -> None:

@@ -553,7 +553,6 @@ def prepare(args: argparse.Namespace) -> Prepared:
     )
     from dflash.execution.shards import plan_shards
     from dflash.geometry import MAX_SLOTS
-    from dflash.model.drafters.dflash2_drafter import drafts_trees
     from dflash.model.drafters.trees import CandidateDrafter, TreeDrafter
 
     if args.devices is not None and not args.devices.strip():
@@ -657,11 +656,6 @@ def prepare(args: argparse.Namespace) -> Prepared:
             f"--tree-budget needs a drafter that gives per-slot candidates: --draft "
             f"dflash+lookup, dflash, a DFlash drafter directory, or synthetic (got --draft "
             f"{args.draft})"
-        )
-    if tree_budget is not None and not drafts_trees(drafter):
-        raise UsageError(
-            f"--tree-budget: tree drafts from a DFlash2 drafter assisted by prompt lookup are "
-            f"not built yet; use the DFlash2 drafter alone (got --draft {args.draft})"
         )
     return Prepared(
         model, plan, prompt, drafter, oracle, dtype, devices, acceptance, codec, eos_id, sampling

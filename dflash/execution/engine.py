@@ -58,8 +58,7 @@ from dflash.geometry import ChainGeometry, TreeGeometry, require_chain, require_
 from dflash.model.caches import capture_kind
 from dflash.model.drafters import DeviceDrafter, Drafter
 from dflash.model.drafters.base import CoupledDrafter
-from dflash.model.drafters.dflash2_drafter import DFlash2Drafter, drafts_trees
-from dflash.model.drafters.errors import DrafterFormatNotBuiltError
+from dflash.model.drafters.dflash2_drafter import DFlash2Drafter
 from dflash.model.drafters.trees import (
     BranchDrafter,
     CandidateDrafter,
@@ -455,8 +454,9 @@ class SpecDecoder:
                 # sampling: the proposal's draws (coupled with the target's noise when the
                 # drafter couples) are the path plain sampling is likeliest to take
                 branch = proposal
-            if isinstance(self.drafter, DFlash2Drafter):  # its selector's dependent paths
-                tree = self.drafter.selector_tree(self.last, self.tree_budget, branch=branch)
+            inner = getattr(self.drafter, "dflash", self.drafter)  # prompt lookup's inside
+            if isinstance(inner, DFlash2Drafter):  # its selector's dependent paths
+                tree = inner.selector_tree(self.last, self.tree_budget, branch=branch)
             else:
                 candidates = cast(CandidateDrafter, self.drafter).candidates(TREE_CANDIDATES)
                 tree = best_first_tree(self.last, candidates, self.tree_budget, branch=branch)
@@ -683,11 +683,6 @@ def _check_tree_budget(budget: object, target: ShardedTarget, drafter: Drafter) 
         raise ValueError(
             f"'tree_budget'={budget} exceeds the capture slots max_draft={target.max_draft} "
             "the target was built with"
-        )
-    if not drafts_trees(drafter):
-        raise DrafterFormatNotBuiltError(
-            "tree drafts from a DFlash2 drafter assisted by prompt lookup are not built yet; "
-            "draft trees with the DFlash2 drafter alone, or chains"
         )
     tree_drafter = isinstance(drafter, TreeDrafter) and not drafter.tap_layers
     if not tree_drafter and not isinstance(drafter, CandidateDrafter):

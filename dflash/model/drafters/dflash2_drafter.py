@@ -18,11 +18,10 @@ selector's walk on tensors (no host read, so a CUDA graph holds the step): equal
 host path on the CPU, also replayed from a recorded graph. (Drafts never change the
 output: a device step that could not be captured would run eagerly, and one that drafted
 differently would only be accepted less.) Tree drafts grow from the selector's dependent paths
-(:meth:`DFlash2Drafter.selector_tree`), not from independent per-slot candidates.
-Training (:mod:`dflash.training.objective`) convolves each anchored block on its own and
-trains the selector on the true predecessor (:meth:`DFlash2Drafter.selector_scores`). Not
-built yet, refused with :class:`DrafterFormatNotBuiltError`: trees with prompt lookup's
-assistance.
+(:meth:`DFlash2Drafter.selector_tree`; with prompt lookup's assistance its copy is the
+tree's first branch), not from independent per-slot candidates. Training
+(:mod:`dflash.training.objective`) convolves each anchored block on its own and trains
+the selector on the true predecessor (:meth:`DFlash2Drafter.selector_scores`).
 """
 
 from __future__ import annotations
@@ -213,12 +212,4 @@ class DFlash2Drafter(DFlashDrafter):
         return unary + ((a * e)[..., None, :] * s_rows).sum(-1)
 
 
-def drafts_trees(drafter: object) -> bool:
-    """Whether ``drafter`` can grow tree drafts: not a DFlash2 drafter inside prompt
-    lookup's (its trees come from the selector, which that pairing does not ask yet)."""
-    inner = getattr(drafter, "dflash", None)
-    return not isinstance(inner, DFlash2Drafter)
-
-
-__all__ = ["CandidateSelector", "DFlash2Drafter", "DFlash2Layer", "DynamicConv",
-           "drafts_trees"]
+__all__ = ["CandidateSelector", "DFlash2Drafter", "DFlash2Layer", "DynamicConv"]

@@ -299,18 +299,25 @@ def test_tree_decoding_from_the_selector_is_lossless(
     assert got.tree_budget == 10 and (got.nodes_per_step or 0) > 4  # trees were verified
 
 
-def test_trees_from_the_command_line_and_lookups_refused(
-    tiny: TargetModel, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """``--tree-budget`` with a DFlash2 directory decodes trees (parity checked); with prompt
-    lookup's assistance, which does not ask the selector yet, it is refused before
-    decoding (exit 2, one line), and the library refuses it when the decoder is made."""
+@pytest.mark.parametrize("rule", [SamplingParams(), SamplingParams(temperature=0.9, seed=4)])
+def test_trees_with_prompt_lookup_are_lossless(tiny: TargetModel, rule: SamplingParams) -> None:
+    """Assisted by prompt lookup (a repetitive prompt: copies to find), the selector's tree
+    takes the copy as its first branch; decoding stays plain decoding's."""
+    plan = plan_shards(TARGET_LAYERS, "cpu", None)
+    prompt = PROMPT * 3
+    want = reference_greedy(tiny, plan, prompt, 12, sampling=rule)
+    got = generate(tiny, LookupAssistedDrafter(drafter(tiny)), prompt, plan=plan,
+                   max_new_tokens=12, block_size=4, policy=RollbackPolicy(mode="checkpoint"),
+                   tree_budget=10, sampling=rule)
+    assert got.tokens == want and got.drafter == "dflash2+lookup"
+
+
+def test_trees_from_the_command_line(tiny: TargetModel, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tree-budget`` with a DFlash2 directory, alone or assisted by prompt lookup,
+    decodes trees with parity checked."""
     from dflash.cli import main
 
-    with pytest.raises(DrafterFormatNotBuiltError, match="assisted by prompt lookup"):
-        generate(tiny, LookupAssistedDrafter(drafter(tiny)), PROMPT,
-                 plan=plan_shards(TARGET_LAYERS, "cpu", None), max_new_tokens=4,
-                 block_size=4, tree_budget=8)
     base = DFlashConfig.for_target(hidden_size=tiny.config.hidden_size,
                                    vocab_size=tiny.config.vocab_size,
                                    num_target_layers=tiny.config.num_hidden_layers,
@@ -321,10 +328,11 @@ def test_trees_from_the_command_line_and_lookups_refused(
     DFlashDrafter.random(cfg, tiny.embed_tokens.weight, tiny.lm_head.weight,
                          seed=1).save_pretrained(tmp_path / "d2")
     args = ["generate", "--model", "tiny", "--devices", "cpu", "--prompt-len", "8",
-            "--max-new-tokens", "6", "--no-progress", "--json", "--check-parity"]
-    assert main([*args, "--draft", str(tmp_path / "d2"), "--tree-budget", "8"]) == 0
-    out = capsys.readouterr().out
-    assert '"drafter":"dflash2"' in out and '"parity":true' in out
-    assert '"tree_budget":8' in out
-    assert main([*args, "--draft", str(tmp_path / "d2") + "+lookup", "--tree-budget", "8"]) == 2
-    assert "assisted by prompt lookup are not built yet" in capsys.readouterr().err
+            "--max-new-tokens", "6", "--no-progress", "--json", "--check-parity",
+            "--tree-budget", "8"]
+    for spec, label in ((str(tmp_path / "d2"), "dflash2"),
+                        (str(tmp_path / "d2") + "+lookup", "dflash2+lookup")):
+        assert main([*args, "--draft", spec]) == 0
+        out = capsys.readouterr().out
+        assert f'"drafter":"{label}"' in out and '"parity":true' in out
+        assert '"tree_budget":8' in out

@@ -37,7 +37,9 @@ class OracleMismatchError(DrafterError, UsageError):
 
 
 class DrafterFormatNotBuiltError(DrafterError, UsageError):
-    """A valid drafter checkpoint of a format dflash reads but cannot draft with yet."""
+    """A drafter asked for what its format does not give: a DFlash2 drafter's independent
+    per-slot candidates (its slots depend on each other: its trees come from its
+    selector)."""
 
 
 class DrafterCheckpointError(DrafterError, CheckpointError):

@@ -119,6 +119,7 @@ class DFlash2Drafter(DFlashDrafter):
     label = "dflash2"
     config: DFlash2Config
     layer_class = DFlash2Layer
+    config_class = DFlash2Config
     #: the host path runs the layers' :meth:`DFlash2Layer.forward`, not v1's packed form
     packs_layers = False
 

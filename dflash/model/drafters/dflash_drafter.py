@@ -76,6 +76,9 @@ class DFlashDrafter(nn.Module):
     label = "dflash"
     #: the class of each layer (a DFlash2 drafter's wrap their sublayers in convolutions)
     layer_class: type[DrafterLayer] = DrafterLayer
+    #: the config class this drafter reads (a subclass with its own registers itself)
+    config_class: type[DFlashConfig] = DFlashConfig
+    _formats: dict[type[DFlashConfig], type[DFlashDrafter]] = {}  # noqa: RUF012  # the class registry, written by __init_subclass__ only
     #: host proposals on CPU run the layers' packed weights (:meth:`DrafterLayer.infer`)
     packs_layers = True
     _embed_weight: Tensor  # [V, H], the target's, by reference
@@ -192,15 +195,20 @@ class DFlashDrafter(nn.Module):
         drafter.to_empty(device=embed_weight.device)
         return drafter.to(dtype=dtype or embed_weight.dtype)
 
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        """A subclass naming its own :attr:`config_class` becomes that config's drafter
+        (:meth:`class_for`): this module never imports the formats built on it."""
+        super().__init_subclass__(**kwargs)
+        if cls.config_class is not DFlashConfig:
+            DFlashDrafter._formats[cls.config_class] = cls
+
     @classmethod
     def class_for(cls, config: DFlashConfig) -> type[DFlashDrafter]:
-        """The drafter class of ``config``: :class:`~dflash.model.drafters.dflash2_drafter.
-        DFlash2Drafter` for a :class:`DFlash2Config`, else this one."""
-        from dflash.model.drafters.dflash2_drafter import DFlash2Drafter  # it imports this
-
-        if isinstance(config, DFlash2Config) and not issubclass(cls, DFlash2Drafter):
-            return DFlash2Drafter
-        return cls
+        """The drafter class of ``config``: the registered subclass of its config's class
+        (:class:`~dflash.model.drafters.dflash2_drafter.DFlash2Drafter` for a
+        :class:`DFlash2Config`), else this one."""
+        kind = DFlashDrafter._formats.get(type(config), cls)
+        return cls if issubclass(cls, kind) else kind
 
     @classmethod
     def random(

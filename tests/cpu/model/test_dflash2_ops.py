@@ -238,3 +238,18 @@ def test_a_branch_goes_in_first_and_is_scored() -> None:
     assert len(set(zip(tree.parents, tree.tokens, strict=True))) == len(tree.tokens)
     with pytest.raises(Exception, match="'budget' must be an int in"):
         selector_tree(0, scores, ids, e, A, S, 0)
+
+
+def test_candidates_are_exact_under_many_ties_and_signed_zeros() -> None:
+    """Logits from a handful of values (ties everywhere, -0.0 and +0.0 mixed), every k:
+    the candidates are the definition's, a sort of (logit descending, id ascending)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        y = torch.randint(-3, 4, (4, 40), generator=gen).float() * 0.5
+        zero = y == 0
+        y[zero] = torch.where(torch.rand(int(zero.sum()), generator=gen) < 0.5, -0.0, 0.0)
+        k = int(torch.randint(1, 41, (1,), generator=gen))
+        _, ids = candidates(y, k, 1.0, None)
+        for r, row in enumerate(y.tolist()):
+            want = sorted(range(40), key=lambda v: (-row[v], v))[:k]
+            assert ids[r].tolist() == want

@@ -56,7 +56,7 @@ from dflash.execution.shards import ShardedTarget, device_ids
 from dflash.execution.window import VerifyWindow, WindowChoice, make_window
 from dflash.geometry import ChainGeometry, TreeGeometry, require_chain, require_tree
 from dflash.model.caches import capture_kind
-from dflash.model.drafters import DeviceDrafter, Drafter
+from dflash.model.drafters import DeviceDrafter, Drafter, LookupAssistedDrafter
 from dflash.model.drafters.base import CoupledDrafter
 from dflash.model.drafters.dflash2_drafter import DFlash2Drafter
 from dflash.model.drafters.trees import (
@@ -454,7 +454,8 @@ class SpecDecoder:
                 # sampling: the proposal's draws (coupled with the target's noise when the
                 # drafter couples) are the path plain sampling is likeliest to take
                 branch = proposal
-            inner = getattr(self.drafter, "dflash", self.drafter)  # prompt lookup's inside
+            inner = (self.drafter.dflash if isinstance(self.drafter, LookupAssistedDrafter)
+                     else self.drafter)
             if isinstance(inner, DFlash2Drafter):  # its selector's dependent paths
                 tree = inner.selector_tree(self.last, self.tree_budget, branch=branch)
             else:

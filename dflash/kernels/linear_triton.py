@@ -8,8 +8,11 @@ The reduction order of every output element is fixed by ``(N, K)`` alone:
   product per tile and K step, the weight tile on the MMA's large side, the rows on its
   16-wide side. An output element depends on its own row of x and the weight only —
   never on the other rows of the tile, nor on M;
-- one program owns one ``(row group, N tile, K split)``: a row group is ``M_TILES``
-  consecutive row tiles (``M_TILES`` = the next power of two of ``cdiv(M, 16)``, at most
+- one program owns one ``(row group, N tile, K split)``. With *wide row tiles* (the
+  default where they are validated, below) a row group is one tile of ``BLOCK_M`` = 16,
+  32, 64 or 128 rows (the next power of two of M, at least 16, at most 128): each K step
+  multiplies the weight tile by all its rows in one MMA. Otherwise a row group is ``M_TILES``
+  consecutive 16-row tiles (``M_TILES`` = the next power of two of ``cdiv(M, 16)``, at most
   :data:`MAX_M_TILES`, so up to 128 rows share one program; more rows add row groups
   along grid axis 0). Each K step loads the weight tile ONCE and multiplies it with every
   row tile of the group in turn — ``M_TILES`` separate 16-wide products by the same
@@ -21,6 +24,15 @@ The reduction order of every output element is fixed by ``(N, K)`` alone:
   count come from :func:`linear_config` ``(N, K, dtype)``, never from M;
 - with split-K, each split writes its float32 partial sums to a workspace and a second
   pass adds the splits in ascending order (then the bias) and rounds once — no atomics.
+
+**Wide row tiles are guarded.** A 64-row MMA is another instruction than a 16-row one; the
+tensor cores reduce each output element from its own row and column the same way whatever
+the instruction's width (measured bitwise on the H200 at every 9B projection shape, bf16,
+fp16 and float32, on data spread over 2^-20 … 2^20: ``benchmarks/wide_mma.py``), but that is
+the hardware's behaviour, not a documented guarantee. So wide tiles become effective on a
+device only after :func:`wide_row_tiles` has run the kernel at every width on such data and
+found each row bitwise equal to the 16-row tiles; otherwise (or with ``DFLASH_WIDE_ROWS=0``)
+every call keeps 16-row tiles — fail closed, still M-invariant either way.
 
 ``M`` is a runtime argument that Triton never specialises (``do_not_specialize``).
 ``M_TILES`` is a compile-time constant, so 1, 2, 4 and 8 tiles per program are up to four
@@ -37,6 +49,7 @@ GPU runs ``tl.dot`` (the MMA computes each output element from its own row and c
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +62,8 @@ from dflash.kernels.checks import INTERPRET
 BLOCK_M = 16
 #: most row tiles one program multiplies by each weight tile it loads (128 rows)
 MAX_M_TILES = 8
+#: most rows one program holds (one wide tile, or MAX_M_TILES tiles of 16)
+MAX_ROWS = BLOCK_M * MAX_M_TILES
 #: programs the split-K rule aims for: two per SM of a 132-SM H200. A constant (not read
 #: from the device) so the split count is a function of the shape only.
 TARGET_PROGRAMS = 264
@@ -75,16 +90,27 @@ class LinearConfig:
 
 @dataclass(frozen=True)
 class LinearLaunch:
-    """What :func:`launch_linear` launches for one call: the configuration, the row tiles
-    per program, the K extent of a split, the split count actually launched (at most
-    ``config.split_k``: no split is left empty) and the grid ``(row groups, N tiles,
-    splits)``."""
+    """What :func:`launch_linear` launches for one call: the configuration, the rows of
+    one MMA (``block_m``) and the row tiles per program, the K extent of a split, the
+    split count actually launched (at most ``config.split_k``: no split is left empty) and
+    the grid ``(row groups, N tiles, splits)``."""
 
     config: LinearConfig
     m_tiles: int
     k_per_split: int
     split: int
     grid: tuple[int, int, int]
+    block_m: int = BLOCK_M
+
+
+def row_tiles_for(M: int, wide: bool) -> tuple[int, int]:
+    """``(rows per MMA, row tiles per program)`` for ``M`` rows: wide, one tile of the
+    next power of two of ``M`` rows (16 … 128); else :func:`m_tiles_for` tiles of 16."""
+    if not wide:
+        return BLOCK_M, m_tiles_for(M)
+    if M < 1:
+        raise ValueError(f"'M' must be >= 1 row (got {M})")
+    return min(MAX_ROWS, max(BLOCK_M, int(triton.next_power_of_2(M)))), 1
 
 
 def m_tiles_for(M: int) -> int:
@@ -134,22 +160,24 @@ def linear_config(N: int, K: int, dtype: torch.dtype, m_tiles: int = 1) -> Linea
 
 
 def linear_launch(
-    M: int, N: int, K: int, dtype: torch.dtype, config: LinearConfig | None = None
+    M: int, N: int, K: int, dtype: torch.dtype, config: LinearConfig | None = None,
+    *, wide: bool = False,
 ) -> LinearLaunch:
-    """The launch of an ``M``-row call on an ``[N, K]`` weight.
+    """The launch of an ``M``-row call on an ``[N, K]`` weight (``wide``: wide row tiles,
+    :func:`row_tiles_for`).
 
     ``config`` overrides :func:`linear_config` (benchmark sweeps only: another config is
     another reduction order); its ``num_stages`` is then used as given. The grid has
     ``cdiv(N, block_n) * split`` programs per row group and one row group up to 128 rows,
     so the weight is read once per call.
     """
-    tiles = m_tiles_for(M)
-    cfg = config or linear_config(N, K, dtype, tiles)
+    block_m, tiles = row_tiles_for(M, wide)
+    cfg = config or linear_config(N, K, dtype, block_m * tiles // BLOCK_M)
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(K, k_per_split)   # never an empty split
-    groups = triton.cdiv(triton.cdiv(M, BLOCK_M), tiles)
+    groups = triton.cdiv(triton.cdiv(M, block_m), tiles)
     grid = (groups, triton.cdiv(N, cfg.block_n), split)
-    return LinearLaunch(cfg, tiles, k_per_split, split, grid)
+    return LinearLaunch(cfg, tiles, k_per_split, split, grid, block_m)
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
@@ -298,11 +326,13 @@ def linear_reduce_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are
 def launch_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     out: torch.Tensor | None, config: LinearConfig | None = None,
+    *, wide: bool | None = None,
 ) -> torch.Tensor:
     """Launch :func:`linear_kernel` (and the reduction pass) on validated inputs.
 
     ``config`` overrides :func:`linear_config` (benchmark sweeps only: another config is
-    another reduction order).
+    another reduction order). ``wide``: wide row tiles; None: :func:`wide_row_tiles` of
+    x's device and dtype (validated once, then cached).
     """
     N, K = weight.shape
     lead = x.shape[:-1]
@@ -315,7 +345,9 @@ def launch_linear(
     y2 = out.view(-1, N)
     if M == 0:
         return out
-    plan = linear_launch(M, N, K, x.dtype, config)
+    if wide is None:
+        wide = M > BLOCK_M and wide_row_tiles(x.device, x.dtype)
+    plan = linear_launch(M, N, K, x.dtype, config, wide=wide)
     cfg, split = plan.config, plan.split
     ws = (torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1
           else y2)
@@ -323,7 +355,7 @@ def launch_linear(
     linear_kernel[plan.grid](
         x2, weight, b, y2, ws, M, N, K, x2.stride(0), weight.stride(0), y2.stride(0),
         K_PER_SPLIT=plan.k_per_split, SPLIT_K=split, HAS_BIAS=bias is not None,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=BLOCK_M, M_TILES=plan.m_tiles,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=plan.block_m, M_TILES=plan.m_tiles,
         F32_DOT=x.dtype == torch.float32, EMULATE=INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -333,3 +365,59 @@ def launch_linear(
             SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=BLOCK_REDUCE, num_warps=4,
         )
     return out
+
+
+# -- the guard of wide row tiles -----------------------------------------------------------
+
+#: per (device, dtype): whether wide row tiles gave the 16-row tiles' bits (None: untested)
+_WIDE_CHECKED: dict[tuple[str, torch.dtype], bool] = {}
+#: the shapes the self-test runs: a split-K shape with 64-wide weight tiles and a narrow
+#: N (32-wide tiles, as the 9B model's gate projections); the interpreter takes a small one
+_WIDE_SHAPES_GPU = ((192, 1024), (32, 512))
+_WIDE_SHAPES_INTERPRETED = ((40, 96),)
+
+
+def _hostile(rows: int, cols: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Values of random sign whose magnitudes span 2^-20 … 2^20 (2^-6 … 2^6 in fp16, so
+    no sum overflows its output): their sums round differently in any other order."""
+    lim = 6 if dtype == torch.float16 else 20
+    mant = torch.rand(rows, cols, generator=gen) + 1.0
+    exp = torch.randint(-lim, lim + 1, (rows, cols), generator=gen).to(torch.float32)
+    sign = torch.randint(0, 2, (rows, cols), generator=gen).to(torch.float32) * 2 - 1
+    return (sign * mant * torch.exp2(exp)).to(dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns (so ``torch.equal`` compares bits: -0.0 differs from 0.0)."""
+    return t.view(torch.int16 if t.dtype.itemsize == 2 else torch.int32)
+
+
+def wide_rows_hold(device: torch.device, dtype: torch.dtype) -> bool:
+    """Run the self-test of wide row tiles on ``device`` in ``dtype`` (uncached): at each
+    self-test shape, 128 rows of hostile data through 32-, 64- and 128-row tiles must give
+    every output bit of 16-row tiles (split-K, its reduction pass and a bias included)."""
+    gen = torch.Generator().manual_seed(20261204)
+    shapes = _WIDE_SHAPES_INTERPRETED if device.type == "cpu" else _WIDE_SHAPES_GPU
+    for N, K in shapes:
+        x = _hostile(MAX_ROWS, K, dtype, gen).to(device)
+        w = _hostile(N, K, dtype, gen).to(device)
+        b = _hostile(1, N, dtype, gen).view(N).to(device)
+        narrow = launch_linear(x, w, b, None, wide=False)
+        for M in (32, 64, MAX_ROWS):   # one tile of 32, 64 and 128 rows
+            got = launch_linear(x[:M], w, b, None, wide=True)
+            if not torch.equal(_bits(got), _bits(narrow[:M])):
+                return False
+    return True
+
+
+def wide_row_tiles(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether calls on ``device`` in ``dtype`` use wide row tiles: ``DFLASH_WIDE_ROWS``
+    is not ``0`` and :func:`wide_rows_hold` passed (run once per device and dtype, then
+    cached; a failure keeps 16-row tiles for the process)."""
+    if os.environ.get("DFLASH_WIDE_ROWS", "1") == "0":
+        return False
+    key = (str(device), dtype)
+    got = _WIDE_CHECKED.get(key)
+    if got is None:
+        got = _WIDE_CHECKED[key] = wide_rows_hold(device, dtype)
+    return got

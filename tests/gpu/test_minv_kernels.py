@@ -124,6 +124,7 @@ def test_linear_wide_call_reads_the_weight_once(monkeypatch: pytest.MonkeyPatch)
     recorder = _LaunchRecorder(linear_triton.linear_kernel)
     monkeypatch.setattr(linear_triton, "linear_kernel", recorder)
     x, w, _ = _weights(N, K, torch.bfloat16, seed=6, rows=200)
+    linear_triton.wide_row_tiles(x.device, torch.bfloat16)   # its self-test, before counting
     for M, groups in ((1, 1), (17, 1), (64, 1), (128, 1), (200, 2)):
         recorder.launches.clear()
         linear(x[:M], w)
@@ -132,6 +133,16 @@ def test_linear_wide_call_reads_the_weight_once(monkeypatch: pytest.MonkeyPatch)
         assert compiled.n_spills == 0, f"M={M}: {compiled.n_spills} spills"
         # two programs per 228 KB H200 SM, each with 1 KB reserved by the hardware
         assert compiled.metadata.shared <= 113 * 1024, f"M={M}: {compiled.metadata.shared} B"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_wide_row_tiles_pass_their_self_test_here(dtype: torch.dtype) -> None:
+    """On this GPU the wide row tiles give the 16-row tiles' bits (their guard passes),
+    so verifies of 17 … 128 rows run one MMA per weight tile; the rows-do-not-depend-on-M
+    tests above then compare wide calls with 1-row calls."""
+    from dflash.kernels import linear_triton
+
+    assert linear_triton.wide_rows_hold(torch.device("cuda"), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

@@ -15,6 +15,9 @@ from dflash.kernels.linear_triton import (
     linear_config,
     linear_launch,
     m_tiles_for,
+    row_tiles_for,
+    wide_row_tiles,
+    wide_rows_hold,
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -250,3 +253,94 @@ def test_triton_rejects_float64() -> None:
     x, w, _ = _inputs(2, 3, 4, torch.float64, seed=3)
     with pytest.raises(ValueError, match="'x' dtype must be float16, bfloat16 or float32"):
         linear(x, w, backend="triton")
+
+
+def test_wide_row_tiles_per_call() -> None:
+    """Wide: one tile of the next power of two of M rows, 16 … 128, one program per
+    weight tile up to 128 rows; narrow: 16-row tiles, several per program."""
+    assert [row_tiles_for(M, True) for M in WIDE_M] == [
+        (16, 1), (16, 1), (16, 1), (32, 1), (32, 1), (64, 1), (64, 1), (128, 1), (128, 1),
+        (128, 1), (128, 1), (128, 1)]
+    assert [row_tiles_for(M, False) for M in WIDE_M] == [(16, t) for t in
+                                                        [1, 1, 1, 2, 2, 4, 4, 8, 8, 8, 8, 8]]
+    assert linear_launch(200, 20, 48, torch.float32, wide=True).grid[0] == 2
+    with pytest.raises(ValueError, match="'M' must be >= 1 row"):
+        row_tiles_for(0, True)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("dtype", "split"), [(torch.float32, 1), (torch.float32, 3),
+                                              (torch.bfloat16, 3), (torch.float16, 1)])
+def test_wide_row_tiles_give_the_bits_of_16_row_tiles(dtype: torch.dtype, split: int) -> None:
+    """Every row of a wide call (one 32-, 64- or 128-row MMA per weight tile) is bitwise
+    the row of the same call in 16-row tiles, at every tile and row-group boundary.
+    Outputs NaN-poisoned."""
+    cfg = LinearConfig(block_n=16, block_k=16, split_k=split, num_warps=4, num_stages=1)
+    x, w, b = _inputs(200, 20, 48, dtype, seed=21 + split)
+    for M in WIDE_M:
+        narrow = launch_linear(x[:M], w, b, torch.full((M, 20), NAN, dtype=dtype), cfg,
+                               wide=False)
+        wide = launch_linear(x[:M], w, b, torch.full((M, 20), NAN, dtype=dtype), cfg,
+                             wide=True)
+        assert torch.isfinite(wide).all()
+        assert torch.equal(wide, narrow), f"M={M}"
+
+
+class _BlockRecorder:
+    """Stands in for ``linear_kernel``: records each launch's ``BLOCK_M``; with ``skew``,
+    a wide launch (``BLOCK_M > 16``) then changes one output bit (a hardware whose wide
+    MMA rounds differently)."""
+
+    def __init__(self, kernel: object, skew: bool = False) -> None:
+        self.kernel, self.skew = kernel, skew
+        self.blocks: list[int] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> object:
+        def launch(*args: object, **kwargs: object) -> None:
+            self.blocks.append(int(kwargs["BLOCK_M"]))  # type: ignore[call-overload]  # a constexpr int
+            self.kernel[grid](*args, **kwargs)  # type: ignore[index]  # a Triton kernel, untyped
+            y = args[3]
+            if self.skew and int(kwargs["BLOCK_M"]) > 16 and isinstance(y, torch.Tensor):  # type: ignore[call-overload]  # as above
+                bits = y.view(torch.int16 if y.dtype.itemsize == 2 else torch.int32)
+                bits.view(-1)[0] ^= 1
+        return launch
+
+
+@needs_interpreter
+def test_wide_row_tiles_become_effective_only_after_their_self_test(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The guard: wide row tiles are used once :func:`wide_rows_hold` found them bitwise
+    equal to 16-row tiles on that device and dtype; a wide MMA that differs in one bit
+    keeps every call on 16-row tiles (fail closed); ``DFLASH_WIDE_ROWS=0`` turns them off
+    without a self-test."""
+    cpu = torch.device("cpu")
+    x, w, _ = _inputs(64, 20, 48, torch.float32, seed=30)
+    recorder = _BlockRecorder(linear_triton.linear_kernel)
+    monkeypatch.setattr(linear_triton, "linear_kernel", recorder)
+    monkeypatch.setattr(linear_triton, "_WIDE_CHECKED", {})
+    assert wide_row_tiles(cpu, torch.float32)
+    linear(x, w, backend="triton")
+    assert recorder.blocks[-1] == 64
+    recorder.blocks.clear()
+    linear(x[:1], w, backend="triton")   # a decode row: 16 rows, no self-test needed
+    assert recorder.blocks == [16]
+
+    skewed = _BlockRecorder(recorder.kernel, skew=True)
+    monkeypatch.setattr(linear_triton, "linear_kernel", skewed)
+    assert not wide_rows_hold(cpu, torch.float32)
+    monkeypatch.setattr(linear_triton, "_WIDE_CHECKED", {})
+    assert not wide_row_tiles(cpu, torch.float32)
+    assert not wide_row_tiles(cpu, torch.float32)   # cached: one self-test per process
+    skewed.blocks.clear()
+    got = linear(x, w, backend="triton")
+    assert skewed.blocks == [16]
+    assert torch.equal(got[5], linear(x[5:6], w, backend="triton")[0])
+
+    def refuse(device: torch.device, dtype: torch.dtype) -> bool:
+        raise AssertionError("no self-test when wide tiles are turned off")
+
+    monkeypatch.setattr(linear_triton, "_WIDE_CHECKED", {})
+    monkeypatch.setattr(linear_triton, "wide_rows_hold", refuse)
+    monkeypatch.setenv("DFLASH_WIDE_ROWS", "0")
+    assert not wide_row_tiles(cpu, torch.bfloat16)

@@ -67,6 +67,7 @@ from dflash.model.drafters.trees import (
     accept_tree,
     best_first_tree,
 )
+from dflash.model.tree_device import accept_tree_device
 from dflash.sampling import GREEDY, SamplingParams, sample_tokens
 
 
@@ -466,25 +467,47 @@ class SpecDecoder:
         if gate:
             self.gate.arm(storages)
         status_before = self.status
-        logits, taps, _ = self._verify(
+        T = len(tree)
+        logits, taps, ids = self._verify(
             draft, (lambda k: self.gate.after_shard(k, storages)) if gate else None
         )
-        # [T]: the target's token after each node's path
-        t = self.accept.tokens(logits, self._drawn_at("tree", len(tree))).tolist()
-        _, path = accept_tree(tree, t)  # the deepest confirmed node: path[-1]
+        # on the device: the target's token after each node's path [T], the deepest
+        # confirmed node, its path's length and its padded path ([2 + T])
+        t_dev = self.accept.tokens(logits, self._drawn_at("tree", T))
+        tables = self.target.shards[-1].caches.tree
+        best, count, path_dev = accept_tree_device(
+            ids[0].to(t_dev.device), t_dev, tables.depth, tables.paths, T
+        )
+        accepted = torch.cat([best, count, path_dev])
+        fast = status_before is RollbackStatus.EFFECTIVE
+        # the fast rollback is enqueued on the device's path before the one host read
+        started = (self.rollback.enqueue_fast(self.committed, T, accepted, step, tree=True)
+                   if fast else None)
+        read = torch.cat([t_dev, best, count]).tolist()  # the step's one synchronisation
+        t = read[:T]  # t[s]: the target's token after node s's path
+        _, path = accept_tree(tree, t)  # the host's reading: the deepest confirmed node
+        if path[-1] != read[T] or len(path) != read[T + 1]:
+            if started is not None:
+                self.rollback.undo_enqueued()
+            raise ExecutionError(
+                f"device tree acceptance (node {read[T]}, {read[T + 1]} tokens) disagrees "
+                f"with the host's path {path} for target tokens {t}"
+            )
         d = [tree.tokens[s] for s in path]
         saved = None
-        if gate and self.gate.judge(storages, len(tree), taps, self.taps):
+        if gate and self.gate.judge(storages, T, taps, self.taps):
             saved = self.gate.save_slot(storages, path[-1], path)
         if taps:  # the drafter's features of the committed tokens: the path's rows
-            rows = torch.tensor(path, dtype=torch.int64)
-            taps = {k: v.index_select(1, rows.to(v.device)) for k, v in taps.items()}
+            taps = {k: v.index_select(1, path_dev[: len(path)].to(v.device))
+                    for k, v in taps.items()}
         self.drafts.committed(taps, len(path), [])
         self._pending = Verified(
-            d, [t[s] for s in path], len(path), taps, status_before, nodes=len(tree)
+            d, [t[s] for s in path], len(path), taps, status_before, nodes=T
         )
-        if status_before is RollbackStatus.EFFECTIVE:
-            how, failure = self.rollback.path_fast(d, self.committed, len(tree), path, step)
+        if started is not None:
+            how, failure = self.rollback.finish_fast(
+                d, self.committed, len(path), step, started, path
+            )
         else:
             self.rollback.replay(d, self.committed, len(path))
             how, failure = "replay", None

@@ -24,7 +24,9 @@ has its own memory pool, so no graph's intermediates can overwrite another's out
 The rollback of a fast step is captured too (:meth:`ShardGraphs.run_rollback`, key
 ``("rollback:<mode>", 1, False)``): its input is the accepted count, still on the device
 (the restore or remap reads it there), so the step enqueues the rollback before its one
-host synchronisation.
+host synchronisation. A tree step's rollback is keyed ``("rollback:tree:<mode>", 2 + T,
+False)``: its input is the accepted node, its path's length and the padded path, found on
+the device (``dflash.model.tree_device``), so one graph serves every tree of ``T`` nodes.
 
 The DFlash drafter's step runs on the first shard's graphs as well
 (:meth:`ShardGraphs.run_static`, key ``("draft", B, False)``): device work over the
@@ -114,9 +116,12 @@ class ShardGraphs:
         return out
 
     def run_rollback(self, mode: str, commit_n: Tensor, work: RollbackWork) -> None:
-        """A fast rollback's device work ``work(commit_n)`` (``commit_n``: the accepted
-        count, int64 ``[1]`` on this shard's device): replayed, captured, or eager."""
-        self._run((f"rollback:{mode}", 1, False), commit_n, lambda: work(commit_n), work)
+        """A fast rollback's device work ``work(commit_n)`` (``commit_n``: what was
+        accepted, int64 on this shard's device — a chain's count ``[1]``, a tree's node,
+        count and padded path ``[2 + T]`` with ``mode`` ``"tree:<mode>"``): replayed,
+        captured, or eager; one graph per mode and input length."""
+        key = (f"rollback:{mode}", commit_n.shape[0], False)
+        self._run(key, commit_n, lambda: work(commit_n), work)
 
     def run_static(self, key: GraphKey, work: Callable[[], W]) -> W:
         """Device work ``work()`` that reads only static buffers its owner fills before

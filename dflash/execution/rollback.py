@@ -8,11 +8,13 @@ replayed) leaves ``POISONED``, to ``ROLLED_BACK``.
 
 The paths, after a verify of ``d`` (``T`` tokens) at ``committed``:
 
-- **fast** (``checkpoint`` / ``remap``, only while the rollback status is ``effective``):
-  :meth:`Rollback.enqueue_fast` enqueues every shard's restore (or remap) on the accepted
-  count while it is still on the device; :meth:`Rollback.finish_fast` mirrors it on the
-  host once the count was read back. A failure in either falls back to the legacy path,
-  poisoning first once a shard's state may have changed (``replay_after_failure``).
+- **fast** (``checkpoint`` / ``remap`` / ``recompute``, only while the rollback status is
+  ``effective``): :meth:`Rollback.enqueue_fast` enqueues every shard's restore (or remap,
+  or recompute) on what was accepted while it is still on the device — a chain's count, or
+  a tree's node and path with the K/V compaction; :meth:`Rollback.finish_fast` mirrors it
+  on the host once the count (and a tree's path) was read back. A failure in either falls
+  back to the legacy path, poisoning first once a shard's state may have changed
+  (``replay_after_failure``).
 - **replay** (legacy): every pool back to its pre-verify state
   (``RecurrentPool.restore_pre_verify``, valid whatever the rollback had done), KV cut to
   ``committed``, then the model's own ``replay`` forward over ``d[0 … commit_n-1]``.
@@ -128,9 +130,12 @@ class Rollback:
 
     # -- the fast path --------------------------------------------------------------------
 
-    def enqueue_fast(self, committed: int, window: int, count: Tensor, step: int) -> FastStart:
-        """Enqueue every shard's fast rollback on the device's accepted ``count`` (faults
-        fire between the shards, on the host)."""
+    def enqueue_fast(
+        self, committed: int, window: int, accepted: Tensor, step: int, *, tree: bool = False
+    ) -> FastStart:
+        """Enqueue every shard's fast rollback on what the step accepted, still on the
+        device (faults fire between the shards, on the host): a chain's count ``[1]``, or
+        (``tree``) a tree's node, count and padded path ``[2 + T]``."""
         changed = False
         try:
             self.faults.fire(FaultPhase.BEFORE_RESTORE, step)
@@ -139,7 +144,10 @@ class Rollback:
                 if shard.index > 0:
                     self.faults.fire(FaultPhase.MID_RESTORE, step, shard.index)
                 changed = True
-                self.target.enqueue_rollback(shard, self.mode, count)
+                if tree:
+                    self.target.enqueue_tree_rollback(shard, self.mode, accepted)
+                else:
+                    self.target.enqueue_rollback(shard, self.mode, accepted)
         except ShardPositionError:
             raise
         except Exception as exc:  # fail closed: completed through the legacy path
@@ -147,16 +155,21 @@ class Rollback:
         return FastStart(None, changed)
 
     def finish_fast(
-        self, d: Sequence[int], committed: int, commit_n: int, step: int, started: FastStart
+        self, d: Sequence[int], committed: int, commit_n: int, step: int, started: FastStart,
+        path: Sequence[int] | None = None,
     ) -> tuple[RollbackPath, str | None]:
-        """The host side of the enqueued rollback (mirrors, KV truncation) once ``commit_n``
-        was read back; any failure, here or while enqueueing, falls back to the legacy
-        path, poisoning first when state had begun to change."""
+        """The host side of the enqueued rollback (mirrors, KV length) once ``commit_n`` —
+        and a tree's accepted root-to-node ``path`` — was read back; any failure, here or
+        while enqueueing, falls back to the legacy path (``d``: the tokens it replays),
+        poisoning first when state had begun to change."""
         failure = started.failure
         if failure is None:
             try:
                 for shard in self.target.shards:
-                    self.target.finish_rollback(shard, self.mode, commit_n, committed)
+                    if path is None:
+                        self.target.finish_rollback(shard, self.mode, commit_n, committed)
+                    else:
+                        self.target.finish_tree_rollback(shard, self.mode, path, committed)
                     if shard.index == 0:
                         self.faults.fire(FaultPhase.KV_TRUNCATE, step)
                 self.faults.fire(FaultPhase.AFTER_RESTORE, step)
@@ -168,37 +181,6 @@ class Rollback:
                 failure = f"{type(exc).__name__}: {exc}"
         changed = started.failure is None or started.changed
         return self._fail_closed(d, committed, commit_n, step, failure, changed=changed)
-
-    def path_fast(
-        self, d: Sequence[int], committed: int, window: int, path: Sequence[int], step: int
-    ) -> tuple[RollbackPath, str | None]:
-        """The fast rollback of a tree verify (``window`` slots) to its accepted ``path``,
-        known on the host after the read-back: every shard's state and conv window from
-        the path (``RecurrentPool.rollback_path``) and its K/V rows compacted
-        (``KVCache.compact``). ``d`` holds the path's tokens (what a fallback replays). A
-        failure falls back to the legacy path, poisoning first once a shard may have
-        changed, exactly as :meth:`finish_fast` does."""
-        changed = False
-        try:
-            self.faults.fire(FaultPhase.BEFORE_RESTORE, step)
-            self.target.require_position(committed, kv_extra=window, what="before restore")
-            for shard in self.target.shards:
-                if shard.index > 0:
-                    self.faults.fire(FaultPhase.MID_RESTORE, step, shard.index)
-                changed = True
-                with shard.on_device():
-                    shard.caches.pool.rollback_path(self.mode, path)
-                shard.compact_kv(committed, path)
-                if shard.index == 0:
-                    self.faults.fire(FaultPhase.KV_TRUNCATE, step)
-            self.faults.fire(FaultPhase.AFTER_RESTORE, step)
-            self.life.move("rollback")
-            return "fast", None
-        except ShardPositionError:
-            raise
-        except Exception as exc:
-            failure = f"{type(exc).__name__}: {exc}"
-        return self._fail_closed(d, committed, len(path), step, failure, changed=changed)
 
     def _fail_closed(
         self, d: Sequence[int], committed: int, commit_n: int, step: int, failure: str,

@@ -640,6 +640,37 @@ class ShardedTarget:
                     mode, n, lambda count: pool.rollback_on_device(mode, count)
                 )
 
+    def enqueue_tree_rollback(self, shard: Shard, mode: str, accepted: Tensor) -> None:
+        """Enqueue ``shard``'s fast rollback of a tree verify to its accepted node, known
+        only on the device: ``accepted`` int64 ``[2 + T]`` = (node, path length, the
+        ``-1``-padded path). Host checks, then the device work — the path's K/V rows
+        compacted from the verify's start, the recurrent state and conv window from the
+        node (``RecurrentPool.rollback_tree_on_device``) — replayed from a CUDA graph when
+        graphs are on. :meth:`finish_tree_rollback` once the path was read back."""
+        caches = shard.caches
+        pool = caches.pool
+        with shard.on_device():
+            pool.mark_device_rollback(mode)
+            a = accepted if accepted.device == shard.device else accepted.to(shard.device)
+
+            def work(a: Tensor) -> None:
+                best, count, path = a[0:1], a[1:2], a[2:]
+                caches.kv.compact_on_device(pool.position, path)  # before position moves
+                pool.rollback_tree_on_device(mode, best, count, path)
+
+            if self.graphs is None:
+                work(a)
+            else:
+                self.graphs[shard.index].run_rollback(f"tree:{mode}", a, work)
+
+    def finish_tree_rollback(
+        self, shard: Shard, mode: str, path: Sequence[int], committed: int
+    ) -> None:
+        """Host side of ``shard``'s enqueued tree rollback: the pool's mirrors and the KV
+        length with the accepted ``path`` read back (each checks it)."""
+        shard.caches.pool.finish_tree_rollback(mode, path)
+        shard.caches.kv.mark_compacted(committed, path)
+
     def finish_rollback(self, shard: Shard, mode: str, commit_n: int, committed: int) -> None:
         """Host side of ``shard``'s enqueued rollback: the pool's mirrors with the count
         read back, and the KV cache truncated to ``committed + commit_n``."""

@@ -68,6 +68,7 @@ from dflash.kernels import gdn_recompute, rollback_restore, tree_parents_into, t
 from dflash.kernels.checks import Backend
 from dflash.model.config import HybridConfig
 from dflash.model.layers import rotary_table
+from dflash.model.tree_device import compact_kv_device, conv_window_rows_device
 
 #: what a verify captures per token: the states (``checkpoint``, ``remap``, ``replay``) or
 #: the recurrence's inputs (``recompute``); see the module docstring
@@ -197,14 +198,7 @@ class KVCache:
         rows written; checked before anything moves."""
         if not self.layer_ids:
             return
-        if (
-            not path or path[0] != 0 or any(b <= a for a, b in itertools.pairwise(path))
-            or start < 0 or start + path[-1] >= self.length
-        ):
-            raise CacheError(
-                f"'path' {list(path)} at start {start} must rise from slot 0 within the "
-                f"{self.length} rows written"
-            )
+        self._check_path(start, path)
         m = len(path)
         if list(path) != list(range(m)):
             device = self.k.device
@@ -213,6 +207,32 @@ class KVCache:
             for cache in (self.k, self.v):
                 cache.index_copy_(3, dst, cache.index_select(3, src))
         self.length = start + m
+
+    def compact_on_device(self, start: Tensor, path: Tensor) -> None:
+        """The device half of :meth:`compact`: rows ``start + path[i]`` moved to
+        ``start + i`` with ``start`` (``[1]``) and the ``-1``-padded ``path`` still on the
+        device (capture-safe; :func:`~dflash.model.tree_device.compact_kv_device`). The
+        length moves with :meth:`mark_compacted` once the path is known on the host."""
+        if self.layer_ids:
+            compact_kv_device(self.k, self.v, start, path)
+
+    def mark_compacted(self, start: int, path: Sequence[int]) -> None:
+        """The host half of a device compaction: ``path`` checked as :meth:`compact`
+        checks it, then the length ``start + len(path)`` (nothing moves here)."""
+        if not self.layer_ids:
+            return
+        self._check_path(start, path)
+        self.length = start + len(path)
+
+    def _check_path(self, start: int, path: Sequence[int]) -> None:
+        if (
+            not path or path[0] != 0 or any(b <= a for a, b in itertools.pairwise(path))
+            or start < 0 or start + path[-1] >= self.length
+        ):
+            raise CacheError(
+                f"'path' {list(path)} at start {start} must rise from slot 0 within the "
+                f"{self.length} rows written"
+            )
 
     def advance(self, start: int, n: int) -> None:
         """A forward wrote rows ``start … start+n-1``; the length becomes ``start + n``.
@@ -612,6 +632,45 @@ class RecurrentPool:
             else:
                 self.live.fill_(-1)
         self.position.add_(commit_n)
+
+    def rollback_tree_on_device(
+        self, mode: str, best: Tensor, count: Tensor, path: Tensor
+    ) -> None:
+        """The device work of a ``mode`` rollback of a tree verify to its accepted node,
+        known only on the device (:func:`~dflash.model.tree_device.accept_tree_device`):
+        ``best`` ``[1]`` the node, ``count`` ``[1]`` its path's length, ``path`` ``[n]`` the
+        ``-1``-padded root-to-node path. The twin of :meth:`rollback_path`:
+        ``"checkpoint"`` copies the node's checkpoint home, ``"remap"`` points the live
+        state at it, ``"recompute"`` saves the pre-verify state in ``snapshot`` and re-runs
+        the gated delta rule along the path; each takes the conv window along the path;
+        then ``position += count``. Capture-safe: no host value. :meth:`mark_device_rollback`
+        first, :meth:`finish_tree_rollback` once the path was read back."""
+        if mode == "recompute":
+            self._recompute(count, path.clamp(min=0))  # padding is past count: never read
+            self.live.fill_(-1)
+        else:
+            if self.layer_ids:
+                rows = conv_window_rows_device(path, count, self.conv_kernel - 1)
+                torch.index_select(self.captured, 2, rows, out=self.conv)
+                if mode == "checkpoint":  # straight into the live state: no temporary
+                    torch.index_select(self.checkpoints, 2, best, out=self.state.unsqueeze(2))
+            if mode == "remap":
+                self.live.copy_(best)
+            else:
+                self.live.fill_(-1)
+        self.position.add_(count)
+
+    def finish_tree_rollback(self, mode: str, path: Sequence[int]) -> None:
+        """Host mirrors of an enqueued :meth:`rollback_tree_on_device`, with the accepted
+        ``path`` read back: checked as a root-to-node path of the verified tree (a bad one
+        raises, and the caller fails closed), then the live slot and the length."""
+        v = self.verify
+        if v is None or v.stage != "enqueued":
+            raise CacheError("finish_tree_rollback without an enqueued device rollback")
+        v.require_path(path)
+        self.live_slot = path[-1] if mode == "remap" else None
+        self._length = v.start + len(path)
+        v.stage = "rolled"
 
     def rollback_path(self, mode: str, path: Sequence[int]) -> None:
         """A fast ``mode`` rollback of a verify to the accepted root-to-node ``path`` (slots;

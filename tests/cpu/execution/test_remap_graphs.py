@@ -303,16 +303,23 @@ def test_tree_verifies_through_recorded_graphs_are_plain_greedy(
 ) -> None:
     """A tree verify is a graph of its size: the node depths, path table and parents are
     device tables refilled before each replay, so trees of other shapes replay one graph
-    and every token is plain greedy's, in every rollback mode."""
+    and every token is plain greedy's, in every rollback mode. A fast mode's rollback —
+    the accepted node found on the device, the state, conv window and K/V compaction from
+    it — is a graph of the tree's size too, on every shard."""
     out, engine, shapes = _tree_decode(oracle, mode, 28)
     assert out == oracle[:28]
     graphs = engine.target.graphs
     assert graphs is not None
+    sizes = {len(p) for p in shapes}
     for g in graphs:
         assert not g.failures, g.failures
         keys = [k for k in g.captured_keys if k[0] == "verify-tree"]
         assert keys, g.captured_keys
-    sizes = {len(p) for p in shapes}
+        rolled = [k for k in g.captured_keys if k[0] == f"rollback:tree:{mode}"]
+        assert bool(rolled) == (mode != "replay"), g.captured_keys
+        assert all(k[1] - 2 in sizes for k in rolled), (rolled, sizes)
+    if mode != "replay":
+        assert engine.counts["fast"] >= len(shapes) - 2, engine.counts
     replayed = [p for p in shapes if len(p) in {k[1] for k in keys}]
     assert len(set(replayed)) >= 3, (sizes, replayed)  # several shapes under one graph
     assert graphs[0].replays >= 5

@@ -339,3 +339,40 @@ def test_lookup_assisted_trees_hold_the_copy_as_a_branch(
     for branch, tokens in branches:  # the kept part of the copy: slots 1, 2, … from the root
         kept = branch[: BUDGET // 2]
         assert list(tokens[1 : 1 + len(kept)]) == kept
+
+
+@pytest.mark.parametrize("mode", ["checkpoint", "remap", "recompute"])
+def test_a_device_tree_acceptance_the_host_disagrees_with_is_undone(
+    tiny: TargetModel, greedy: Callable[[str, int], list[int]], prompts: dict[str, list[int]],
+    mode: RollbackMode, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The device finds the accepted node and enqueues its rollback before the step's one
+    read; when the host's own reading of the read-back tokens (``accept_tree``) names
+    another node, the step raises before anything is committed and the enqueued rollback
+    is undone on every shard: pre-verify position, live state home and equal to the
+    snapshot."""
+    import dflash.execution.engine as engine_module
+
+    oracle = greedy(PROMPT, N + BUDGET)
+    engine = _engine(tiny, oracle, prompts[PROMPT], mode)
+    engine.prefill(prompts[PROMPT])
+    while engine.counts["fast"] < 2:
+        engine.step()
+    committed, context = engine.committed, list(engine.context)
+    real = engine_module.accept_tree_device
+
+    def off_by_one(*args: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        best, count, path = real(*args)  # type: ignore[arg-type]  # the real signature
+        return best, count + 1, path
+
+    monkeypatch.setattr(engine_module, "accept_tree_device", off_by_one)
+    with pytest.raises(ExecutionError, match="device tree acceptance .* disagrees"):
+        engine.step()
+    monkeypatch.undo()
+    assert engine.committed == committed and engine.context == context
+    for shard in engine.target.shards:
+        pool = shard.caches.pool
+        assert pool.position.tolist() == [committed] and pool.length == committed
+        assert pool.live_slot is None and pool.live.tolist() == [-1]
+        assert torch.equal(pool.state, pool.snapshot)
+        assert pool.verify is not None and pool.verify.stage == "restored"

@@ -1,5 +1,5 @@
 """The device twins of tree acceptance, the conv-window rows and the KV compaction
-(:mod:`dflash.execution.tree_device`) against their host references on random trees, with
+(:mod:`dflash.model.tree_device`) against their host references on random trees, with
 the tables built as production builds them; and proof that they read nothing back to the
 host and shape nothing by tensor values."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from dflash.execution.tree_device import (
+from dflash.model.tree_device import (
     accept_tree_device,
     compact_kv_device,
     conv_window_rows_device,

@@ -366,7 +366,7 @@ def test_a_device_tree_acceptance_the_host_disagrees_with_is_undone(
         return best, count + 1, path
 
     monkeypatch.setattr(engine_module, "accept_tree_device", off_by_one)
-    with pytest.raises(ExecutionError, match="device tree acceptance .* disagrees"):
+    with pytest.raises(ExecutionError, match=r"device tree acceptance .* disagrees"):
         engine.step()
     monkeypatch.undo()
     assert engine.committed == committed and engine.context == context

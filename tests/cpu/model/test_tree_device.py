@@ -12,14 +12,14 @@ import pytest
 import torch
 from torch import Tensor
 
+from dflash.geometry import require_tree
+from dflash.model.caches import KVCache, TreeTables, path_window_rows
+from dflash.model.drafters.trees import DraftTree, accept_tree, tree_path
 from dflash.model.tree_device import (
     accept_tree_device,
     compact_kv_device,
     conv_window_rows_device,
 )
-from dflash.geometry import require_tree
-from dflash.model.caches import KVCache, TreeTables, path_window_rows
-from dflash.model.drafters.trees import DraftTree, accept_tree, tree_path
 
 VOCAB = 3  # few tokens: siblings often share one and the target often matches
 FAMILIES = ("random", "chain", "star", "bushy", "root")

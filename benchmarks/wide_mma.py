@@ -9,7 +9,8 @@ per weight tile. A 64-wide MMA is one instruction of the same K order: if the te
 cores reduce each output element the same way whatever the MMA's width, its rows are the
 16-wide rows bit for bit, and a wide verify costs fewer MMA issues. This script measures
 exactly that, on data built to expose a different summation order (magnitudes spread over
-2^-20 … 2^20, 2^-6 … 2^6 in fp16, cancellation), at every 9B projection shape, for bf16, fp16 and float32:
+2^-20 … 2^20, 2^-6 … 2^6 in fp16, cancellation), at every 9B projection shape, for bf16,
+fp16 and float32:
 
 - ``equal``: every output of every ``BLOCK_M`` run equals the 16-wide run's, bitwise;
 - ``us``: µs of one call at M = 64 and 128 for each ``BLOCK_M`` (CUDA graph replays over

@@ -359,7 +359,7 @@ def test_a_device_tree_acceptance_the_host_disagrees_with_is_undone(
     while engine.counts["fast"] < 2:
         engine.step()
     committed, context = engine.committed, list(engine.context)
-    real = engine_module.accept_tree_device
+    from dflash.model.tree_device import accept_tree_device as real
 
     def off_by_one(*args: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         best, count, path = real(*args)  # type: ignore[arg-type]  # the real signature

@@ -16,7 +16,12 @@ table and, with ``--json``, writes the numbers. GPU only; ~1-2 minutes
 on an H200.
 
     python benchmarks/profile_step.py [--calls 16] [--prompt-len 1024] [--block 16]
-        [--layers 32] [--json out.json] [--table]
+        [--layers 32] [--json out.json] [--table] [--tree N]
+
+``--tree N``: the speculative steps are tree steps of ``N`` nodes (depth ``block - 1``) from
+the SYNTHETIC tree drafter on a random oracle (acceptance does not change a step's work,
+only how far it moves), and ``--table`` then also lists the CUDA kernels of four eager
+(graphs off) tree steps by GPU time.
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from dflash.execution import RollbackPolicy, ShardedTarget, SpecDecoder, plan_shards
 from dflash.execution.engine import chain_of
+from dflash.execution.session import tree_rank_probs
 from dflash.model import HybridConfig, TargetModel
 from dflash.model.drafters import PromptLookupDrafter
+from dflash.model.drafters.trees import SyntheticTreeDrafter
 
 
 def _device_us(prof: profile) -> float:
@@ -81,6 +88,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the numbers here")
     ap.add_argument("--table", action="store_true", help="also print the profiler's top ops")
     ap.add_argument("--graphs-only", action="store_true", help="skip the eager (graphs off) half")
+    ap.add_argument("--tree", type=int, default=None, help="tree steps of N nodes")
     args = ap.parse_args()
     nine = HybridConfig.nine_b_shape()
     config = HybridConfig(**{**nine.model_dump(), "layer_types": nine.layer_types[: args.layers]})
@@ -90,6 +98,13 @@ def main() -> None:
     plan = plan_shards(config.num_hidden_layers, "cuda:0")
     calls, warm, block = args.calls, args.warmup, args.block
     budget = (warm + 2 * calls) * (block + 1) + 8  # positions every measured loop may use
+    slots = max(block, args.tree or 0)
+    oracle = prompt + [rng.randrange(config.vocab_size) for _ in range(budget + slots)]
+
+    def drafter() -> object:
+        if args.tree is None:
+            return PromptLookupDrafter()
+        return SyntheticTreeDrafter(oracle, tree_rank_probs(0.874), config.vocab_size, seed=1)
     rows: list[dict[str, object]] = []
 
     def record(what: str, graphs: bool, wall: float, gpu: float, extra: str = "") -> None:
@@ -138,12 +153,12 @@ def main() -> None:
 
             for mode in ("replay", "checkpoint", "remap"):
                 spec_target = ShardedTarget(
-                    model, plan, max_len=args.prompt_len + budget, max_draft=block,
-                    graphs=graphs,
+                    model, plan, max_len=args.prompt_len + budget + slots, max_draft=slots,
+                    graphs=graphs, trees=args.tree is not None,
                 )
                 engine = SpecDecoder(
-                    spec_target, PromptLookupDrafter(), block_size=block,
-                    policy=RollbackPolicy(mode=mode),
+                    spec_target, drafter(), block_size=block,  # type: ignore[arg-type]  # a tree drafter is a Drafter
+                    policy=RollbackPolicy(mode=mode), tree_budget=args.tree,
                 )
                 engine.prefill(prompt)
                 wall = _wall(engine.step, calls, warm)
@@ -152,7 +167,8 @@ def main() -> None:
                     avg = sum(r.accept_n for r in engine.records) / len(engine.records)
                     return f"(status {engine.status.value}, avg commit {avg:.2f})"
 
-                walls.append((f"spec step, {mode}", graphs, wall, engine.step, extra))
+                what = f"spec step, {mode}" + (f", tree {args.tree}" if args.tree else "")
+                walls.append((what, graphs, wall, engine.step, extra))
                 keep.append(engine)
                 if spec_target.graphs is not None:
                     fails = [f for g in spec_target.graphs for f in g.failures]
@@ -161,12 +177,27 @@ def main() -> None:
         for what, graphs, wall, run, describe in walls:  # then the GPU times
             record(what, graphs, wall, _gpu(run, calls), describe())
         if args.table:
-            step = next(run for what, g, _, run, _ in walls if g and what.endswith("checkpoint"))
+            step = next(run for what, g, _, run, _ in walls if g and "checkpoint" in what)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
                 for _ in range(4):
                     step()
                 torch.cuda.synchronize()
             print(p.key_averages().table(sort_by="cpu_time_total", row_limit=20))
+            if args.tree is not None:  # the kernels of eager tree steps, by GPU time
+                eager_target = ShardedTarget(
+                    model, plan, max_len=args.prompt_len + budget + slots, max_draft=slots,
+                    graphs=False, trees=True,
+                )
+                eager = SpecDecoder(eager_target, drafter(), block_size=block,  # type: ignore[arg-type]  # as above
+                                    tree_budget=args.tree)
+                eager.prefill(prompt)
+                for _ in range(warm):
+                    eager.step()
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                    for _ in range(4):
+                        eager.step()
+                    torch.cuda.synchronize()
+                print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"prompt_len": args.prompt_len, "block": block, "layers": args.layers,

@@ -12,6 +12,8 @@ validated tree.
 
 from __future__ import annotations
 
+import array
+
 import torch
 
 from dflash.errors import KernelBoundsError
@@ -128,20 +130,23 @@ def _device(device: object) -> torch.device:
         raise KernelBoundsError(f"'device' names no device (got {device!r})") from None
 
 
+def tree_path_rows(geometry: ChainGeometry | TreeGeometry, width: int) -> array.array[int]:
+    """The first ``T`` rows of the path table, ``width >= T`` entries each (``-1`` past a
+    node's depth), flattened into a host int32 array (no tensor operations: a tree step
+    builds it on the host every step)."""
+    T = _checked(geometry).n_actual
+    if width < T:
+        raise KernelBoundsError(f"'width' {width} is narrower than the geometry's T={T}")
+    rows = array.array("i")
+    paths: list[list[int]] = []
+    for t, p in enumerate(geometry.parents):
+        path = [t] if p < 0 else [*paths[p], t]
+        paths.append(path)
+        rows.extend(path)
+        rows.extend([-1] * (width - len(path)))
+    return rows
+
+
 def _host_table(geometry: ChainGeometry | TreeGeometry, T: int) -> torch.Tensor:
     """The ``[T, T]`` int32 table on the CPU."""
-    slot = torch.arange(T, dtype=torch.int64)
-    if isinstance(geometry, ChainGeometry):
-        d = slot[None, :]
-        return torch.where(d <= slot[:, None], d, -1).to(torch.int32)
-    table = torch.full((T, T), -1, dtype=torch.int64)
-    parents = torch.tensor((0, *geometry.parents[1:]), dtype=torch.int64)  # root -> itself
-    depth = torch.tensor(geometry.depth, dtype=torch.int64)
-    # Walk every node up one edge per step: after k steps `ancestor[t]` sits at depth
-    # depth[t] - k, which is the column it fills (nodes shallower than k are done).
-    ancestor = slot.clone()
-    for k in range(int(depth.max()) + 1):
-        live = depth >= k
-        table[slot[live], depth[live] - k] = ancestor[live]
-        ancestor = parents[ancestor]
-    return table.to(torch.int32)
+    return torch.frombuffer(tree_path_rows(geometry, T), dtype=torch.int32).view(T, T).clone()

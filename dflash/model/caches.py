@@ -54,6 +54,7 @@ back, ``restore_pre_verify``, valid at every stage.
 
 from __future__ import annotations
 
+import array
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,8 +65,9 @@ from torch import Tensor
 
 from dflash.errors import ExecutionError
 from dflash.geometry import TreeGeometry
-from dflash.kernels import gdn_recompute, rollback_restore, tree_parents_into, tree_paths_into
+from dflash.kernels import gdn_recompute, rollback_restore
 from dflash.kernels.checks import Backend
+from dflash.kernels.tree_paths import reloaded_nodes, tree_path_rows
 from dflash.model.config import HybridConfig
 from dflash.model.layers import rotary_table
 from dflash.model.tree_device import compact_kv_device, conv_window_rows_device
@@ -894,25 +896,49 @@ class TreeTables:
     """The device tables a tree verify's kernels read, sized for ``S = max_draft`` nodes
     and refilled (host to device, outside any graph) before each tree verify, so one CUDA
     graph of the verify serves every tree of ``T`` nodes: ``depth [S]`` int64 (node ``t``
-    sits at the committed position + ``depth[t]``), ``paths [S, S]`` int32
-    (:func:`dflash.kernels.tree_paths_into`; a verify reads its ``[T, T]`` corner) and
-    ``parents [2S]`` int32 (:func:`dflash.kernels.tree_parents_into`, the recurrence's)."""
+    sits at the committed position + ``depth[t]``), ``paths [S, S]`` int32 (the path
+    table of :func:`dflash.kernels.tree_paths_into`; a verify reads its ``[T, T]`` corner)
+    and ``parents [2S]`` int32 (:func:`dflash.kernels.tree_parents_into`'s layout, the
+    recurrence's: the ``T`` parents, then the ``T`` reload flags).
+
+    ``parents`` and ``paths`` are views of one device buffer, staged in one pinned host
+    buffer allocated once: a fill is one host-built array per table and two copies (the
+    int32 block and the depths), with nothing allocated per step. Before a fill rewrites
+    the staging it waits for the previous fill's copies (an event; long done by then, as
+    a tree step reads back its verify's result)."""
 
     def __init__(self, max_draft: int, device: torch.device | str) -> None:
-        self.depth = torch.zeros(max_draft, dtype=torch.int64, device=device)
-        self.paths = torch.full((max_draft, max_draft), -1, dtype=torch.int32, device=device)
-        self.parents = torch.zeros(2 * max_draft, dtype=torch.int32, device=device)
+        S = max_draft
+        device = torch.device(device)
+        pinned = device.type == "cuda"
+        self.depth = torch.zeros(S, dtype=torch.int64, device=device)
+        self._table = torch.full((2 * S + S * S,), -1, dtype=torch.int32, device=device)
+        self.parents = self._table[: 2 * S]
+        self.paths = self._table[2 * S :].view(S, S)
+        self._stage = torch.full((2 * S + S * S,), -1, dtype=torch.int32, pin_memory=pinned)
+        self._stage_depth = torch.zeros(S, dtype=torch.int64, pin_memory=pinned)
+        self._copied: torch.cuda.Event | None = None
 
     def fill(self, tree: TreeGeometry) -> None:
         """The tables of the validated ``tree`` (at most ``S`` nodes)."""
-        T = tree.n_actual
-        if self.depth.shape[0] < T:
-            raise CacheError(f"a tree of {T} nodes exceeds the {self.depth.shape[0]} slots")
-        pinned = self.depth.device.type == "cuda"
-        depth = torch.tensor(tree.depth, dtype=torch.int64)
-        self.depth[:T].copy_(depth.pin_memory() if pinned else depth, non_blocking=pinned)
-        tree_paths_into(tree, self.paths)
-        tree_parents_into(tree, self.parents)
+        T, S = tree.n_actual, self.depth.shape[0]
+        if S < T:
+            raise CacheError(f"a tree of {T} nodes exceeds the {S} slots")
+        if self._copied is not None:  # the previous copies have read the staging
+            self._copied.synchronize()
+        head = array.array("i", tree.parents)
+        head.extend(reloaded_nodes(tree.parents))
+        rows = tree_path_rows(tree, S)  # the first T rows, S wide
+        self._stage[: 2 * T].copy_(torch.frombuffer(head, dtype=torch.int32))
+        self._stage[2 * S : 2 * S + T * S].copy_(torch.frombuffer(rows, dtype=torch.int32))
+        self._stage_depth[:T].copy_(torch.tensor(tree.depth, dtype=torch.int64))
+        n = 2 * S + T * S
+        pinned = self._stage.is_pinned()
+        self._table[:n].copy_(self._stage[:n], non_blocking=pinned)
+        self.depth[:T].copy_(self._stage_depth[:T], non_blocking=pinned)
+        if pinned:
+            self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event untyped
+            self._copied.record()
 
 
 class ShardCaches:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from dflash.geometry import require_tree
-from dflash.model.caches import KVCache, TreeTables, path_window_rows
+from dflash.model.caches import CacheError, KVCache, TreeTables, path_window_rows
 from dflash.model.drafters.trees import DraftTree, accept_tree, tree_path
 from dflash.model.tree_device import (
     accept_tree_device,
@@ -289,3 +289,28 @@ def test_bad_arguments_name_the_argument() -> None:
         compact_kv_device(kv, kv, ids[:1], ids, dim=5)
     with pytest.raises(ValueError, match="'start'"):
         compact_kv_device(kv, kv, ids, ids)
+
+
+def test_tree_tables_refilled_with_trees_of_every_size_hold_each_trees_tables() -> None:
+    """One :class:`TreeTables` refilled step after step with trees of other sizes (larger,
+    then smaller, chains and bushes): each fill's ``[T, T]`` path corner, parents, reload
+    flags and depths equal the tree's own tables (``tree_paths``, ``tree_parents_into``),
+    whatever an earlier, larger tree left in the buffers; the paths and parents share one
+    buffer (one copy per fill)."""
+    from dflash.kernels import tree_parents_into, tree_paths
+
+    rng = random.Random(12)
+    S = 24
+    tables = TreeTables(S, "cpu")
+    assert tables.paths.untyped_storage().data_ptr() == tables.parents.untyped_storage().data_ptr()
+    for T in (24, 3, 17, 1, 24, 9, 2, 13):
+        parents = [-1] + [rng.randrange(s) if rng.random() < 0.6 else s - 1 for s in range(1, T)]
+        geometry = require_tree(tuple(parents))
+        tables.fill(geometry)
+        assert torch.equal(tables.paths[:T, :T], tree_paths(geometry, "cpu")), T
+        want = torch.zeros(2 * T, dtype=torch.int32)
+        tree_parents_into(geometry, want)
+        assert torch.equal(tables.parents[: 2 * T], want), T
+        assert tables.depth[:T].tolist() == list(geometry.depth), T
+    with pytest.raises(CacheError, match="exceeds the 24 slots"):
+        tables.fill(require_tree((-1, *range(S))))

@@ -106,8 +106,7 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
     # loads below instead of delaying the state tile
     if READ_LIVE:
         live_slot = tl.load(live)
-    # token 0's inputs; token t+1's are issued at the top of token t, before its arithmetic
-    # (a hand-written one-deep pipeline: their latency overlaps token t's work)
+    # token t's inputs are loaded during token t-1 (a hand-written one-deep pipeline)
     b_q = tl.load(p_q, mask=m_k, other=0).to(tl.float32)
     b_k = tl.load(p_k, mask=m_k, other=0).to(tl.float32)
     b_v = tl.load(p_v, mask=m_v, other=0).to(tl.float32)
@@ -125,36 +124,15 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
         tl.store(p_sn, b_h, mask=m_h)
     # every read of the initial tile happens before any write of a slot (alias safety)
     tl.debug_barrier()
-    # a tree: node t+1's parent, known at the top of token t; when it is not node t, its
-    # state (written by this program at an earlier token) is loaded then, into ``n_h``, so
-    # the reload's latency overlaps token t's work (node 0 starts from the initial state)
-    parent = T * 0   # int32 scalars, like the loop bound
-    n_parent = T * 0
-    if is_tree != 0:
-        n_parent = tl.load(parents + 1, mask=T > 1, other=0)
-    n_h = b_h
 
-    t = T * 0
+    t = T * 0  # an int32 scalar, like the loop bound
     while t < T:  # a while loop: the interpreter cannot range() over a runtime bound
-        more = t + 1 < T
-        # token t+1's inputs, issued now (no key/value lane past the last token: the masks
-        # compare full blocks, as a block ``&`` a scalar is not a mask for every interpreter)
-        m_k_next = o_k < tl.where(more, K, 0)
-        m_v_next = o_v < tl.where(more, V, 0)
-        n_q = tl.load(p_q + HK * K, mask=m_k_next, other=0).to(tl.float32)
-        n_k = tl.load(p_k + HK * K, mask=m_k_next, other=0).to(tl.float32)
-        n_v = tl.load(p_v + HV * V, mask=m_v_next, other=0).to(tl.float32)
-        n_g = tl.load(p_g + HV, mask=more, other=0).to(tl.float32)
-        n_beta = tl.load(p_beta + HV, mask=more, other=0).to(tl.float32)
         if is_tree != 0:
-            if (t > 0) & (parent != t - 1):
-                b_h = n_h   # node t starts from its parent's state, loaded last token
-            parent = n_parent
-            if more & (parent != t):
-                # the parent's slot was written by this program at an earlier token
+            parent = tl.load(parents + t)
+            if parent != t - 1:
+                # the parent's slot was written by this program earlier in this loop
                 tl.debug_barrier()
-                n_h = tl.load(ckpt + parent.to(tl.int64) * s_ck_s + o_ck, mask=m_h, other=0)
-            n_parent = tl.load(parents + t + 2, mask=t + 2 < T, other=0)
+                b_h = tl.load(ckpt + parent.to(tl.int64) * s_ck_s + o_ck, mask=m_h, other=0)
         b_q = _l2norm(b_q, USE_QK_L2NORM)
         b_k = _l2norm(b_k, USE_QK_L2NORM)
         b_q = b_q * scale
@@ -186,11 +164,16 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
         p_o += HV * V
         p_g += HV
         p_beta += HV
-        b_q = n_q
-        b_k = n_k
-        b_v = n_v
-        b_g = n_g
-        b_beta = n_beta
+        more = t + 1 < T
+        # the next token's block masks compare full blocks (a block ``&`` a scalar is not
+        # a boolean mask for every triton interpreter): no key/value lane past the last token
+        m_k_next = o_k < tl.where(more, K, 0)
+        m_v_next = o_v < tl.where(more, V, 0)
+        b_q = tl.load(p_q, mask=m_k_next, other=0).to(tl.float32)
+        b_k = tl.load(p_k, mask=m_k_next, other=0).to(tl.float32)
+        b_v = tl.load(p_v, mask=m_v_next, other=0).to(tl.float32)
+        b_g = tl.load(p_g, mask=more, other=0).to(tl.float32)
+        b_beta = tl.load(p_beta, mask=more, other=0).to(tl.float32)
         t += 1
 
 

@@ -13,6 +13,7 @@ from dflash.kernels import checks
 from dflash.kernels.gdn_reference import gdn_recompute_reference, gdn_verify_reference
 from dflash.kernels.rollback import RollbackBoundsError
 from dflash.kernels.rollback import _commit as _commit_count  # the rollback's commit_n rule
+from dflash.kernels.tree_paths import tree_table_size
 
 #: Triton holds the whole key dimension of a state tile in registers.
 MAX_TRITON_K = 256
@@ -75,10 +76,11 @@ def gdn_verify(
             leaves it in its slot there (only those nodes: a depth-first tree writes its
             branch points only); the contents afterwards are unspecified. Given only
             with ``checkpoints=None``; ignored by a chain.
-        tree_table: optional int32 one-dimensional tensor of at least ``2*T`` entries on
-            the inputs' device, filled from ``geometry`` (a ``TreeGeometry``) by
+        tree_table: optional int32 one-dimensional tensor of at least ``2*T + T*T``
+            entries on the inputs' device, filled from ``geometry`` (a ``TreeGeometry``) by
             :func:`dflash.kernels.tree_parents_into`: the Triton kernel reads the tree's
-            parents (and the nodes a later child reloads) there instead of from a table
+            parents, the nodes reloaded and its walks (the trunk, then every subtree off
+            it, :func:`dflash.kernels.tree_paths.tree_walks`) there instead of from a table
             this call uploads, so a CUDA graph of the call serves every tree of ``T``
             nodes — each replay reads the table as its owner refilled it. The tree is
             then always walked as a tree (a chain-shaped one too). The reference reads
@@ -185,10 +187,10 @@ def gdn_verify(
                 f"{type(geometry).__name__})"
             )
         tree_table = checks.tensor_of("tree_table", tree_table, 1, torch.int32)
-        if tree_table.shape[0] < 2 * T or not tree_table.is_contiguous():
+        if tree_table.shape[0] < tree_table_size(T) or not tree_table.is_contiguous():
             raise KernelBoundsError(
-                f"'tree_table' must be a contiguous int32 tensor of at least 2*T={2 * T} "
-                f"entries (got shape {tuple(tree_table.shape)})"
+                f"'tree_table' must be a contiguous int32 tensor of at least 2*T + T*T="
+                f"{tree_table_size(T)} entries (got shape {tuple(tree_table.shape)})"
             )
         checks.same_device({"q": q, "tree_table": tree_table})
         parents = tuple(geometry.parents)  # walked as a tree, whatever its shape

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash.kernels.tree_paths import reloaded_nodes
+from dflash.kernels.tree_paths import tree_table_values
 
 _DUMMY_PARENTS: dict[torch.device, torch.Tensor] = {}
 _NO_SLOT: dict[torch.device, torch.Tensor] = {}  # int64 [1] = -1: the initial state is h0
@@ -65,12 +65,13 @@ def _gated_delta_step(b_h, b_k, b_v, b_g, b_beta):  # type: ignore[no-untyped-de
     return b_h
 
 
-@triton.jit(do_not_specialize=["T", "slot_step", "has_snapshot", "is_tree", "bank_slots"])  # type: ignore[untyped-decorator]  # triton ships no types
+@triton.jit(do_not_specialize=["T", "slot_step", "has_snapshot", "is_tree", "bank_slots",
+                              "walk_base"])  # type: ignore[untyped-decorator]  # triton ships no types
 def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
     q, k, v, g, beta, o,               # inputs [B,T,HK,K] x2, [B,T,HV,V], [B,T,HV] x2; o like v
     h0, ckpt, snap, parents,           # state [B,HV,K,V], slots [B,S,HV,K,V], snapshot, int32 [T]
     bank, live,                        # slots [B,S',HV,K,V] read when *live >= 0; int64 [1]
-    scale, T, slot_step, has_snapshot, is_tree, bank_slots,
+    scale, T, slot_step, has_snapshot, is_tree, bank_slots, walk_base,
     s_h0_b, s_h0_h, s_h0_k, s_h0_v,
     s_bk_b, s_bk_s, s_bk_h, s_bk_k, s_bk_v,
     s_ck_b, s_ck_s, s_ck_h, s_ck_k, s_ck_v,
@@ -95,23 +96,31 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
     p_h0 = h0 + i_b * s_h0_b + i_hv * s_h0_h + o_k[:, None] * s_h0_k + o_v[None, :] * s_h0_v
     o_ck = i_b * s_ck_b + i_hv * s_ck_h + o_k[:, None] * s_ck_k + o_v[None, :] * s_ck_v
 
-    p_q = q + (i_b * T * HK + i_hk) * K + o_k
-    p_k = k + (i_b * T * HK + i_hk) * K + o_k
-    p_v = v + (i_b * T * HV + i_hv) * V + o_v
-    p_o = o + (i_b * T * HV + i_hv) * V + o_v
-    p_g = g + i_b * T * HV + i_hv
-    p_beta = beta + i_b * T * HV + i_hv
+    # this program's walk: a chain walks slots 0 … T-1; a tree walks row ``walk_base +
+    # program_id(2)`` of the walks table (slots, then -1; an empty row walks nothing)
+    p_walk = parents + 2 * T + (walk_base + tl.program_id(2)) * T   # read by trees only
+    s = T * 0
+    if is_tree != 0:
+        s = tl.load(p_walk)
+    i_base_k = (i_b * T * HK + i_hk) * K
+    i_base_v = (i_b * T * HV + i_hv) * V
+    i_base_g = i_b * T * HV + i_hv
 
     # the live slot (slot remap) is issued first: its latency overlaps the first token's
     # loads below instead of delaying the state tile
     if READ_LIVE:
         live_slot = tl.load(live)
-    # token t's inputs are loaded during token t-1 (a hand-written one-deep pipeline)
-    b_q = tl.load(p_q, mask=m_k, other=0).to(tl.float32)
-    b_k = tl.load(p_k, mask=m_k, other=0).to(tl.float32)
-    b_v = tl.load(p_v, mask=m_v, other=0).to(tl.float32)
-    b_g = tl.load(p_g).to(tl.float32)
-    b_beta = tl.load(p_beta).to(tl.float32)
+    # slot s's inputs are loaded during the previous slot (a hand-written one-deep
+    # pipeline); the masks compare full blocks (a block ``&`` a scalar is not a boolean
+    # mask for every triton interpreter): no lane past the walk's end
+    at_s = tl.maximum(s, 0).to(tl.int64)
+    m_k_s = o_k < tl.where(s >= 0, K, 0)
+    m_v_s = o_v < tl.where(s >= 0, V, 0)
+    b_q = tl.load(q + i_base_k + at_s * (HK * K) + o_k, mask=m_k_s, other=0).to(tl.float32)
+    b_k = tl.load(k + i_base_k + at_s * (HK * K) + o_k, mask=m_k_s, other=0).to(tl.float32)
+    b_v = tl.load(v + i_base_v + at_s * (HV * V) + o_v, mask=m_v_s, other=0).to(tl.float32)
+    b_g = tl.load(g + i_base_g + at_s * HV, mask=s >= 0, other=0).to(tl.float32)
+    b_beta = tl.load(beta + i_base_g + at_s * HV, mask=s >= 0, other=0).to(tl.float32)
     if READ_LIVE:  # slot >= 0: the live state is bank[:, slot] (clamped: stays in bounds)
         slot = tl.minimum(live_slot, bank_slots - 1)
         p_bk = (bank + i_b * s_bk_b + tl.maximum(slot, 0) * s_bk_s + i_hv * s_bk_h
@@ -125,12 +134,14 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
     # every read of the initial tile happens before any write of a slot (alias safety)
     tl.debug_barrier()
 
-    t = T * 0  # an int32 scalar, like the loop bound
-    while t < T:  # a while loop: the interpreter cannot range() over a runtime bound
+    i = T * 0      # entries of the walk done (int32 scalars, like the loop bound)
+    prev = i - 1   # the slot walked last (the root's parent, -1, before the first)
+    while s >= 0:  # a while loop: the interpreter cannot range() over a runtime bound
         if is_tree != 0:
-            parent = tl.load(parents + t)
-            if parent != t - 1:
-                # the parent's slot was written by this program earlier in this loop
+            parent = tl.load(parents + s)
+            if parent != prev:
+                # the parent's slot was written earlier: by this program, or (a subtree's
+                # first node) by the trunk's launch, which ran first
                 tl.debug_barrier()
                 b_h = tl.load(ckpt + parent.to(tl.int64) * s_ck_s + o_ck, mask=m_h, other=0)
         b_q = _l2norm(b_q, USE_QK_L2NORM)
@@ -138,18 +149,19 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
         b_q = b_q * scale
         b_h = _gated_delta_step(b_h, b_k, b_v, b_g, b_beta)
         b_o = tl.sum(b_h * b_q[:, None], 0)                    # S^T q: [BV]
+        p_o = o + i_base_v + at_s * (HV * V) + o_v
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
 
-        # slot_step 1: slot t after every token; 0: slot 0 after the last token; -1: none,
-        # but in a tree the nodes flagged in parents[T + t] (a child that does not follow
-        # them directly reloads their state) keep it in their slot of ``ckpt`` (scratch)
-        keep = (slot_step > 0) | ((slot_step == 0) & (t == T - 1))
+        # slot_step 1: slot s after every token; 0: slot 0 after the last token; -1: none,
+        # but in a tree the nodes flagged in parents[T + s] (a node that does not follow
+        # them in its walk starts from their state) keep it in their slot of ``ckpt``
+        keep = (slot_step > 0) | ((slot_step == 0) & (s == T - 1))
         if (slot_step < 0) & (is_tree != 0):
-            keep = tl.load(parents + T + t) != 0
+            keep = tl.load(parents + T + s) != 0
         if keep:
             # the last token's state goes to slot 0 (a name of its own: Triton merges
             # same-named values across branches, and ``slot`` above is int64)
-            at = tl.where(slot_step == 0, 0, t)
+            at = tl.where(slot_step == 0, 0, s)
             p_slot = ckpt + at.to(tl.int64) * s_ck_s + o_ck
             if STORE_HINT == 1:
                 tl.store(p_slot, b_h, mask=m_h, cache_modifier=".cs")
@@ -158,23 +170,19 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
             else:
                 tl.store(p_slot, b_h, mask=m_h)
 
-        p_q += HK * K
-        p_k += HK * K
-        p_v += HV * V
-        p_o += HV * V
-        p_g += HV
-        p_beta += HV
-        more = t + 1 < T
-        # the next token's block masks compare full blocks (a block ``&`` a scalar is not
-        # a boolean mask for every triton interpreter): no key/value lane past the last token
-        m_k_next = o_k < tl.where(more, K, 0)
-        m_v_next = o_v < tl.where(more, V, 0)
-        b_q = tl.load(p_q, mask=m_k_next, other=0).to(tl.float32)
-        b_k = tl.load(p_k, mask=m_k_next, other=0).to(tl.float32)
-        b_v = tl.load(p_v, mask=m_v_next, other=0).to(tl.float32)
-        b_g = tl.load(p_g, mask=more, other=0).to(tl.float32)
-        b_beta = tl.load(p_beta, mask=more, other=0).to(tl.float32)
-        t += 1
+        prev = s
+        i += 1
+        s = tl.where(i < T, i, -1)
+        if is_tree != 0:
+            s = tl.load(p_walk + i, mask=i < T, other=-1)
+        at_s = tl.maximum(s, 0).to(tl.int64)
+        m_k_s = o_k < tl.where(s >= 0, K, 0)
+        m_v_s = o_v < tl.where(s >= 0, V, 0)
+        b_q = tl.load(q + i_base_k + at_s * (HK * K) + o_k, mask=m_k_s, other=0).to(tl.float32)
+        b_k = tl.load(k + i_base_k + at_s * (HK * K) + o_k, mask=m_k_s, other=0).to(tl.float32)
+        b_v = tl.load(v + i_base_v + at_s * (HV * V) + o_v, mask=m_v_s, other=0).to(tl.float32)
+        b_g = tl.load(g + i_base_g + at_s * HV, mask=s >= 0, other=0).to(tl.float32)
+        b_beta = tl.load(beta + i_base_g + at_s * HV, mask=s >= 0, other=0).to(tl.float32)
 
 
 def default_config(K: int, V: int) -> tuple[int, int]:
@@ -217,9 +225,9 @@ def launch_gdn_verify(
         p_parents = tree_table
     elif parents is None:
         p_parents = _constant(_DUMMY_PARENTS, q.device, torch.int32)
-    else:  # parents, then the flags of the nodes a child not right after them reloads
-        table = [*parents, *reloaded_nodes(parents)]
-        p_parents = torch.tensor(table, dtype=torch.int32).to(q.device, non_blocking=True)
+    else:  # parents, the flags of the nodes reloaded, the walks (tree_table_values)
+        table = torch.frombuffer(tree_table_values(parents), dtype=torch.int32)
+        p_parents = table.to(q.device, non_blocking=True)
     slot_step = 0 if final_state_only else 1
     if checkpoints is None:  # no checkpoint: a tree's reloaded nodes go to its scratch
         checkpoints = initial_state.unsqueeze(1) if tree_states is None else tree_states
@@ -227,17 +235,22 @@ def launch_gdn_verify(
     snap = initial_state if snapshot is None else snapshot
     bank = checkpoints if slot_bank is None else slot_bank
     live = _constant(_NO_SLOT, q.device, torch.int64) if live_slot is None else live_slot
-    grid = (triton.cdiv(V, BV), B * HV)
-    gdn_verify_kernel[grid](
-        q, k, v, g, beta, o,
-        initial_state, checkpoints, snap, p_parents, bank, live,
-        scale, T, slot_step, 0 if snapshot is None else 1,
-        0 if parents is None else 1, bank.shape[1],
-        *initial_state.stride(), *bank.stride(), *checkpoints.stride(), *snap.stride(),
-        HK=HK, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
-        USE_QK_L2NORM=use_qk_l2norm, STORE_HINT=store_hint,
-        READ_LIVE=0 if live_slot is None else 1, num_warps=warps,
-    )
+    # a chain: one launch. A tree: the trunk's launch, then one program per subtree
+    # (tree_walks), each starting from its trunk parent's state that the first wrote
+    launches = [(1, 0, snapshot is not None)]
+    if parents is not None and T > 1:
+        launches.append((T - 1, 1, False))
+    for walks, walk_base, snapshots in launches:
+        gdn_verify_kernel[(triton.cdiv(V, BV), B * HV, walks)](
+            q, k, v, g, beta, o,
+            initial_state, checkpoints, snap, p_parents, bank, live,
+            scale, T, slot_step, 1 if snapshots else 0,
+            0 if parents is None else 1, bank.shape[1], walk_base,
+            *initial_state.stride(), *bank.stride(), *checkpoints.stride(), *snap.stride(),
+            HK=HK, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
+            USE_QK_L2NORM=use_qk_l2norm, STORE_HINT=store_hint,
+            READ_LIVE=0 if live_slot is None else 1, num_warps=warps,
+        )
     return o
 
 

@@ -13,6 +13,7 @@ validated tree.
 from __future__ import annotations
 
 import array
+from collections.abc import Sequence
 
 import torch
 
@@ -65,29 +66,87 @@ def tree_paths_into(geometry: ChainGeometry | TreeGeometry, out: torch.Tensor) -
     return out
 
 
-def reloaded_nodes(parents: tuple[int, ...]) -> list[int]:
-    """Per node of a tree, 1 when a child that does not follow it directly (slot ``u + 1``)
-    starts from its state — the nodes whose state a verify without checkpoints keeps in
-    scratch — else 0. A chain has none; a tree in depth-first order only its branch points."""
-    flags = [0] * len(parents)
+def tree_walks(parents: Sequence[int]) -> list[list[int]]:
+    """How the recurrence kernel walks a tree in two launches: walk 0 is the *trunk* (the
+    root, then each node's lowest-slot child, down to a leaf); every other walk is the
+    whole subtree of one child of a trunk node that is not on the trunk, its slots in
+    ascending order (a parent before its children). The trunk runs first, then every
+    subtree at once, each from its trunk parent's state: a tree of ``T`` nodes costs the
+    trunk's length plus its largest subtree in serial steps instead of ``T``. A chain is
+    one walk."""
+    T = len(parents)
+    children: list[list[int]] = [[] for _ in range(T)]
     for child, parent in enumerate(parents):
-        if parent >= 0 and parent != child - 1:
-            flags[parent] = 1
+        if parent >= 0:
+            children[parent].append(child)
+    trunk = [0]
+    while children[trunk[-1]]:
+        trunk.append(children[trunk[-1]][0])
+    walks = [trunk]
+    for i, u in enumerate(trunk):
+        for c in children[u]:
+            if i + 1 < len(trunk) and c == trunk[i + 1]:
+                continue
+            sub, stack = [], [c]
+            while stack:
+                x = stack.pop()
+                sub.append(x)
+                stack.extend(children[x])
+            walks.append(sorted(sub))
+    return walks
+
+
+def reloaded_nodes(parents: Sequence[int]) -> list[int]:
+    """Per node of a tree, 1 when a node starts from its state without following it in its
+    walk (:func:`tree_walks`) — the nodes whose state a verify without checkpoints keeps
+    in scratch — else 0: the trunk nodes that subtrees hang from, and inside a subtree the
+    nodes whose child is not the next slot of the walk. A chain has none."""
+    flags = [0] * len(parents)
+    for walk in tree_walks(parents):
+        prev = -1
+        for node in walk:
+            if parents[node] >= 0 and parents[node] != prev:
+                flags[parents[node]] = 1
+            prev = node
     return flags
 
 
+def tree_table_values(parents: Sequence[int], width: int | None = None) -> array.array[int]:
+    """The recurrence kernel's table of a tree of ``T`` nodes, int32: the parents, the
+    :func:`reloaded_nodes` flags, then ``T`` rows of ``width`` (default ``T``) entries,
+    row ``w`` the slots of walk ``w`` (:func:`tree_walks`) then ``-1``; rows past the
+    walks are ``-1``. The kernel reads row ``w`` at ``2 T + w T``: ``width`` must be ``T``
+    there (a wider table is for callers that slice it)."""
+    T = len(parents)
+    width = T if width is None else width
+    values = array.array("i", parents)
+    values.extend(reloaded_nodes(parents))
+    walks = tree_walks(parents)
+    for walk in walks:
+        values.extend(walk)
+        values.extend([-1] * (width - len(walk)))
+    values.extend([-1] * (width * (T - len(walks))))
+    return values
+
+
+def tree_table_size(T: int) -> int:
+    """Entries of the recurrence kernel's table for ``T`` nodes (:func:`tree_table_values`)."""
+    return 2 * T + T * T
+
+
 def tree_parents_into(geometry: TreeGeometry, out: torch.Tensor) -> torch.Tensor:
-    """Fill ``out`` (int32, one-dimensional, at least ``2*T`` entries) with the table the
-    recurrence kernel walks a tree by (``gdn_verify``'s ``tree_table``): the parents of the
-    ``T`` nodes, then :func:`reloaded_nodes`' flags, in one host-to-device copy
-    (non-blocking from pinned memory on CUDA), so a CUDA graph replaying with ``out`` as a
-    static buffer sees the new tree. Returns ``out``.
+    """Fill ``out`` (int32, one-dimensional, at least ``2*T + T*T`` entries) with the table
+    the recurrence kernel walks a tree by (``gdn_verify``'s ``tree_table``,
+    :func:`tree_table_values`): the parents of the ``T`` nodes, :func:`reloaded_nodes`'
+    flags and the walks, in one host-to-device copy (non-blocking from pinned memory on
+    CUDA), so a CUDA graph replaying with ``out`` as a static buffer sees the new tree.
+    Returns ``out``.
 
     Raises:
         TypeError: ``geometry`` is not a validated ``TreeGeometry`` or ``out`` is not a
             tensor.
         KernelBoundsError: ``out`` is not int32, not one-dimensional, or shorter than
-            ``2*T``.
+            ``2*T + T*T``.
     """
     if not isinstance(geometry, TreeGeometry):
         raise TypeError(
@@ -97,18 +156,18 @@ def tree_parents_into(geometry: TreeGeometry, out: torch.Tensor) -> torch.Tensor
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"'out' must be a torch.Tensor (got {type(out).__name__})")
     T = geometry.n_actual
-    if out.dtype != torch.int32 or out.ndim != 1 or out.shape[0] < 2 * T:
+    n = tree_table_size(T)
+    if out.dtype != torch.int32 or out.ndim != 1 or out.shape[0] < n:
         raise KernelBoundsError(
-            f"'out' must be a one-dimensional int32 tensor of at least 2*T={2 * T} entries "
-            f"(got {out.dtype}, shape {tuple(out.shape)})"
+            f"'out' must be a one-dimensional int32 tensor of at least 2*T + T*T={n} "
+            f"entries (got {out.dtype}, shape {tuple(out.shape)})"
         )
-    parents = tuple(geometry.parents)
     pinned = out.device.type == "cuda"
-    host = torch.tensor([*parents, *reloaded_nodes(parents)], dtype=torch.int32)
+    host = torch.frombuffer(tree_table_values(geometry.parents), dtype=torch.int32)
     if pinned:
         host = host.pin_memory()
     # A pinned source block is held by torch's host allocator until the copy has run.
-    out[: 2 * T].copy_(host, non_blocking=pinned)
+    out[:n].copy_(host, non_blocking=pinned)
     return out
 
 

@@ -54,7 +54,6 @@ back, ``restore_pre_verify``, valid at every stage.
 
 from __future__ import annotations
 
-import array
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,7 +66,7 @@ from dflash.errors import ExecutionError
 from dflash.geometry import TreeGeometry
 from dflash.kernels import gdn_recompute, rollback_restore
 from dflash.kernels.checks import Backend
-from dflash.kernels.tree_paths import reloaded_nodes, tree_path_rows
+from dflash.kernels.tree_paths import tree_path_rows, tree_table_size, tree_table_values
 from dflash.model.config import HybridConfig
 from dflash.model.layers import rotary_table
 from dflash.model.tree_device import compact_kv_device, conv_window_rows_device
@@ -898,8 +897,9 @@ class TreeTables:
     graph of the verify serves every tree of ``T`` nodes: ``depth [S]`` int64 (node ``t``
     sits at the committed position + ``depth[t]``), ``paths [S, S]`` int32 (the path
     table of :func:`dflash.kernels.tree_paths_into`; a verify reads its ``[T, T]`` corner)
-    and ``parents [2S]`` int32 (:func:`dflash.kernels.tree_parents_into`'s layout, the
-    recurrence's: the ``T`` parents, then the ``T`` reload flags).
+    and ``parents [2S + S*S]`` int32 (:func:`dflash.kernels.tree_parents_into`'s layout,
+    the recurrence's: the ``T`` parents, the ``T`` reload flags, then ``T`` walks of ``T``
+    entries).
 
     ``parents`` and ``paths`` are views of one device buffer, staged in one pinned host
     buffer allocated once: a fill is one host-built array per table and two copies (the
@@ -912,10 +912,12 @@ class TreeTables:
         device = torch.device(device)
         pinned = device.type == "cuda"
         self.depth = torch.zeros(S, dtype=torch.int64, device=device)
-        self._table = torch.full((2 * S + S * S,), -1, dtype=torch.int32, device=device)
-        self.parents = self._table[: 2 * S]
-        self.paths = self._table[2 * S :].view(S, S)
-        self._stage = torch.full((2 * S + S * S,), -1, dtype=torch.int32, pin_memory=pinned)
+        self._head = tree_table_size(S)  # the recurrence's table, then the path table
+        self._table = torch.full((self._head + S * S,), -1, dtype=torch.int32, device=device)
+        self.parents = self._table[: self._head]
+        self.paths = self._table[self._head :].view(S, S)
+        self._stage = torch.full((self._head + S * S,), -1, dtype=torch.int32,
+                                 pin_memory=pinned)
         self._stage_depth = torch.zeros(S, dtype=torch.int64, pin_memory=pinned)
         self._copied: torch.cuda.Event | None = None
 
@@ -926,13 +928,13 @@ class TreeTables:
             raise CacheError(f"a tree of {T} nodes exceeds the {S} slots")
         if self._copied is not None:  # the previous copies have read the staging
             self._copied.synchronize()
-        head = array.array("i", tree.parents)
-        head.extend(reloaded_nodes(tree.parents))
+        head = tree_table_values(tree.parents)  # [2T + T*T]
         rows = tree_path_rows(tree, S)  # the first T rows, S wide
-        self._stage[: 2 * T].copy_(torch.frombuffer(head, dtype=torch.int32))
-        self._stage[2 * S : 2 * S + T * S].copy_(torch.frombuffer(rows, dtype=torch.int32))
+        H = self._head
+        self._stage[: len(head)].copy_(torch.frombuffer(head, dtype=torch.int32))
+        self._stage[H : H + T * S].copy_(torch.frombuffer(rows, dtype=torch.int32))
         self._stage_depth[:T].copy_(torch.tensor(tree.depth, dtype=torch.int64))
-        n = 2 * S + T * S
+        n = H + T * S
         pinned = self._stage.is_pinned()
         self._table[:n].copy_(self._stage[:n], non_blocking=pinned)
         self.depth[:T].copy_(self._stage_depth[:T], non_blocking=pinned)

@@ -399,8 +399,9 @@ def root_path(parents: list[int], u: int) -> list[int]:
 @pytest.mark.parametrize("name", list(TREES))
 def test_tree_verify_without_checkpoints(backend: Backend, name: str) -> None:
     """A tree verified with ``checkpoints=None`` and ``tree_states``: the same outputs as
-    with checkpoints, the live state only read, and (Triton) only the nodes a later child
-    reloads written to the scratch — a depth-first tree's branch points, a chain none."""
+    with checkpoints, the live state only read, and (Triton) only the nodes a node starts
+    from without following them in its walk written to the scratch — here the trunk's
+    branch points, a chain none."""
     parents = TREES[name]
     B, T, HK, HV, K, V = 2, len(parents), 1, 2, 16, 24
     i = gdn_inputs(B, T, HK, HV, K, V, torch.bfloat16, seed=5)
@@ -415,7 +416,8 @@ def test_tree_verify_without_checkpoints(backend: Backend, name: str) -> None:
     assert got is out and torch.equal(got, want)
     assert torch.equal(i["initial_state"], before), "the live state was written"
     kept = [u for u, flag in enumerate(reloaded_nodes(tuple(parents))) if flag]
-    assert kept == {"depth-first": [0, 1], "best-first": [0, 1, 2, 3], "chain": []}[name]
+    # the trunk nodes a subtree hangs from (tree_walks: trunks 0-1-2-3, 0-1-3-6, the chain)
+    assert kept == {"depth-first": [0, 1], "best-first": [0, 1], "chain": []}[name]
     for u in range(T + 1):
         if backend == "triton" and u in kept:
             assert torch.equal(scratch[:, u], ckpt[:, u]), f"node {u}"
@@ -479,7 +481,7 @@ def test_a_tree_table_walks_the_same_tree(backend: Backend, name: str) -> None:
     B, T, HK, HV, K, V = 1, len(parents), 1, 2, 16, 16
     i = gdn_inputs(B, T, HK, HV, K, V, torch.float32, seed=8)
     tree = require_tree(parents)
-    table = tree_parents_into(tree, torch.full((2 * T + 4,), 99, dtype=torch.int32))
+    table = tree_parents_into(tree, torch.full((2 * T + T * T + 4,), 99, dtype=torch.int32))
     want_ck = nan_slots(B, T, HV, K, V, torch.float32)
     want = gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], i["initial_state"], want_ck,
                       tree, backend=backend)
@@ -497,12 +499,12 @@ def test_tree_table_refusals() -> None:
     i = gdn_inputs(1, 3, 1, 2, 16, 16, torch.float32, seed=0)
     ck = nan_slots(1, 3, 2, 16, 16, torch.float32)
     args = (i["q"], i["k"], i["v"], i["g"], i["beta"], i["initial_state"], ck)
-    table = torch.zeros(6, dtype=torch.int32)
+    table = torch.zeros(15, dtype=torch.int32)
     with pytest.raises(KernelBoundsError, match="'tree_table' belongs to a tree verify"):
         gdn_verify(*args, require_chain([-1, 0, 1]), tree_table=table)
     for bad, match in ((table.long(), "1-dimensional torch.int32"),
-                       (table[:5], "at least 2\\*T=6"), (torch.zeros(12, dtype=torch.int32)[::2],
-                                                          "contiguous")):
+                       (table[:14], r"at least 2\*T \+ T\*T=15"),
+                       (torch.zeros(30, dtype=torch.int32)[::2], "contiguous")):
         with pytest.raises(KernelBoundsError, match=match):
             gdn_verify(*args, require_tree([-1, 0, 0]), tree_table=bad)
     assert ck.isnan().all()

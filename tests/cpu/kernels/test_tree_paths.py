@@ -111,17 +111,36 @@ def test_bad_device_and_out_are_named() -> None:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_tree_parents_into_is_the_parents_then_the_reloaded_nodes(seed: int) -> None:
-    """``out[:T]`` the parents, ``out[T:2T]`` 1 exactly for the nodes a child that is not
-    the next slot starts from (walked here from the children), the rest untouched."""
+def test_tree_parents_into_is_the_parents_the_reloaded_nodes_and_the_walks(seed: int) -> None:
+    """``out[:T]`` the parents; then the walks (rows of ``T`` from ``2T``): the trunk (the
+    root, each node's lowest child) and every subtree off it in ascending slots, together
+    every node exactly once, each walk's nodes after their parents; ``out[T:2T]`` 1
+    exactly for the nodes some node starts from without following them in its walk; the
+    rest untouched."""
     T = 3 + seed * 2
     parents = random_parents(T, seed)
-    out = torch.full((2 * T + 3,), 77, dtype=torch.int32)
+    n = 2 * T + T * T
+    out = torch.full((n + 3,), 77, dtype=torch.int32)
     assert tree_parents_into(require_tree(parents), out) is out
     assert out[:T].tolist() == list(parents)
-    reloaded = [int(any(p == u and c != u + 1 for c, p in enumerate(parents))) for u in range(T)]
+    rows = out[2 * T : n].view(T, T).tolist()
+    walks = [[s for s in row if s >= 0] for row in rows if row[0] >= 0]
+    assert all(row[len(w):] == [-1] * (T - len(w)) for row, w in zip(rows, walks, strict=False))
+    assert sorted(s for w in walks for s in w) == list(range(T))
+    trunk = [0]
+    while any(p == trunk[-1] for p in parents):
+        trunk.append(min(c for c, p in enumerate(parents) if p == trunk[-1]))
+    assert walks[0] == trunk
+    for w in walks[1:]:
+        assert parents[w[0]] in trunk and w == sorted(w)
+        assert all(parents[s] in w[:i] for i, s in enumerate(w) if i > 0)
+    reloaded = [0] * T
+    for w in walks:
+        for prev, s in zip([-1, *w], w, strict=False):
+            if parents[s] >= 0 and parents[s] != prev:
+                reloaded[parents[s]] = 1
     assert out[T : 2 * T].tolist() == reloaded
-    assert out[2 * T :].tolist() == [77] * 3
+    assert out[n:].tolist() == [77] * 3
 
 
 def test_tree_parents_into_refusals() -> None:
@@ -130,7 +149,7 @@ def test_tree_parents_into_refusals() -> None:
         tree_parents_into(require_chain([-1, 0, 1, 2]), torch.zeros(8, dtype=torch.int32))  # type: ignore[arg-type]  # a chain on purpose
     with pytest.raises(TypeError, match=r"'out' must be a torch\.Tensor"):
         tree_parents_into(tree, [0] * 8)  # type: ignore[arg-type]  # a list on purpose
-    for bad in (torch.zeros(8, dtype=torch.int64), torch.zeros(2, 4, dtype=torch.int32),
-                torch.zeros(7, dtype=torch.int32)):
-        with pytest.raises(KernelBoundsError, match="at least 2\\*T=8 entries"):
+    for bad in (torch.zeros(24, dtype=torch.int64), torch.zeros(2, 12, dtype=torch.int32),
+                torch.zeros(23, dtype=torch.int32)):
+        with pytest.raises(KernelBoundsError, match=r"at least 2\*T \+ T\*T=24 entries"):
             tree_parents_into(tree, bad)

@@ -294,7 +294,7 @@ def test_bad_arguments_name_the_argument() -> None:
 def test_tree_tables_refilled_with_trees_of_every_size_hold_each_trees_tables() -> None:
     """One :class:`TreeTables` refilled step after step with trees of other sizes (larger,
     then smaller, chains and bushes): each fill's ``[T, T]`` path corner, parents, reload
-    flags and depths equal the tree's own tables (``tree_paths``, ``tree_parents_into``),
+    flags, walks and depths equal the tree's own tables (``tree_paths``, ``tree_parents_into``),
     whatever an earlier, larger tree left in the buffers; the paths and parents share one
     buffer (one copy per fill)."""
     from dflash.kernels import tree_parents_into, tree_paths
@@ -308,9 +308,9 @@ def test_tree_tables_refilled_with_trees_of_every_size_hold_each_trees_tables() 
         geometry = require_tree(tuple(parents))
         tables.fill(geometry)
         assert torch.equal(tables.paths[:T, :T], tree_paths(geometry, "cpu")), T
-        want = torch.zeros(2 * T, dtype=torch.int32)
+        want = torch.zeros(2 * T + T * T, dtype=torch.int32)
         tree_parents_into(geometry, want)
-        assert torch.equal(tables.parents[: 2 * T], want), T
+        assert torch.equal(tables.parents[: 2 * T + T * T], want), T
         assert tables.depth[:T].tolist() == list(geometry.depth), T
     with pytest.raises(CacheError, match="exceeds the 24 slots"):
         tables.fill(require_tree((-1, *range(S))))

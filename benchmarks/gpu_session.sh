@@ -7,7 +7,8 @@
 #                                          # (ORDER="after before after2": the other way round)
 #   bash benchmarks/gpu_session.sh recompute # dflash bench A/B/A: checkpoint vs recompute (and remap),
 #                                          # 9B shape at block 16 and 64, 27B shape at block 16
-#   bash benchmarks/gpu_session.sh trees   # tree GPU tests (every mode, tree recompute kernels), then
+#   bash benchmarks/gpu_session.sh trees   # tree GPU tests (every mode, tree recompute kernels), a
+#                                          # profile of a 64-node tree step, then
 #                                          # dflash bench A/B/A checkpoint vs recompute with trees of
 #                                          # 64 and 16 nodes (9B, 27B at 64) and the chain (9B, block 16)
 #   bash benchmarks/gpu_session.sh sampling # the rule's GPU tests, benchmarks/sampling_cost.py,
@@ -27,6 +28,7 @@
 #   bash benchmarks/gpu_session.sh hot     # benchmarks/hot_kernels.py: decode attention, FP8 linear
 #                                          # and GDN prefill against their floors (HOT_PARTS=...)
 #   bash benchmarks/gpu_session.sh wide    # the wide-verify linear: GPU tests + benchmarks/linear_wide.py
+#                                          # + benchmarks/wide_mma.py (wide row tiles: bits, µs)
 #   bash benchmarks/gpu_session.sh kernels # benchmarks/kernels.py (kernels-sweep: with its config sweep)
 #   bash benchmarks/gpu_session.sh cli     # dflash generate on two GPUs, every drafter
 #   bash benchmarks/gpu_session.sh minv    # M-invariant linear/attention: GPU tests + kernel table
@@ -126,6 +128,10 @@ for phase in "$@"; do
       [ "${TREE_TESTS:-1}" = 1 ] && python3 -m pytest tests/gpu/test_trees.py \
         tests/gpu/test_kernels.py -q -s -p no:cacheprovider -k "tree or recompute" 2>&1 \
         | tee "$OUT/gpu_tests_trees.log" | tail -8
+      # one tree step of 64 nodes against a chain step: wall and GPU ms, kernels by GPU time
+      timeout 150 python3 benchmarks/profile_step.py --graphs-only --block 16 --tree 64 \
+        --calls 8 --table --json "$OUT/profile_tree64.json" > "$OUT/profile_tree64.log" 2>&1
+      echo "profile_tree64 rc=$?"; grep "forward\|spec step" "$OUT/profile_tree64.log"
       # TREE_SPECS: "model budget" pairs (budget 0: the chain), a subset when time is short
       IFS=';' read -r -a specs <<< "${TREE_SPECS:-nine-b-shape 64;nine-b-shape 16;twenty-seven-b-shape 64;nine-b-shape 0}"
       for spec in "${specs[@]}"; do
@@ -199,6 +205,9 @@ for phase in "$@"; do
       python3 -m pytest tests/gpu/test_minv_kernels.py -q -p no:cacheprovider 2>&1 \
         | tee "$OUT/wide_tests.log" | tail -5
       python3 benchmarks/linear_wide.py --out "$OUT/linear_wide.json" 2>&1 | tee "$OUT/linear_wide.log"
+      # wide row tiles: bitwise equal to 16-row tiles? and their µs at 64 and 128 rows
+      python3 benchmarks/wide_mma.py --trials 2 --out "$OUT/wide_mma.json" > "$OUT/wide_mma.log" 2>&1
+      echo "wide_mma rc=$?"; tail -1 "$OUT/wide_mma.log"
       ;;
     kernels)
       python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"

@@ -24,14 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import triton
+from linear_wide import time_us  # the same CUDA-graph timing (run from benchmarks/)
 
 from dflash.kernels.linear_triton import (
     BLOCK_REDUCE,
@@ -79,27 +78,6 @@ def hostile(shape: tuple[int, int], dtype: torch.dtype, gen: torch.Generator) ->
     sign = torch.randint(0, 2, shape, generator=gen, device="cuda").float() * 2 - 1
     lim = 2.0**6 if dtype == torch.float16 else 2.0**20
     return (sign * mant * torch.exp2(exp)).clamp(-lim, lim).to(dtype)
-
-
-def time_us(fn: Callable[[], None], calls: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(15):
-        a = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch leaves Event untyped
-        b = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # as above
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3 / calls)
-    return float(statistics.median(samples))
 
 
 def main() -> int:
@@ -150,7 +128,7 @@ def main() -> int:
                                bm: int = bm) -> None:
                             for w_ in ws:
                                 run_linear(xm, w_, ym, bm)
-                        times[f"M{M}_bm{bm}"] = round(time_us(fn, copies), 2)
+                        times[f"M{M}_bm{bm}"] = round(time_us(fn, copies, 3, 15), 2)
                 row["us"] = times
                 del ws
             report["shapes"].append(row)

@@ -65,6 +65,25 @@ def _gated_delta_step(b_h, b_k, b_v, b_g, b_beta):  # type: ignore[no-untyped-de
     return b_h
 
 
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def _slot_inputs(  # type: ignore[no-untyped-def]  # Triton values are untyped
+    q, k, v, g, beta, i_base_k, i_base_v, i_base_g, s, o_k, o_v,
+    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+):
+    """Slot ``s``'s q, k (``[BK]``), v (``[BV]``), g and beta, as float32; nothing past a
+    walk's end (``s < 0``: masked loads, zeros). The masks compare full blocks (a block
+    ``&`` a scalar is not a boolean mask for every triton interpreter)."""
+    at = tl.maximum(s, 0).to(tl.int64)
+    m_k = o_k < tl.where(s >= 0, K, 0)
+    m_v = o_v < tl.where(s >= 0, V, 0)
+    b_q = tl.load(q + i_base_k + at * (HK * K) + o_k, mask=m_k, other=0).to(tl.float32)
+    b_k = tl.load(k + i_base_k + at * (HK * K) + o_k, mask=m_k, other=0).to(tl.float32)
+    b_v = tl.load(v + i_base_v + at * (HV * V) + o_v, mask=m_v, other=0).to(tl.float32)
+    b_g = tl.load(g + i_base_g + at * HV, mask=s >= 0, other=0).to(tl.float32)
+    b_beta = tl.load(beta + i_base_g + at * HV, mask=s >= 0, other=0).to(tl.float32)
+    return b_q, b_k, b_v, b_g, b_beta
+
+
 @triton.jit(do_not_specialize=["T", "slot_step", "has_snapshot", "is_tree", "bank_slots",
                               "walk_base"])  # type: ignore[untyped-decorator]  # triton ships no types
 def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
@@ -111,16 +130,9 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
     if READ_LIVE:
         live_slot = tl.load(live)
     # slot s's inputs are loaded during the previous slot (a hand-written one-deep
-    # pipeline); the masks compare full blocks (a block ``&`` a scalar is not a boolean
-    # mask for every triton interpreter): no lane past the walk's end
-    at_s = tl.maximum(s, 0).to(tl.int64)
-    m_k_s = o_k < tl.where(s >= 0, K, 0)
-    m_v_s = o_v < tl.where(s >= 0, V, 0)
-    b_q = tl.load(q + i_base_k + at_s * (HK * K) + o_k, mask=m_k_s, other=0).to(tl.float32)
-    b_k = tl.load(k + i_base_k + at_s * (HK * K) + o_k, mask=m_k_s, other=0).to(tl.float32)
-    b_v = tl.load(v + i_base_v + at_s * (HV * V) + o_v, mask=m_v_s, other=0).to(tl.float32)
-    b_g = tl.load(g + i_base_g + at_s * HV, mask=s >= 0, other=0).to(tl.float32)
-    b_beta = tl.load(beta + i_base_g + at_s * HV, mask=s >= 0, other=0).to(tl.float32)
+    # pipeline)
+    b_q, b_k, b_v, b_g, b_beta = _slot_inputs(
+        q, k, v, g, beta, i_base_k, i_base_v, i_base_g, s, o_k, o_v, HK, HV, K, V)
     if READ_LIVE:  # slot >= 0: the live state is bank[:, slot] (clamped: stays in bounds)
         slot = tl.minimum(live_slot, bank_slots - 1)
         p_bk = (bank + i_b * s_bk_b + tl.maximum(slot, 0) * s_bk_s + i_hv * s_bk_h
@@ -149,7 +161,7 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
         b_q = b_q * scale
         b_h = _gated_delta_step(b_h, b_k, b_v, b_g, b_beta)
         b_o = tl.sum(b_h * b_q[:, None], 0)                    # S^T q: [BV]
-        p_o = o + i_base_v + at_s * (HV * V) + o_v
+        p_o = o + i_base_v + s.to(tl.int64) * (HV * V) + o_v
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
 
         # slot_step 1: slot s after every token; 0: slot 0 after the last token; -1: none,
@@ -175,14 +187,8 @@ def gdn_verify_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
         s = tl.where(i < T, i, -1)
         if is_tree != 0:
             s = tl.load(p_walk + i, mask=i < T, other=-1)
-        at_s = tl.maximum(s, 0).to(tl.int64)
-        m_k_s = o_k < tl.where(s >= 0, K, 0)
-        m_v_s = o_v < tl.where(s >= 0, V, 0)
-        b_q = tl.load(q + i_base_k + at_s * (HK * K) + o_k, mask=m_k_s, other=0).to(tl.float32)
-        b_k = tl.load(k + i_base_k + at_s * (HK * K) + o_k, mask=m_k_s, other=0).to(tl.float32)
-        b_v = tl.load(v + i_base_v + at_s * (HV * V) + o_v, mask=m_v_s, other=0).to(tl.float32)
-        b_g = tl.load(g + i_base_g + at_s * HV, mask=s >= 0, other=0).to(tl.float32)
-        b_beta = tl.load(beta + i_base_g + at_s * HV, mask=s >= 0, other=0).to(tl.float32)
+        b_q, b_k, b_v, b_g, b_beta = _slot_inputs(
+            q, k, v, g, beta, i_base_k, i_base_v, i_base_g, s, o_k, o_v, HK, HV, K, V)
 
 
 def default_config(K: int, V: int) -> tuple[int, int]:

@@ -508,3 +508,42 @@ def test_tree_table_refusals() -> None:
         with pytest.raises(KernelBoundsError, match=match):
             gdn_verify(*args, require_tree([-1, 0, 0]), tree_table=bad)
     assert ck.isnan().all()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("seed", range(8))
+def test_every_node_of_a_random_tree_equals_the_chain_along_its_path(seed: int) -> None:
+    """The tree recurrence in two launches (the trunk, then every subtree off it from its
+    trunk parent's state, ``tree_walks``) gives every node the output and state of a
+    chain verify over that node's root path, bit for bit, with checkpoints and without
+    them (the reloaded nodes in the scratch): random trees of 1 … 23 nodes, bushy and
+    deep, NaN-poisoned outputs."""
+    import random
+
+    from dflash.kernels.tree_paths import tree_walks
+
+    rng = random.Random(seed)
+    T = 1 + seed * 3
+    parents = [-1] + [rng.randrange(s) if rng.random() < 0.5 else s - 1 for s in range(1, T)]
+    B, HK, HV, K, V = 1, 1, 2, 16, 24
+    i = gdn_inputs(B, T, HK, HV, K, V, torch.bfloat16, seed=40 + seed)
+    ckpt = nan_slots(B, T, HV, K, V, torch.float32)
+    out = torch.full_like(i["v"], NAN)
+    got = gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], i["initial_state"], ckpt,
+                     require_tree(parents), out=out, backend="triton")
+    scratch = nan_slots(B, T, HV, K, V, torch.float32)
+    bare = gdn_verify(i["q"], i["k"], i["v"], i["g"], i["beta"], i["initial_state"], None,
+                      require_tree(parents), tree_states=scratch, backend="triton")
+    assert torch.equal(bare, got)
+    walks = tree_walks(parents)
+    assert len(walks) > 1 or T < 4 or all(p == s - 1 for s, p in enumerate(parents))
+    for u in range(T):
+        path = root_path(parents, u)
+        rows = torch.tensor(path)
+        chain = {key: i[key].index_select(1, rows) for key in ("q", "k", "v", "g", "beta")}
+        c_ckpt = nan_slots(B, len(path), HV, K, V, torch.float32)
+        c_out = gdn_verify(chain["q"], chain["k"], chain["v"], chain["g"], chain["beta"],
+                           i["initial_state"], c_ckpt, require_chain(
+                               [-1, *range(len(path) - 1)]), backend="triton")
+        assert torch.equal(got[:, u], c_out[:, -1]), f"node {u} output, path {path}"
+        assert torch.equal(ckpt[:, u], c_ckpt[:, -1]), f"node {u} state, path {path}"

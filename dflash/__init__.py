@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from dflash.errors import DFlashError, UsageError
 
 if TYPE_CHECKING:
-    from dflash.api import LLM, NotSupportedYetError, load
+    from dflash.api import LLM, load
     from dflash.execution.results import GenerationResult
 
 __version__ = "0.1.0"
@@ -31,14 +31,12 @@ __all__ = [
     "LLM",
     "DFlashError",
     "GenerationResult",
-    "NotSupportedYetError",
     "UsageError",
     "load",
 ]
 
 _LAZY = {
     "LLM": "dflash.api",
-    "NotSupportedYetError": "dflash.api",
     "load": "dflash.api",
     "GenerationResult": "dflash.execution.results",
 }

@@ -21,8 +21,9 @@ Decoding is lossless: the tokens equal plain target-only decoding (``draft=None`
 the same rule, bit for bit — greedy by default; with ``temperature`` > 0 every token is
 drawn by the seeded sampling rule (``top_k``, ``top_p``, ``min_p``, ``seed``;
 :mod:`dflash.sampling`) at its absolute position, so a seed gives the same text with and
-without speculation. Trees (``tree_budget``: the engine verifies trees, the library's
-drafters do not draft them yet) are not available here yet: :class:`NotSupportedYetError`.
+without speculation. ``tree_budget=N`` verifies a tree of at most ``N`` nodes per step
+instead of a chain (grown from the drafter's per-slot candidates), with the same
+guarantee.
 
 Stop strings: generation stops at the earliest occurrence of any of them in the decoded
 new text. ``text`` ends right before it; ``tokens`` keeps the tokens whose text (as the
@@ -66,7 +67,7 @@ from dflash.execution.results import (
     Timings,
     token_sha256,
 )
-from dflash.execution.run import check_positions, decode_rate, spec_capacity
+from dflash.execution.run import check_positions, decode_rate, spec_capacity, verify_slots
 from dflash.execution.run import generate as run_generate
 from dflash.execution.session import (
     DTYPES,
@@ -83,6 +84,7 @@ from dflash.geometry import MAX_SLOTS
 from dflash.model import TargetModel
 from dflash.model.caches import capture_kind
 from dflash.model.drafters import Drafter
+from dflash.model.drafters.trees import CandidateDrafter, TreeDrafter
 from dflash.model.tokenizer import TextTokenizer, require_utf8
 from dflash.sampling import GREEDY, SamplingError, SamplingParams
 
@@ -92,7 +94,6 @@ __all__ = [
     "ArgumentError",
     "ChatTemplateError",
     "GenerationResult",
-    "NotSupportedYetError",
     "load",
 ]
 
@@ -109,10 +110,6 @@ WINDOWS = ("auto", "full")
 
 class ArgumentError(UsageError):
     """An argument of :func:`load` or of an :class:`LLM` method that cannot be used."""
-
-
-class NotSupportedYetError(UsageError):
-    """An argument value for a feature that is not built yet (trees in the library)."""
 
 
 class ChatTemplateError(CheckpointError):
@@ -187,7 +184,11 @@ def load(
             ``"remap"``, or ``"replay"`` (opts out). None: ``$DFLASH_ROLLBACK``, else
             ``"checkpoint"``.
         block_size: tokens per draft, the pending one included (2 … 1024).
-        tree_budget: not supported yet (None only).
+        tree_budget: verify a tree of at most this many nodes per step (2 … 1024, the
+            pending token included) instead of a chain: grown best first from the
+            drafter's per-slot candidates (a DFlash drafter; with ``+lookup`` prompt
+            lookup's copy is one branch; a DFlash2 drafter's selector paths), each
+            validated before any kernel runs; the output is unchanged. None: chains.
         layer_split: layers per shard (``"16,16"`` or a list); None: an even split.
         verify_window: ``"auto"`` (on the CPU the part of each draft that pays) or
             ``"full"`` (every draft whole).
@@ -212,12 +213,6 @@ def load(
     Raises :class:`dflash.errors.UsageError` subclasses naming the bad argument, and
     checkpoint / config errors naming the file.
     """
-    if tree_budget is not None:
-        raise NotSupportedYetError(
-            f"{param('tree_budget')}={tree_budget!r} is not supported yet: the library's "
-            "drafters do not draft trees yet (the engine verifies them: `dflash generate "
-            "--draft synthetic --tree-budget N` runs SYNTHETIC trees); leave it None"
-        )
     if not isinstance(model, str) or not model:
         raise ArgumentError(f"{param('model')} must be a non-empty str (got {model!r})")
     if draft is not None and (not isinstance(draft, str) or not draft):
@@ -228,6 +223,13 @@ def load(
             "built from one prompt's target continuation); the library takes the others"
         )
     _int("block_size", block_size, 2, MAX_SLOTS)
+    if tree_budget is not None:
+        _int("tree_budget", tree_budget, 2, MAX_SLOTS)
+        if draft is None:
+            raise ArgumentError(
+                f"{param('tree_budget')}={tree_budget} needs a drafter (draft=None decodes "
+                "plainly)"
+            )
     _int("seed", seed, 0, 2**63 - 1)
     if prefill_chunk is not None:
         _int("prefill_chunk", prefill_chunk, 1)
@@ -293,12 +295,19 @@ def load(
             draft_dtype=None if drafter_dtype_name is None else DTYPES[drafter_dtype_name],
             draft_window=draft_window,
         )
+        if tree_budget is not None and not isinstance(drafter, (TreeDrafter, CandidateDrafter)):
+            raise ArgumentError(
+                f"{param('tree_budget')}={tree_budget} needs a drafter that gives per-slot "
+                f"candidates: 'dflash+lookup', 'dflash' or a DFlash drafter directory (got "
+                f"{param('draft')}={draft!r})"
+            )
     return LLM(
         target,
         drafter,
         plan=plan,
         policy=policy,
         block_size=block_size,
+        tree_budget=tree_budget,
         verify_window=verify_window,
         prefill_chunk=prefill_chunk,
         max_context=max_context,
@@ -398,6 +407,7 @@ class LLM:
         policy: RollbackPolicy,
         block_size: int,
         verify_window: str,
+        tree_budget: int | None = None,
         tokenizer: TextTokenizer | None,
         eos_id: int | None,
         directory: Path | None,
@@ -411,6 +421,9 @@ class LLM:
         #: the kept target's prefilled prefixes (None: no cache, or no target yet)
         self.prefix_cache: PrefixCache | None = None
         self.policy, self.block_size, self.verify_window = policy, block_size, verify_window
+        self.tree_budget = tree_budget
+        #: slots a verify may write: the block, or a tree of ``tree_budget`` nodes
+        self.slots = verify_slots(block_size, tree_budget)
         self.tokenizer, self.eos_id, self.directory = tokenizer, eos_id, directory
         self.target: ShardedTarget | None = None  # kept across calls
         self.engine: SpecDecoder | None = None  # kept with the target (draft given)
@@ -448,7 +461,7 @@ class LLM:
                 require_utf8(s, "stop")
             self._need_tokenizer("stop")
         ids = self._encode(prompt)
-        check_positions(self.model, len(ids), n, self.block_size, self.max_context)
+        check_positions(self.model, len(ids), n, self.slots, self.max_context)
         return _Request(ids, n, stops, sampling)
 
     def _need_tokenizer(self, what: str) -> TextTokenizer:
@@ -490,7 +503,7 @@ class LLM:
         """Positions for a new kept target: ``need`` rounded up to a power of two (at least
         :data:`MIN_CAPACITY`), capped at what the model's positions allow."""
         cap = 1 << max(need - 1, MIN_CAPACITY - 1).bit_length()
-        limit = self.model.config.max_position_embeddings + self.block_size + 1
+        limit = self.model.config.max_position_embeddings + self.slots + 1
         return max(need, min(cap, limit))
 
     def _kept_target(self, need: int, max_draft: int) -> ShardedTarget:
@@ -500,11 +513,12 @@ class LLM:
             self.target = self.engine = None  # free the old caches first
             capacity = (
                 self._capacity(need) if self.max_context is None
-                else spec_capacity(0, self.max_context, self.block_size)
+                else spec_capacity(0, self.max_context, self.slots)
             )
             self.target = ShardedTarget(
                 self.model, self.plan, max_len=capacity, max_draft=max_draft,
                 capture=capture_kind(self.policy.mode), prefill_chunk=self.prefill_chunk,
+                trees=self.tree_budget is not None and max_draft > 1,
             )
             # the entries are the old caches' shapes: a new target starts a new cache
             self.prefix_cache = (
@@ -518,12 +532,12 @@ class LLM:
         until: Callable[[], bool],
     ) -> GenerationResult:
         n, block = req.max_new_tokens, self.block_size
-        target = self._kept_target(len(req.prompt) + n + block + 1, block)
+        target = self._kept_target(len(req.prompt) + n + self.slots + 1, self.slots)
         if self.engine is None:
             self.engine = SpecDecoder(
                 target, drafter, block_size=block, policy=self.policy,
                 verify_window=self.verify_window,  # type: ignore[arg-type]  # checked by load
-                sampling=req.sampling,
+                sampling=req.sampling, tree_budget=self.tree_budget,
             )
         self.engine.use_sampling(req.sampling)  # the kept engine draws by this request's rule
         prompt_len = len(req.prompt)
@@ -537,6 +551,7 @@ class LLM:
             block_size=block, policy=self.policy, eos_id=self.eos_id, on_progress=progress,
             target=target, engine=self.engine, stop_when=until, sampling=req.sampling,
             prefill_chunk=self.prefill_chunk, prefix_cache=self.prefix_cache,
+            tree_budget=self.tree_budget,
         )
 
     @torch.inference_mode()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import dflash
-from dflash.api import LLM, ArgumentError, NotSupportedYetError
+from dflash.api import LLM, ArgumentError
 from dflash.cli import main
 from dflash.data import default_dir, missing_files
 from dflash.errors import UsageError
@@ -251,8 +251,12 @@ def test_bad_sampling_arguments_are_named(
 
 
 def test_load_refuses_bad_arguments_naming_them() -> None:
-    with pytest.raises(NotSupportedYetError, match="'tree_budget'=8 is not supported yet"):
-        dflash.load(tree_budget=8)
+    with pytest.raises(ArgumentError, match=r"'tree_budget' must be an int in \[2, 1024\]"):
+        dflash.load(tree_budget=1)
+    with pytest.raises(ArgumentError, match="'tree_budget'=8 needs a drafter"):
+        dflash.load(draft=None, tree_budget=8)
+    with pytest.raises(ArgumentError, match="needs a drafter that gives per-slot candidates"):
+        dflash.load(draft="prompt-lookup", tree_budget=8)
     with pytest.raises(ArgumentError, match=r"'dtype' must be one of float32, .*'float64'"):
         dflash.load(dtype="float64")
     with pytest.raises(UsageError, match=r"'device' entry 'tpu:0' is not a torch device"):
@@ -284,3 +288,19 @@ def test_generate_refuses_bad_prompts_naming_them(llm: LLM) -> None:
     with pytest.raises(ArgumentError, match="'stream' needs a tokenizer"):
         seeded.stream([1, 2, 3], max_new_tokens=2)
     assert seeded.generate([1, 2, 3], max_new_tokens=3).text is None
+
+
+def test_trees_in_the_library_are_plain_decoding(first: dflash.GenerationResult) -> None:
+    """``tree_budget=N``: each step verifies a tree of at most ``N`` nodes grown from the
+    shipped drafter's candidates (prompt lookup's copy a branch); the tokens are plain
+    decoding's, greedy and seeded sampling, and the result reports the trees."""
+    trees = dflash.load(tree_budget=8)
+    r = trees.generate(PROMPT, max_new_tokens=N)
+    assert r.tokens == first.tokens and r.tree_budget == 8
+    assert r.nodes_per_step is not None and r.nodes_per_step > 1
+    plain = dflash.load(draft=None)
+    sampled = trees.generate(PROMPT, max_new_tokens=N, temperature=0.8, seed=3)
+    assert sampled.tokens == plain.generate(PROMPT, max_new_tokens=N, temperature=0.8,
+                                            seed=3).tokens
+    streamed = trees.stream(PROMPT, max_new_tokens=N)
+    assert "".join(streamed) == first.text and streamed.result.tokens == first.tokens

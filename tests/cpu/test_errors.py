@@ -71,7 +71,6 @@ EXPECTED: list[tuple[type[Exception], tuple[type[Exception], ...]]] = [
     (SessionError, (UsageError,)),
     (UnusableInput, (UsageError,)),
     (api.ArgumentError, (UsageError,)),  # a bad argument of dflash.load / LLM methods
-    (api.NotSupportedYetError, (UsageError,)),  # trees in the library, not built yet
     (api.ChatTemplateError, (CheckpointError,)),
     (TextEncodingError, (UsageError,)),  # text that is not valid UTF-8
     (ServeError, (UsageError,)),  # a request dflash serve refuses (answered 4xx / 503)

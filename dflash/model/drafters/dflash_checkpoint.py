@@ -83,6 +83,13 @@ _DFLASH2_OPTIONAL: dict[str, object] = {
 }
 
 
+#: DFlash2's codebooks under the name an ``nn.Embedding`` saves them with → their bare name
+_CODEBOOK_ALIASES = {
+    f"candidate_selector.{name}.weight": f"candidate_selector.{name}"
+    for name in ("predecessor_codebook", "successor_codebook")
+}
+
+
 def read_config(directory: str | Path) -> DFlashConfig:
     """Read, translate and validate ``directory/config.json``."""
     root = Path(directory)
@@ -312,7 +319,15 @@ def read_weights(
     shown = str(path)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            keys = set(f.keys())
+            # a codebook saved as "….weight" (what the reference's own save_pretrained
+            # writes from its nn.Embedding) reads as its bare name; both spellings at
+            # once leave the alias unexpected
+            names = set(f.keys())
+            stored: dict[str, str] = {}  # the name read -> its name in the file
+            for name in names:
+                bare = _CODEBOOK_ALIASES.get(name, name)
+                stored[bare if bare in expected and bare not in names else name] = name
+            keys = set(stored)
             missing = sorted(set(expected) - keys)
             if missing:
                 raise MissingKeysError(shown, missing)
@@ -320,10 +335,10 @@ def read_weights(
             if unexpected:
                 raise UnexpectedKeysError(shown, unexpected)
             for key in sorted(keys):
-                found = tuple(int(n) for n in f.get_slice(key).get_shape())
+                found = tuple(int(n) for n in f.get_slice(stored[key]).get_shape())
                 if found != expected[key]:
                     raise TensorShapeError(shown, key, expected[key], found)
-            tensors: dict[str, Tensor] = {key: f.get_tensor(key) for key in sorted(keys)}
+            tensors: dict[str, Tensor] = {key: f.get_tensor(stored[key]) for key in sorted(keys)}
     except DrafterCheckpointError:
         raise
     except Exception as exc:  # safetensors reports corruption with its own (untyped) errors

@@ -178,3 +178,29 @@ def test_a_valid_checkpoint_loads_as_a_dflash2_drafter_and_a_bad_one_not(
         DFlashDrafter.from_pretrained(broken, embed, head, num_target_layers=12)
     with pytest.raises(TapLayerRangeError, match=r"outside the target's layers 0\.\.8"):
         DFlashDrafter.from_pretrained(good, embed, head, num_target_layers=9)
+
+
+def test_codebooks_saved_as_embedding_weights_read_as_their_bare_names(tmp_path: Path) -> None:
+    """The reference's ``save_pretrained`` writes the selector's codebooks from their
+    ``nn.Embedding`` modules, ``candidate_selector.*_codebook.weight``: they read as the
+    bare names, the same tensors; a file with both spellings of one codebook is refused
+    with the alias named."""
+    from safetensors.torch import load_file
+
+    from dflash.model.drafters import UnexpectedKeysError
+
+    config = config_from_hf(published_config())
+    assert isinstance(config, DFlash2Config)
+    tensors = tensors_for(config)
+    write_checkpoint(tmp_path, config, tensors)
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    for name in ("predecessor_codebook", "successor_codebook"):
+        stored[f"candidate_selector.{name}.weight"] = stored.pop(f"candidate_selector.{name}")
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    back = read_weights(tmp_path, expected_shapes(config))
+    assert set(back) == set(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
+    stored["candidate_selector.successor_codebook"] = stored[
+        "candidate_selector.successor_codebook.weight"].clone()
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    with pytest.raises(UnexpectedKeysError, match=r"successor_codebook\.weight"):
+        read_weights(tmp_path, expected_shapes(config))

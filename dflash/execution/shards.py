@@ -172,12 +172,6 @@ class Shard:
             return torch.cuda.device(self.device)
         return nullcontext()
 
-    def compact_kv(self, start: int, path: Sequence[int]) -> None:
-        """After a tree verify at ``start``: the accepted ``path``'s K/V rows moved to
-        consecutive positions (``KVCache.compact``; nothing without attention layers)."""
-        if self.caches.kv.layer_ids:
-            self.caches.kv.compact(start, path)
-
     def truncate_kv(self, n: int) -> None:
         """Keep the first ``n`` KV positions (a shard without attention layers has none)."""
         if self.caches.kv.layer_ids:

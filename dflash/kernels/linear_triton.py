@@ -370,7 +370,7 @@ def launch_linear(
 # -- the guard of wide row tiles -----------------------------------------------------------
 
 #: per (device, dtype): whether wide row tiles gave the 16-row tiles' bits (None: untested)
-_WIDE_CHECKED: dict[tuple[str, torch.dtype], bool] = {}
+_WIDE_CHECKED: dict[tuple[torch.device, torch.dtype], bool] = {}
 #: the shapes the self-test runs: a split-K shape with 64-wide weight tiles and a narrow
 #: N (32-wide tiles, as the 9B model's gate projections); the interpreter takes a small one
 _WIDE_SHAPES_GPU = ((192, 1024), (32, 512))
@@ -416,7 +416,7 @@ def wide_row_tiles(device: torch.device, dtype: torch.dtype) -> bool:
     cached; a failure keeps 16-row tiles for the process)."""
     if os.environ.get("DFLASH_WIDE_ROWS", "1") == "0":
         return False
-    key = (str(device), dtype)
+    key = (device, dtype)
     got = _WIDE_CHECKED.get(key)
     if got is None:
         got = _WIDE_CHECKED[key] = wide_rows_hold(device, dtype)

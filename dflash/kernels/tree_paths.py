@@ -101,8 +101,13 @@ def reloaded_nodes(parents: Sequence[int]) -> list[int]:
     walk (:func:`tree_walks`) — the nodes whose state a verify without checkpoints keeps
     in scratch — else 0: the trunk nodes that subtrees hang from, and inside a subtree the
     nodes whose child is not the next slot of the walk. A chain has none."""
+    return _reloaded(parents, tree_walks(parents))
+
+
+def _reloaded(parents: Sequence[int], walks: list[list[int]]) -> list[int]:
+    """:func:`reloaded_nodes` of a tree whose :func:`tree_walks` are ``walks``."""
     flags = [0] * len(parents)
-    for walk in tree_walks(parents):
+    for walk in walks:
         prev = -1
         for node in walk:
             if parents[node] >= 0 and parents[node] != prev:
@@ -119,9 +124,9 @@ def tree_table_values(parents: Sequence[int], width: int | None = None) -> array
     there (a wider table is for callers that slice it)."""
     T = len(parents)
     width = T if width is None else width
-    values = array.array("i", parents)
-    values.extend(reloaded_nodes(parents))
     walks = tree_walks(parents)
+    values = array.array("i", parents)
+    values.extend(_reloaded(parents, walks))
     for walk in walks:
         values.extend(walk)
         values.extend([-1] * (width - len(walk)))

@@ -54,6 +54,7 @@ back, ``restore_pre_verify``, valid at every stage.
 
 from __future__ import annotations
 
+import array
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -933,7 +934,8 @@ class TreeTables:
         H = self._head
         self._stage[: len(head)].copy_(torch.frombuffer(head, dtype=torch.int32))
         self._stage[H : H + T * S].copy_(torch.frombuffer(rows, dtype=torch.int32))
-        self._stage_depth[:T].copy_(torch.tensor(tree.depth, dtype=torch.int64))
+        depth = torch.frombuffer(array.array("q", tree.depth), dtype=torch.int64)
+        self._stage_depth[:T].copy_(depth)
         n = H + T * S
         pinned = self._stage.is_pinned()
         self._table[:n].copy_(self._stage[:n], non_blocking=pinned)

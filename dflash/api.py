@@ -570,7 +570,7 @@ class LLM:
             target.restore(hit.snapshots)
         keep = 0 if hit is None else hit.length
         logits, _ = prefill_through(target, req.prompt, keep=keep, hit=hit, cache=cache)
-        out = [next_token(target, logits[-1:], req.sampling)]
+        out = [next_token(target, logits[-1:], req.sampling, decode=False)]
         _sync(self.plan)
         t1 = time.perf_counter()
         on_tokens(out)

@@ -394,8 +394,7 @@ class SpecDecoder:
         status_before = self.status
         fast = status_before is RollbackStatus.EFFECTIVE
         logits, taps, ids = self._verify(draft)  # logits: [T, vocab]; ids: [1, T] on device
-        drawn = self._drawn_at("chain", T)  # [T]: the positions the rows draw (or None)
-        t_dev, count = self.accept.on_device(logits, ids[0].to(logits.device), drawn)
+        t_dev, count = self._accept_chain(logits, ids)  # [T], [1] on the device
         # the fast rollback is enqueued on the device's count before the one host read
         started = self.rollback.enqueue_fast(self.committed, T, count, step) if fast else None
         v = self._read_back(draft, t_dev, count, taps, status_before, undo=fast)  # one sync
@@ -420,8 +419,7 @@ class SpecDecoder:
         self.gate.arm(storages)
         status_before = self.status
         logits, taps, ids = self._verify(draft, lambda k: self.gate.after_shard(k, storages))
-        drawn = self._drawn_at("chain", B)
-        t_dev, count = self.accept.on_device(logits, ids[0].to(logits.device), drawn)
+        t_dev, count = self._accept_chain(logits, ids)
         v = self._read_back(draft, t_dev, count, taps, status_before, undo=False)
         valid = self.gate.judge(storages, B, v.taps, self.taps)
         saved = self.gate.save_slot(storages, v.commit_n - 1) if valid else None
@@ -471,19 +469,14 @@ class SpecDecoder:
         logits, taps, ids = self._verify(
             draft, (lambda k: self.gate.after_shard(k, storages)) if gate else None
         )
-        # on the device: the target's token after each node's path [T], the deepest
+        # on the device: the target's token after each node's path [T], and the deepest
         # confirmed node, its path's length and its padded path ([2 + T])
-        t_dev = self.accept.tokens(logits, self._drawn_at("tree", T))
-        tables = self.target.shards[-1].caches.tree
-        best, count, path_dev = accept_tree_device(
-            ids[0].to(t_dev.device), t_dev, tables.depth, tables.paths, T
-        )
-        accepted = torch.cat([best, count, path_dev])
+        t_dev, accepted = self._accept_tree(logits, ids)
         fast = status_before is RollbackStatus.EFFECTIVE
         # the fast rollback is enqueued on the device's path before the one host read
         started = (self.rollback.enqueue_fast(self.committed, T, accepted, step, tree=True)
                    if fast else None)
-        read = torch.cat([t_dev, best, count]).tolist()  # the step's one synchronisation
+        read = torch.cat([t_dev, accepted[:2]]).tolist()  # the step's one synchronisation
         t = read[:T]  # t[s]: the target's token after node s's path
         _, path = accept_tree(tree, t)  # the host's reading: the deepest confirmed node
         if path[-1] != read[T] or len(path) != read[T + 1]:
@@ -498,7 +491,7 @@ class SpecDecoder:
         if gate and self.gate.judge(storages, T, taps, self.taps):
             saved = self.gate.save_slot(storages, path[-1], path)
         if taps:  # the drafter's features of the committed tokens: the path's rows
-            taps = {k: v.index_select(1, path_dev[: len(path)].to(v.device))
+            taps = {k: v.index_select(1, accepted[2 : 2 + len(path)].to(v.device))
                     for k, v in taps.items()}
         self.drafts.committed(taps, len(path), [])
         self._pending = Verified(
@@ -580,6 +573,35 @@ class SpecDecoder:
         )
         self.verifies += 1
         return logits, taps, ids
+
+    def _accept_chain(self, logits: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """The acceptance of a chain verify on the device: the target's token at every row
+        (``[T]``, drawn at the rows' positions) and the accepted count (``[1]``) against
+        the drafted ``ids: [1, T]`` — replayed from a CUDA graph when graphs are on
+        (:meth:`ShardedTarget.on_logits`), so a sampled rule's launches cost no host time."""
+        T = int(logits.shape[0])
+
+        def work(d: Tensor) -> tuple[Tensor, Tensor]:
+            return self.accept.on_device(logits, d, self._drawn_at("chain", T))
+
+        return self.target.on_logits("chain", logits, ids[0].to(logits.device), self.accept,
+                                     work)
+
+    def _accept_tree(self, logits: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """The acceptance of a tree verify on the device: the target's token after each
+        node's path (``[T]``) and ``[2 + T]`` int64 = (the deepest confirmed node, its
+        path's length, its ``-1``-padded path), from the tree tables the verify read —
+        replayed from a CUDA graph when graphs are on, as :meth:`_accept_chain`."""
+        T = int(logits.shape[0])
+        tables = self.target.shards[-1].caches.tree
+
+        def work(d: Tensor) -> tuple[Tensor, Tensor]:
+            t = self.accept.tokens(logits, self._drawn_at("tree", T))
+            best, count, path = accept_tree_device(d, t, tables.depth, tables.paths, T)
+            return t, torch.cat([best, count, path])
+
+        return self.target.on_logits("tree", logits, ids[0].to(logits.device), self.accept,
+                                     work)
 
     def _read_back(
         self, draft: Draft, t_dev: Tensor, count: Tensor, taps: dict[int, Tensor],

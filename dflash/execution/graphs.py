@@ -95,6 +95,7 @@ class ShardGraphs:
         self.captures = 0
         self.replays = 0
         self._bound: dict[str, object] = {}
+        self._reads: dict[GraphKey, tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]] = {}
         self._no_input = torch.empty(0, device=device)
 
     @property
@@ -128,15 +129,35 @@ class ShardGraphs:
         each call (no input is copied): replayed, captured then replayed, or eager."""
         return self._run(key, self._no_input, work, lambda _: work())
 
+    def run_reading(
+        self, key: GraphKey, x: Tensor, reads: Tensor, work: Callable[[Tensor], W]
+    ) -> W:
+        """Device work ``work(x)`` that also reads ``reads`` where it lies — a tensor
+        another graph owns, such as the verify graph's logits: replayed, captured, or eager
+        as :meth:`run`, but a graph is replayed only while ``reads`` is the memory it was
+        captured on (address, shape, strides, dtype). Otherwise that key's graph and its
+        warm-up are forgotten and the work runs eagerly."""
+        seen = (reads.data_ptr(), tuple(reads.shape), reads.stride(), reads.dtype)
+        if self._reads.get(key) != seen:
+            self._forget(lambda k: k == key)
+            self._reads[key] = seen
+        return self._run(key, x, lambda: work(x), work)
+
     def bind(self, kind: str, owner: object) -> None:
-        """The graphs of key kind ``kind`` belong to ``owner`` (compared by equality); a
-        different owner drops them (they hold the previous owner's buffers)."""
+        """The graphs of key kind ``kind`` (and of the kinds ``kind:…``) belong to
+        ``owner`` (compared by equality); a different owner drops them (they hold the
+        previous owner's buffers, or run its rule)."""
         if kind in self._bound and self._bound[kind] != owner:
-            for key in [k for k in self._graphs if k[0] == kind]:
-                del self._graphs[key]
-            self._eager_only = {k for k in self._eager_only if k[0] != kind}
-            self._warm = {w for w in self._warm if w[0] != kind}
+            self._forget(lambda k: k[0] == kind or k[0].startswith(kind + ":"))
         self._bound[kind] = owner
+
+    def _forget(self, which: Callable[[GraphKey], bool]) -> None:
+        """Drop the graphs, warm-ups and eager-only marks of the keys ``which`` selects."""
+        for key in [k for k in self._graphs if which(k)]:
+            del self._graphs[key]
+        self._eager_only = {k for k in self._eager_only if not which(k)}
+        self._warm = {w for w in self._warm if not which((w[0], w[1], False))
+                      and not which((w[0], w[1], True))}
 
     def _run(
         self, key: GraphKey, x: Tensor, eager: Callable[[], W], work: Callable[[Tensor], W]
@@ -178,6 +199,7 @@ class ShardGraphs:
         """Forget every graph (the storage they were captured on was replaced)."""
         self._graphs.clear()
         self._eager_only.clear()
+        self._reads.clear()
 
 
 def graphs_supported(model: TargetModel, devices: list[torch.device]) -> str | None:

@@ -62,7 +62,7 @@ def reference_greedy(
         target.require_serves(model, plan, max_len=len(prompt) + n, max_draft=1,
                               graphs=graphs, what="greedy decode", prefill_chunk=prefill_chunk)
     logits, _ = target.prefill(list(prompt), 0)
-    out = [next_token(target, logits[-1:], sampling)]
+    out = [next_token(target, logits[-1:], sampling, decode=False)]
     if on_prefill is not None:
         on_prefill()
     committed = len(prompt)
@@ -73,9 +73,19 @@ def reference_greedy(
     return out
 
 
-def next_token(target: ShardedTarget, row: torch.Tensor, sampling: SamplingParams) -> int:
+def next_token(
+    target: ShardedTarget, row: torch.Tensor, sampling: SamplingParams, *, decode: bool = True
+) -> int:
     """The token plain decoding draws from ``row`` (``[1, vocab]``, the last logits of a
-    prefill or a decode on ``target``): after either forward the device's committed
-    position is the drawn token's position, the sampling rule's key."""
-    at = None if sampling.greedy else target.shards[-1].caches.pool.position[:1]
-    return int(sample_tokens(row, at, sampling))
+    decode on ``target``, or of its prefill with ``decode=False``): after either forward
+    the device's committed position is the drawn token's position, the sampling rule's key.
+    A decode's draw is replayed from a CUDA graph when the target has graphs
+    (:meth:`ShardedTarget.on_logits`); a prefill's, once per sequence, runs eagerly."""
+    pool = target.shards[-1].caches.pool
+
+    def draw(_: torch.Tensor) -> torch.Tensor:
+        return sample_tokens(row, None if sampling.greedy else pool.position[:1], sampling)
+
+    if not decode:
+        return int(draw(row))
+    return int(target.on_logits("decode", row, row[:0, 0], sampling, draw))

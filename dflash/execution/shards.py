@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -31,6 +32,8 @@ from dflash.model import KVCache, ShardCaches, TargetModel
 from dflash.model.caches import CacheSnapshot, CaptureKind
 from dflash.model.layers import fuse_linear_groups_
 from dflash.model.target import Mode
+
+W = TypeVar("W")
 
 #: tokens per prefill forward by default: big enough that a chunk's GEMMs run at full
 #: rate, small enough that its activations (a few hundred MB at the 9B shape) stay far
@@ -614,6 +617,26 @@ class ShardedTarget:
             return hidden, head, got
 
         return compute
+
+    # -- work on the last forward's logits ----------------------------------------------
+
+    def on_logits(
+        self, name: str, logits: Tensor, x: Tensor, owner: object, work: Callable[[Tensor], W]
+    ) -> W:
+        """Device work ``work(x)`` over the last forward's ``logits`` (on the last shard's
+        device; ``x`` there too): the step's acceptance, a plain decode's draw. With
+        graphs on it is replayed from a CUDA graph of the last shard, key
+        ``("logits:<name>", rows, False)``, while ``logits`` is the memory the graph was
+        captured on (a verify graph's output is, replay after replay) and ``owner`` — the
+        rule the work applies, compared by equality — is the graph's; else it runs
+        eagerly. Nothing is read back to the host."""
+        if self.graphs is None:
+            return work(x)
+        graphs = self.graphs[-1]
+        graphs.bind("logits", owner)
+        with self.shards[-1].on_device():
+            return graphs.run_reading((f"logits:{name}", int(logits.shape[0]), False), x,
+                                      logits, work)
 
     # -- rollback with the accepted count on the device ---------------------------------
 

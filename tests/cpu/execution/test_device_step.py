@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch.utils._pytree import tree_flatten
 
 from dflash.execution import (
     ExecutionError,
@@ -85,12 +86,14 @@ def test_graphs_are_refused_with_the_reason_on_cpu(tiny: TargetModel) -> None:
 
 
 def _stand_in_capture(
-    work: Callable[[], ShardOutput | None],
-) -> tuple[Callable[[], None], ShardOutput | None]:
+    work: Callable[[], object],
+) -> tuple[Callable[[], None], object]:
     """A CPU stand-in for a CUDA graph: the capture call does the work once (a real capture
     records it and the first replay runs it); every later replay does it again and writes
-    the results into the captured output tensors, as a graph replay does (a rollback's
-    work returns nothing)."""
+    the results into the captured output tensors, as a graph replay does (a forward's
+    ShardOutput, the drafter's guesses, an acceptance's tensors; a rollback returns
+    nothing). The work re-runs on what it captured, as a graph reads the addresses it was
+    captured on."""
     outputs = work()
     fresh = [True]
 
@@ -99,20 +102,11 @@ def _stand_in_capture(
             fresh[0] = False
             return
         again = work()
-        if outputs is None or again is None:
-            return
-        if isinstance(outputs, torch.Tensor):  # the drafter's step: its [B-1] guesses
-            assert isinstance(again, torch.Tensor)
-            outputs.copy_(again)
-            return
-        assert not isinstance(again, torch.Tensor)
-        hidden, logits, taps = again
-        outputs[0].copy_(hidden)
-        if logits is not None:
-            assert outputs[1] is not None
-            outputs[1].copy_(logits)
-        for k, v in taps.items():
-            outputs[2][k].copy_(v)
+        mine, theirs = tree_flatten(outputs)[0], tree_flatten(again)[0]
+        assert len(mine) == len(theirs)
+        for out, new in zip(mine, theirs, strict=True):
+            if isinstance(out, torch.Tensor):
+                out.copy_(new)
 
     return replay, outputs
 

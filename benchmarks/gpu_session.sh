@@ -13,6 +13,9 @@
 #                                          # 64 and 16 nodes (9B, 27B at 64) and the chain (9B, block 16)
 #   bash benchmarks/gpu_session.sh sampling # the rule's GPU tests, benchmarks/sampling_cost.py,
 #                                          # dflash bench sampled (9B synthetic; default pair)
+#   bash benchmarks/gpu_session.sh accept  # the rule's GPU tests (graphed acceptance), top-p's mass
+#                                          # pass by launch config (benchmarks/filter_mass.py),
+#                                          # sampling_cost.py (+ --profile)
 #   bash benchmarks/gpu_session.sh filters # the filters' GPU tests, sampling_cost.py (+ --profile),
 #                                          # dflash bench with top-k 20, top-p 0.95 (9B; default pair)
 #   bash benchmarks/gpu_session.sh long    # the prefill kernels' GPU tests, then
@@ -170,6 +173,19 @@ for phase in "$@"; do
           --plot '' > "$OUT/$name.log" 2>&1
         echo "$name rc=$?"; tail -8 "$OUT/$name.log"
       done
+      ;;
+    accept)
+      # the acceptance inside CUDA graphs and top-p's mass pass: the rule's GPU tests (every
+      # mode, chains and trees, the graphed acceptance, the oracle's graphed draws), the mass
+      # pass's launch configurations, the rule's cost in a 9B verify step, its kernels' profile
+      python3 -m pytest tests/gpu/test_sample_kernels.py tests/gpu/test_sampled.py -q -s \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_accept.log" | tail -20
+      timeout "${COST_TIMEOUT:-300}" python3 benchmarks/filter_mass.py \
+        --json "$OUT/filter_mass.json" 2>&1 | tee "$OUT/filter_mass.log" | tail -16
+      timeout "${COST_TIMEOUT:-300}" python3 benchmarks/sampling_cost.py \
+        --json "$OUT/sampling_cost.json" 2>&1 | tee "$OUT/sampling_cost.log" | tail -22
+      timeout "${COST_TIMEOUT:-300}" python3 benchmarks/sampling_cost.py --profile \
+        > "$OUT/sampling_profile.log" 2>&1; echo "profile rc=$?"
       ;;
     filters)
       # the filters' floors as a Triton histogram: the kernels' and sampled steps' GPU

@@ -4,7 +4,8 @@ For a graphed verify forward of ``T`` rows (a chain at the 9B shape, bf16, one G
 the plain decode forward (``T = 1``), measures host-synchronised wall time per call of
 
 - the forward, then the greedy acceptance (argmax, the leading-match count) and the step's
-  one host read;
+  one host read, the acceptance replayed from a CUDA graph as the engine's step does
+  (``ShardedTarget.on_logits``);
 - the same with each sampling rule's acceptance instead (the seeded Gumbel draw at the
   rows' absolute positions, and its filters);
 
@@ -164,9 +165,14 @@ def main() -> None:
 
                 def step(rule: TokenAcceptance = rule, at: torch.Tensor | None = at,
                          forward: Callable[[], torch.Tensor] = forward,
-                         ids: torch.Tensor = ids) -> None:
+                         ids: torch.Tensor = ids, target: ShardedTarget = target) -> None:
                     logits = forward()
-                    t, count = rule.on_device(logits, ids[0], at)
+                    # the engine's path: the acceptance replayed from a graph that reads
+                    # the forward graph's logits
+                    t, count = target.on_logits(
+                        "chain", logits, ids[0], rule,
+                        lambda d: rule.on_device(logits, d, at),
+                    )
                     torch.cat([t, count]).tolist()  # the step's one host read
 
                 def accept(rule: TokenAcceptance = rule, at: torch.Tensor | None = at,

@@ -52,8 +52,12 @@ SCAN_BLOCK = 4096
 GROUPS = 16
 #: top-p's coarse buckets of scaled logits below the top (equal slices of 22.25)
 BUCKETS = 64
+#: tokens per program of the mass pass
+MASS_CHUNK = 4096
 #: tokens per step of the mass pass (one [BUCKETS, MASS_BLOCK] x [MASS_BLOCK, 16] product)
 MASS_BLOCK = 128
+#: warps per program of the mass pass
+MASS_WARPS = 4
 
 
 @triton.jit
@@ -141,11 +145,12 @@ def filter_mass_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are u
     m = _logit_of(tl.load(tops + i_t), IS_BF16) * inv_t
     low = m + log_min_p
     o_b = tl.arange(0, NB)
-    # a weight (an integer of at most 2**32) as three 11-bit parts, exact in float16 and
-    # split in float64: a one-hot matrix product sums each part per bucket exactly in
-    # float32 (at most BS * 2047 < 2**24)
+    # a weight (an integer of at most 2**32) as three 11-bit parts, exact in float16: a
+    # one-hot matrix product sums each part per bucket exactly in float32 (at most
+    # BS * 2047 < 2**24)
     o_p = tl.arange(0, 16)
     scale = tl.where(o_p == 0, 1, tl.where(o_p == 1, 2048, 4194304)).to(tl.int64)
+    shift = tl.where(o_p == 1, 11, tl.where(o_p == 2, 22, 0)).to(tl.int64)
     acc = tl.zeros([NB], dtype=tl.int64)
     least = 65536
     for sub in range(0, BV, BS):
@@ -154,16 +159,10 @@ def filter_mass_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are u
         u = tl.load(bits16 + i_t * V + o_v, mask=m_v, other=0).to(tl.int32) & 0xFFFF
         b = _bin_of(u)
         sv = _logit_of(b, IS_BF16) * inv_t
-        w = tl.where(m_v, _weight(sv, m), 0).to(tl.float64)  # exact: below 2**53
-        p2 = tl.floor(w * (1.0 / 4194304.0))
-        r2 = w - p2 * 4194304.0
-        p1 = tl.floor(r2 * (1.0 / 2048.0))
-        p0 = r2 - p1 * 2048.0
-        parts = tl.where(o_p[None, :] == 0, p0[:, None],
-                         tl.where(o_p[None, :] == 1, p1[:, None],
-                                  tl.where(o_p[None, :] == 2, p2[:, None], 0.0)))
+        w = tl.where(m_v, _weight(sv, m), 0)  # int64 in [0, 2**32]
+        parts = tl.where(o_p[None, :] < 3, (w[:, None] >> shift[None, :]) & 2047, 0)
         hit = (o_b[:, None] == _bucket(sv, m, NB)[None, :]).to(tl.float16)  # [NB, BS]
-        sums = tl.dot(hit, parts.to(tl.float16))  # [NB, 16] float32, exact
+        sums = tl.dot(hit, parts.to(tl.int32).to(tl.float16))  # [NB, 16] float32, exact
         acc += tl.sum(sums.to(tl.int64) * scale[None, :], 1)
         if HAS_MIN_P:
             least = tl.minimum(least, tl.min(tl.where(m_v & (sv >= low), b, 65536), 0))
@@ -362,6 +361,30 @@ def filter_ties_pick_kernel(  # type: ignore[no-untyped-def]  # Triton pointers 
         tl.store(floor_id + i_t, at.to(tl.int64))
 
 
+def launch_filter_mass(
+    bits16: torch.Tensor, tops: torch.Tensor, inv_temperature: float,
+    log_min_p: float | None, is_bf16: bool, *, chunk: int | None = None, block: int | None = None,
+    warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p's mass pass over ``bits16: [T, V]`` (the 16-bit logits' bits) with the row's
+    top bins ``tops: [T]``: ``(masses [T, chunks, BUCKETS] int64, lowest [T, chunks]
+    int32)``, one row of partial sums per ``chunk`` tokens (``log_min_p``: min-p's
+    ``log(min_p)``, None when off). ``chunk``, ``block`` and ``warps`` default to the measured best
+    (:data:`MASS_CHUNK`, :data:`MASS_BLOCK`, :data:`MASS_WARPS`); every choice gives the
+    same sums (integers)."""
+    chunk, block = chunk or MASS_CHUNK, block or MASS_BLOCK
+    T, V = bits16.shape
+    parts = triton.cdiv(V, chunk)
+    masses = torch.empty(T, parts, BUCKETS, dtype=torch.int64, device=bits16.device)
+    lowest = torch.empty(T, parts, dtype=torch.int32, device=bits16.device)
+    filter_mass_kernel[(T, parts)](
+        bits16, tops, masses, lowest, inv_temperature, log_min_p or 0.0, V,
+        HAS_MIN_P=log_min_p is not None, IS_BF16=is_bf16, BV=chunk, BS=block, NB=BUCKETS,
+        num_warps=warps or MASS_WARPS,
+    )
+    return masses, lowest
+
+
 def launch_filter_floors(
     logits: torch.Tensor, inv_temperature: float, top_k: int, top_p: float, min_p: float,
     floor: torch.Tensor, floor_id: torch.Tensor,
@@ -394,15 +417,13 @@ def launch_filter_floors(
         HAS_K=has_k, BN=max(16, triton.next_power_of_2(n)), num_warps=8,
     )
     if coarse:
-        masses, lowest = ints(T, chunks, BUCKETS, dtype=torch.int64), ints(T, chunks)
-        filter_mass_kernel[(T, chunks)](
-            bits16, tops, masses, lowest, inv_temperature, log_min_p, V,
-            HAS_MIN_P=has_min_p, IS_BF16=is_bf16, BV=CHUNK, BS=MASS_BLOCK, NB=BUCKETS,
-            num_warps=4,
+        masses, lowest = launch_filter_mass(
+            bits16, tops, inv_temperature, log_min_p if has_min_p else None, is_bf16
         )
+        parts = masses.shape[1]
         filter_nucleus_kernel[(T,)](
-            masses, lowest, bucket, above, totals, least, top_p, chunks,
-            HAS_MIN_P=has_min_p, BC=max(16, triton.next_power_of_2(chunks)), NB=BUCKETS,
+            masses, lowest, bucket, above, totals, least, top_p, parts,
+            HAS_MIN_P=has_min_p, BC=max(16, triton.next_power_of_2(parts)), NB=BUCKETS,
             num_warps=4,
         )
     filter_hist_kernel[(T, chunks)](

@@ -73,6 +73,12 @@ def test_sampled_steps_are_plain_sampled_decoding(
     assert commit > 1.5
     if mode != "replay":
         assert engine.status is RollbackStatus.EFFECTIVE and engine.counts["fast"] == len(steps)
+    # the acceptance ran inside a CUDA graph that read the verify graph's logits
+    graphs = target.graphs
+    assert graphs is not None
+    assert not graphs[-1].failures, graphs[-1].failures
+    kind = "logits:tree" if tree else "logits:chain"
+    assert any(k[0] == kind for k in graphs[-1].captured_keys), graphs[-1].captured_keys
 
 
 @pytest.mark.parametrize("mode", ["checkpoint", "recompute"])
@@ -115,3 +121,20 @@ def test_coupled_dflash_drafting_on_the_device_is_plain_sampled_decoding(
         commit = sum(r.accept_n for r in engine.records) / len(engine.records)
         print(f"\n{mode} dflash on device, coupled={coupled}: commit {commit:.2f}")
     assert drafts[True][0] != drafts[False][0]  # the same pending token, other guesses
+
+
+@pytest.mark.parametrize("rule", [RULE, RULE_P], ids=["k-p-min", "p-min"])
+@torch.inference_mode()
+def test_plain_sampled_decoding_draws_the_same_inside_graphs(
+    model: TargetModel, rule: SamplingParams
+) -> None:
+    """The oracle's draws replayed from a CUDA graph on the decode graph's logits equal its
+    eager draws without graphs, token for token."""
+    rng = random.Random(6)
+    prompt = [rng.randrange(model.config.vocab_size) for _ in range(64)]
+    plan = plan_shards(model.config.num_hidden_layers, "cuda:0")
+    target = ShardedTarget(model, plan, max_len=len(prompt) + 48, max_draft=1)
+    graphed = reference_greedy(model, plan, prompt, 48, sampling=rule, target=target)
+    assert graphed == reference_greedy(model, plan, prompt, 48, sampling=rule, graphs=False)
+    assert target.graphs is not None and not target.graphs[-1].failures
+    assert ("logits:decode", 1, False) in target.graphs[-1].captured_keys

@@ -1,0 +1,122 @@
+"""Top-p's mass pass (``dflash.kernels.filter_triton.filter_mass_kernel``) across launch
+configurations, on Qwen3.5-sized rows.
+
+Top-p alone must know, for every row, the exact integer mass of each of 64 buckets of
+scaled logits below the row's top before its cut can be found; that pass reads every token
+and is most of what top-p costs. This sweeps the tokens per program (``--chunks``), the
+tokens per matrix product (``--blocks``) and the warps per program (``--warps``) on
+``--rows`` bf16 rows of 248,320 tokens at two spreads of logits, checks that every
+configuration's per-row bucket sums equal the product configuration's (integers: any
+difference is a bug), and times each as 20 launches inside one CUDA graph. GPU only.
+
+    python benchmarks/filter_mass.py [--rows 16] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+from typing import Any
+
+import torch
+
+from dflash.kernels import filter_triton as ft
+from dflash.model import HybridConfig
+
+
+def _graphed_us(run: Any, calls: int = 20) -> float:
+    """GPU µs per call: ``calls`` calls in one CUDA graph, its replays timed by events."""
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            run()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch's stub
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch's stub
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return float(start.elapsed_time(end)) * 1e3 / (5 * calls)
+
+
+def _ints(arg: str) -> list[int]:
+    return [int(x) for x in arg.split(",") if x]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--chunks", type=_ints, default=[4096, 2048, 1024, 512])
+    ap.add_argument("--blocks", type=_ints, default=[64, 128, 256])
+    ap.add_argument("--warps", type=_ints, default=[2, 4, 8])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    vocab = HybridConfig.nine_b_shape().vocab_size
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows: list[dict[str, Any]] = []
+    for spread, inv_t in ((4.0, 1 / 0.7), (1.0, 1.0)):
+        logits = (torch.randn(args.rows, vocab, generator=gen, device="cuda") * spread
+                  ).to(torch.bfloat16)
+        bits16 = logits.view(torch.int16)
+        inv = float(torch.tensor(inv_t, dtype=torch.float32))
+        # the rows' top bins, as the floors' second launch finds them
+        n = math.ceil(vocab / ft.CHUNK) * ft.GROUPS
+        maxima = torch.empty(args.rows, n, dtype=torch.int32, device="cuda")
+        tops = torch.empty(args.rows, dtype=torch.int32, device="cuda")
+        bound = torch.empty_like(tops)
+        ft.filter_maxima_kernel[(args.rows, n // ft.GROUPS)](bits16, maxima, vocab, BV=ft.CHUNK,
+                                                             SUB=ft.GROUPS, num_warps=4)
+        ft.filter_bound_kernel[(args.rows,)](maxima, tops, bound, n, 0, HAS_K=False,
+                                             BN=triton_pow2(n), num_warps=8)
+        want, _ = ft.launch_filter_mass(bits16, tops, inv, None, True)
+        want_sums = want.sum(1)
+        for chunk, block, warps in itertools.product(args.chunks, args.blocks, args.warps):
+            if block > chunk:
+                continue
+
+            def run(chunk: int = chunk, block: int = block, warps: int = warps,
+                    bits16: torch.Tensor = bits16, tops: torch.Tensor = tops,
+                    inv: float = inv) -> tuple[torch.Tensor, torch.Tensor]:
+                return ft.launch_filter_mass(bits16, tops, inv, None, True, chunk=chunk,
+                                             block=block, warps=warps)
+
+            try:
+                masses, _ = run()
+                exact = bool(torch.equal(masses.sum(1), want_sums))
+                us = _graphed_us(run)
+            except Exception as exc:  # a configuration that does not compile is reported
+                print(f"spread {spread} chunk {chunk} block {block} warps {warps}: "
+                      f"{type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                continue
+            product = (chunk, block, warps) == (ft.MASS_CHUNK, ft.MASS_BLOCK, ft.MASS_WARPS)
+            rows.append({"spread": spread, "inv_t": inv, "chunk": chunk, "block": block,
+                         "warps": warps, "us": us, "exact": exact, "product": product})
+            print(f"spread {spread} chunk {chunk:5d} block {block:4d} warps {warps}: "
+                  f"{us:8.1f} us exact {exact}{'  (product)' if product else ''}", flush=True)
+    print("\n| spread | chunk | block | warps | µs | sums equal |")
+    print("|---|---:|---:|---:|---:|---|")
+    for spread in sorted({r["spread"] for r in rows}):
+        best = sorted((r for r in rows if r["spread"] == spread), key=lambda r: r["us"])
+        for r in best[:5] + [r for r in best[5:] if r["product"]]:
+            print(f"| {r['spread']} | {r['chunk']} | {r['block']} | {r['warps']} | "
+                  f"{r['us']:.1f}{' (product)' if r['product'] else ''} | {r['exact']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                       "rows": args.rows, "vocab": vocab, "results": rows}, f, indent=2)
+        print(f"wrote {args.json}")
+
+
+def triton_pow2(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,13 +1,14 @@
-"""Top-p's mass pass (``dflash.kernels.filter_triton.filter_mass_kernel``) across launch
-configurations, on Qwen3.5-sized rows.
+"""Top-p's mass passes (``dflash.kernels.filter_triton.launch_filter_nucleus``) across
+launch configurations, on Qwen3.5-sized rows.
 
-Top-p alone must know, for every row, the exact integer mass of each of 64 buckets of
-scaled logits below the row's top before its cut can be found; that pass reads every token
-and is most of what top-p costs. This sweeps the tokens per program (``--chunks``), the
-tokens per matrix product (``--blocks``) and the warps per program (``--warps``) on
-``--rows`` bf16 rows of 248,320 tokens at two spreads of logits, checks that every
-configuration's per-row bucket sums equal the product configuration's (integers: any
-difference is a bug), and times each as 20 launches inside one CUDA graph. GPU only.
+Top-p alone must know, for every row, the exact integer mass of the tokens above its cut
+before the cut can be found; those passes read every token and are most of what top-p
+costs. This sweeps the tokens per program (``--chunks``), the tokens per step
+(``--blocks``) and the warps per program (``--warps``) on ``--rows`` bf16 rows of 248,320
+tokens at two spreads of logits, checks that every configuration's results (the cut's
+bucket, the mass above it, the total, min-p's lowest bin) equal the product
+configuration's (integers: any difference is a bug), and times each as 20 calls inside
+one CUDA graph. GPU only.
 
     python benchmarks/filter_mass.py [--rows 16] [--json out.json]
 """
@@ -54,7 +55,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--chunks", type=_ints, default=[4096, 2048, 1024, 512])
-    ap.add_argument("--blocks", type=_ints, default=[64, 128, 256])
+    ap.add_argument("--blocks", type=_ints, default=[128, 256, 512])
     ap.add_argument("--warps", type=_ints, default=[2, 4, 8])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -75,21 +76,20 @@ def main() -> None:
                                                              SUB=ft.GROUPS, num_warps=4)
         ft.filter_bound_kernel[(args.rows,)](maxima, tops, bound, n, 0, HAS_K=False,
                                              BN=triton_pow2(n), num_warps=8)
-        want, _ = ft.launch_filter_mass(bits16, tops, inv, None, True)
-        want_sums = want.sum(1)
+        want = ft.launch_filter_nucleus(bits16, tops, inv, 0.95, math.log(0.001), True)
         for chunk, block, warps in itertools.product(args.chunks, args.blocks, args.warps):
             if block > chunk:
                 continue
 
             def run(chunk: int = chunk, block: int = block, warps: int = warps,
                     bits16: torch.Tensor = bits16, tops: torch.Tensor = tops,
-                    inv: float = inv) -> tuple[torch.Tensor, torch.Tensor]:
-                return ft.launch_filter_mass(bits16, tops, inv, None, True, chunk=chunk,
-                                             block=block, warps=warps)
+                    inv: float = inv) -> tuple[torch.Tensor, ...]:
+                return ft.launch_filter_nucleus(bits16, tops, inv, 0.95, math.log(0.001),
+                                                True, chunk=chunk, block=block, warps=warps)
 
             try:
-                masses, _ = run()
-                exact = bool(torch.equal(masses.sum(1), want_sums))
+                got = run()
+                exact = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
                 us = _graphed_us(run)
             except Exception as exc:  # a configuration that does not compile is reported
                 print(f"spread {spread} chunk {chunk} block {block} warps {warps}: "
@@ -100,7 +100,7 @@ def main() -> None:
                          "warps": warps, "us": us, "exact": exact, "product": product})
             print(f"spread {spread} chunk {chunk:5d} block {block:4d} warps {warps}: "
                   f"{us:8.1f} us exact {exact}{'  (product)' if product else ''}", flush=True)
-    print("\n| spread | chunk | block | warps | µs | sums equal |")
+    print("\n| spread | chunk | block | warps | µs | results equal |")
     print("|---|---:|---:|---:|---:|---|")
     for spread in sorted({r["spread"] for r in rows}):
         best = sorted((r for r in rows if r["spread"] == spread), key=lambda r: r["us"])

@@ -136,7 +136,7 @@ def main() -> None:
     with torch.inference_mode():
         for T in (1, args.rows):
             # a decode moves the position every call; a verify is undone every call
-            room = len(RULES) * (args.warmup + args.calls + 2) + 8 if T == 1 else T + 8
+            room = len(RULES) * 2 * (args.warmup + args.calls + 2) + 8 if T == 1 else T + 8
             target = ShardedTarget(model, plan, max_len=args.prompt_len + room, max_draft=T)
             target.forward(prompt, "prefill", 0)
             state = {"pos": len(prompt)}
@@ -175,12 +175,24 @@ def main() -> None:
                     )
                     torch.cat([t, count]).tolist()  # the step's one host read
 
+                def eager_step(rule: TokenAcceptance = rule, at: torch.Tensor | None = at,
+                               forward: Callable[[], torch.Tensor] = forward,
+                               ids: torch.Tensor = ids) -> None:
+                    logits = forward()
+                    t, count = rule.on_device(logits, ids[0], at)  # launched one by one
+                    torch.cat([t, count]).tolist()
+
                 def accept(rule: TokenAcceptance = rule, at: torch.Tensor | None = at,
                            last: dict[str, torch.Tensor] = last,
                            ids: torch.Tensor = ids) -> None:
                     rule.on_device(last["logits"], ids[0], at)
 
+                graphs = target.graphs[-1] if target.graphs is not None else None
+                before = (graphs.replays, len(graphs.failures)) if graphs else (0, 0)
                 wall = _wall(step, args.calls, args.warmup)
+                replayed = graphs.replays - before[0] if graphs else 0
+                failures = graphs.failures[before[1]:] if graphs else []
+                eager_wall = _wall(eager_step, args.calls, args.warmup)
                 gpu = _gpu(accept, args.calls * 4)
                 try:
                     graphed = _graphed(accept, 10)
@@ -191,18 +203,23 @@ def main() -> None:
                     greedy_wall = wall
                 added = (wall - greedy_wall) / greedy_wall * 100
                 rows.append({"rows": T, "rule": name, "step_wall_ms": wall,
+                             "step_eager_accept_ms": eager_wall,
                              "accept_gpu_ms": gpu, "accept_graphed_ms": graphed,
-                             "added_pct": added})
-                print(f"T={T:<3} {name:<18} step {wall:7.3f} ms  acceptance GPU "
-                      f"{gpu * 1e3:8.1f} us (graphed {graphed * 1e3:6.1f})  "
-                      f"added {added:+6.2f} %", flush=True)
+                             "added_pct": added, "graph_replays": replayed,
+                             "graph_failures": failures})
+                print(f"T={T:<3} {name:<18} step {wall:7.3f} ms (eager acceptance "
+                      f"{eager_wall:7.3f})  acceptance GPU {gpu * 1e3:8.1f} us (graphed "
+                      f"{graphed * 1e3:6.1f})  added {added:+6.2f} %  graph replays "
+                      f"{replayed} failures {failures}", flush=True)
             del target
             gc.collect()
             torch.cuda.empty_cache()
-    print("\n| T | rule | step wall ms | acceptance GPU µs | graphed µs | added to the step |")
-    print("|---|---|---|---|---|---|")
+    print("\n| T | rule | step wall ms | eager acceptance ms | acceptance GPU µs | graphed µs "
+          "| added to the step |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['rows']} | {r['rule']} | {float(r['step_wall_ms']):.3f} | "
+              f"{float(r['step_eager_accept_ms']):.3f} | "
               f"{float(r['accept_gpu_ms']) * 1e3:.1f} | "
               f"{float(r['accept_graphed_ms']) * 1e3:.1f} | {float(r['added_pct']):+.2f} % |")
     if args.json:

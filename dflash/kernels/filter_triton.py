@@ -5,18 +5,20 @@ A 16-bit logit has 65,536 possible values, so a row's order (logit descending, t
 a histogram of its tokens over those values, read from the top. Only the tokens that can
 decide a cut are counted: global atomics cost about 30 µs per million tokens on an H200,
 so counting a whole 248,320-token vocabulary for 16 rows would cost over 100 µs. Up to
-eight launches:
+ten launches:
 
 1. ``filter_maxima_kernel`` (``[T, chunks]``): the top bin of each group of 256 tokens.
 2. ``filter_bound_kernel`` (one program per row): the row's top bin (the scaled logit
    ``m`` every weight is relative to) and, with top-k, the lowest bin that can matter:
    the ``k``-th largest group maximum (``k`` tokens lie at or above it, so the ``k``-th
    token does).
-3. Top-p alone, whose cut may lie deep in a flat row: ``filter_mass_kernel`` (``[T,
-   chunks]``) sums every token's top-p weight into 64 buckets of ``s - m`` (integer sums,
-   exact in any order), and min-p's lowest kept bin; ``filter_nucleus_kernel`` (one
-   program per row) finds the bucket where the running mass reaches ``top_p * Z``, and the
-   mass above it. Only that bucket's tokens are counted next.
+3. Top-p alone, whose cut may lie deep in a flat row, in two levels of two launches
+   (:func:`launch_filter_nucleus`): ``filter_mass_kernel`` (``[T, chunks]``) sums every
+   token's top-p weight by eighth of 64 buckets of ``s - m`` (integer sums in per-lane
+   accumulators, exact in any order), and min-p's lowest kept bin;
+   ``filter_nucleus_kernel`` (one program per row) finds the eighth where the running
+   mass reaches ``top_p * Z``. The second level sums that eighth's tokens by bucket and
+   finds the bucket, and the mass above it. Only that bucket's tokens are counted next.
 4. ``filter_hist_kernel`` (``[T, chunks]``): each token that can matter adds one to the
    bin of its logit's bits, mapped to an order-preserving index (``-0.0`` counted as
    ``+0.0``). Integer atomics: the counts do not depend on the order they land in.
@@ -54,7 +56,7 @@ GROUPS = 16
 BUCKETS = 64
 #: tokens per program of the mass pass
 MASS_CHUNK = 4096
-#: tokens per step of the mass pass (one [BUCKETS, MASS_BLOCK] x [MASS_BLOCK, 16] product)
+#: tokens per step of the mass pass
 MASS_BLOCK = 128
 #: warps per program of the mass pass
 MASS_WARPS = 4
@@ -135,23 +137,24 @@ def _bucket(s, m, NB: tl.constexpr):  # type: ignore[no-untyped-def]  # untyped 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
 def filter_mass_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
-    bits16, tops, masses, lowest,  # [T, V] i16; [T] i32; [T, chunks, NB] i64; [T, chunks] i32
-    inv_t, log_min_p, V,
-    HAS_MIN_P: tl.constexpr, IS_BF16: tl.constexpr,
+    bits16, tops, coarse, masses, lowest,  # [T, V] i16; [T] i32 x2; [T, chunks, 8] i64; ...
+    inv_t, log_min_p, V,  # ... lowest: [T, chunks] i32 (min-p's lowest kept bin, level 0)
+    LEVEL: tl.constexpr, HAS_MIN_P: tl.constexpr, IS_BF16: tl.constexpr,
     BV: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
 ):
+    """One level of top-p's mass: every token's weight summed by eighth of the ``NB``
+    buckets of ``s - m`` — level 0: by bucket ``// 8`` (every token); level 1: by bucket
+    ``% 8``, the tokens of the row's ``coarse`` eighth only. Integer sums, exact in any
+    order; the sums stay in per-lane accumulators until the chunk's end."""
     i_t = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
     m = _logit_of(tl.load(tops + i_t), IS_BF16) * inv_t
     low = m + log_min_p
-    o_b = tl.arange(0, NB)
-    # a weight (an integer of at most 2**32) as three 11-bit parts, exact in float16: a
-    # one-hot matrix product sums each part per bucket exactly in float32 (at most
-    # BS * 2047 < 2**24)
-    o_p = tl.arange(0, 16)
-    scale = tl.where(o_p == 0, 1, tl.where(o_p == 1, 2048, 4194304)).to(tl.int64)
-    shift = tl.where(o_p == 1, 11, tl.where(o_p == 2, 22, 0)).to(tl.int64)
-    acc = tl.zeros([NB], dtype=tl.int64)
+    o_8 = tl.arange(0, 8)
+    inside = -1
+    if LEVEL == 1:
+        inside = tl.load(coarse + i_t)
+    acc = tl.zeros([8, BS], dtype=tl.int64)
     least = 65536
     for sub in range(0, BV, BS):
         o_v = i_c * BV + sub + tl.arange(0, BS)
@@ -160,38 +163,53 @@ def filter_mass_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are u
         b = _bin_of(u)
         sv = _logit_of(b, IS_BF16) * inv_t
         w = tl.where(m_v, _weight(sv, m), 0)  # int64 in [0, 2**32]
-        parts = tl.where(o_p[None, :] < 3, (w[:, None] >> shift[None, :]) & 2047, 0)
-        hit = (o_b[:, None] == _bucket(sv, m, NB)[None, :]).to(tl.float16)  # [NB, BS]
-        sums = tl.dot(hit, parts.to(tl.int32).to(tl.float16))  # [NB, 16] float32, exact
-        acc += tl.sum(sums.to(tl.int64) * scale[None, :], 1)
+        k = _bucket(sv, m, NB)
+        if LEVEL == 0:
+            key = k >> 3
+        else:
+            key = tl.where((k >> 3) == inside, k & 7, 8)
+        acc += tl.where(key[None, :] == o_8[:, None], w[None, :], 0)
         if HAS_MIN_P:
             least = tl.minimum(least, tl.min(tl.where(m_v & (sv >= low), b, 65536), 0))
-    tl.store(masses + ((i_t * tl.num_programs(1) + i_c) * NB) + o_b, acc)
-    tl.store(lowest + i_t * tl.num_programs(1) + i_c, least)
+    tl.store(masses + ((i_t * tl.num_programs(1) + i_c) * 8) + o_8, tl.sum(acc, 1))
+    if LEVEL == 0:
+        tl.store(lowest + i_t * tl.num_programs(1) + i_c, least)
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
 def filter_nucleus_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
-    masses, lowest, bucket, above, total, least,  # partials; [T] i32, i64, i64, i32
+    masses, lowest, coarse, above, total, least,  # partials; [T] i32, i64, i64, i32
     top_p, chunks,
-    HAS_MIN_P: tl.constexpr, BC: tl.constexpr, NB: tl.constexpr,
+    LEVEL: tl.constexpr, HAS_MIN_P: tl.constexpr, BC: tl.constexpr,
 ):
+    """The eighth where the running mass reaches ``top_p * Z``: level 0 sums the row's
+    partials into Z and finds the coarse eighth (``coarse``) and the mass above it
+    (``above``); level 1 continues from that mass inside the eighth and leaves the
+    bucket (``coarse * 8 + eighth``) and the mass above the bucket."""
     i_t = tl.program_id(0).to(tl.int64)
     o_c = tl.arange(0, BC)
-    o_b = tl.arange(0, NB)
-    p_m = masses + (i_t * chunks + o_c[:, None]) * NB + o_b[None, :]
-    per = tl.sum(tl.load(p_m, mask=(o_c < chunks)[:, None], other=0), 0)  # [NB], exact
-    z = tl.sum(per, 0)
-    cum = tl.cumsum(per, 0)
+    o_8 = tl.arange(0, 8)
+    p_m = masses + (i_t * chunks + o_c[:, None]) * 8 + o_8[None, :]
+    per = tl.sum(tl.load(p_m, mask=(o_c < chunks)[:, None], other=0), 0)  # [8], exact
+    if LEVEL == 0:
+        z = tl.sum(per, 0)
+        start = tl.zeros([], dtype=tl.int64)
+        tl.store(total + i_t, z)
+    else:
+        z = tl.load(total + i_t)
+        start = tl.load(above + i_t)
+    cum = start + tl.cumsum(per, 0)
     target = top_p * z.to(tl.float64)
-    first = tl.min(tl.where((cum.to(tl.float64) >= target) & (per > 0), o_b, NB), 0)
-    first = tl.minimum(first, NB - 1)
-    tl.store(bucket + i_t, first)
-    tl.store(above + i_t, tl.sum(tl.where(o_b == first, cum - per, 0), 0))
-    tl.store(total + i_t, z)
-    if HAS_MIN_P:
-        x = tl.load(lowest + i_t * chunks + o_c, mask=o_c < chunks, other=65536)
-        tl.store(least + i_t, tl.min(x, 0))
+    first = tl.min(tl.where((cum.to(tl.float64) >= target) & (per > 0), o_8, 8), 0)
+    first = tl.minimum(first, 7)
+    tl.store(above + i_t, tl.sum(tl.where(o_8 == first, cum - per, 0), 0))
+    if LEVEL == 0:
+        tl.store(coarse + i_t, first)
+        if HAS_MIN_P:
+            x = tl.load(lowest + i_t * chunks + o_c, mask=o_c < chunks, other=65536)
+            tl.store(least + i_t, tl.min(x, 0))
+    else:
+        tl.store(coarse + i_t, tl.load(coarse + i_t) * 8 + first)
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
@@ -361,28 +379,41 @@ def filter_ties_pick_kernel(  # type: ignore[no-untyped-def]  # Triton pointers 
         tl.store(floor_id + i_t, at.to(tl.int64))
 
 
-def launch_filter_mass(
-    bits16: torch.Tensor, tops: torch.Tensor, inv_temperature: float,
-    log_min_p: float | None, is_bf16: bool, *, chunk: int | None = None, block: int | None = None,
-    warps: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-p's mass pass over ``bits16: [T, V]`` (the 16-bit logits' bits) with the row's
-    top bins ``tops: [T]``: ``(masses [T, chunks, BUCKETS] int64, lowest [T, chunks]
-    int32)``, one row of partial sums per ``chunk`` tokens (``log_min_p``: min-p's
-    ``log(min_p)``, None when off). ``chunk``, ``block`` and ``warps`` default to the measured best
-    (:data:`MASS_CHUNK`, :data:`MASS_BLOCK`, :data:`MASS_WARPS`); every choice gives the
-    same sums (integers)."""
+def launch_filter_nucleus(
+    bits16: torch.Tensor, tops: torch.Tensor, inv_temperature: float, top_p: float,
+    log_min_p: float | None, is_bf16: bool, *, chunk: int | None = None,
+    block: int | None = None, warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-p alone's coarse cut over ``bits16: [T, V]`` (the 16-bit logits' bits) with the
+    rows' top bins ``tops: [T]``: ``(bucket [T] int32, above [T] int64, total [T] int64,
+    least [T] int32)`` — the bucket of ``s - m`` (of :data:`BUCKETS`) where the running
+    mass reaches ``top_p * Z``, the mass above it, ``Z``, and min-p's lowest kept bin
+    (``log_min_p``: ``log(min_p)``, None when off; ``least`` is then unwritten). Two mass
+    passes of 8 eighths each, then 8 within the eighth, each with its nucleus launch.
+    ``chunk`` (tokens per program), ``block`` (tokens per step) and ``warps`` default to
+    the measured best (:data:`MASS_CHUNK`, :data:`MASS_BLOCK`, :data:`MASS_WARPS`); every
+    choice gives the same integers."""
     chunk, block = chunk or MASS_CHUNK, block or MASS_BLOCK
     T, V = bits16.shape
+    device = bits16.device
     parts = triton.cdiv(V, chunk)
-    masses = torch.empty(T, parts, BUCKETS, dtype=torch.int64, device=bits16.device)
-    lowest = torch.empty(T, parts, dtype=torch.int32, device=bits16.device)
-    filter_mass_kernel[(T, parts)](
-        bits16, tops, masses, lowest, inv_temperature, log_min_p or 0.0, V,
-        HAS_MIN_P=log_min_p is not None, IS_BF16=is_bf16, BV=chunk, BS=block, NB=BUCKETS,
-        num_warps=warps or MASS_WARPS,
-    )
-    return masses, lowest
+    masses = torch.empty(T, parts, 8, dtype=torch.int64, device=device)
+    lowest = torch.empty(T, parts, dtype=torch.int32, device=device)
+    bucket, least = (torch.empty(T, dtype=torch.int32, device=device) for _ in range(2))
+    above, total = (torch.empty(T, dtype=torch.int64, device=device) for _ in range(2))
+    has_min_p = log_min_p is not None
+    for level in (0, 1):
+        filter_mass_kernel[(T, parts)](
+            bits16, tops, bucket, masses, lowest, inv_temperature, log_min_p or 0.0, V,
+            LEVEL=level, HAS_MIN_P=has_min_p and level == 0, IS_BF16=is_bf16, BV=chunk,
+            BS=block, NB=BUCKETS, num_warps=warps or MASS_WARPS,
+        )
+        filter_nucleus_kernel[(T,)](
+            masses, lowest, bucket, above, total, least, top_p, parts,
+            LEVEL=level, HAS_MIN_P=has_min_p, BC=max(16, triton.next_power_of_2(parts)),
+            num_warps=4,
+        )
+    return bucket, above, total, least
 
 
 def launch_filter_floors(
@@ -417,14 +448,8 @@ def launch_filter_floors(
         HAS_K=has_k, BN=max(16, triton.next_power_of_2(n)), num_warps=8,
     )
     if coarse:
-        masses, lowest = launch_filter_mass(
-            bits16, tops, inv_temperature, log_min_p if has_min_p else None, is_bf16
-        )
-        parts = masses.shape[1]
-        filter_nucleus_kernel[(T,)](
-            masses, lowest, bucket, above, totals, least, top_p, parts,
-            HAS_MIN_P=has_min_p, BC=max(16, triton.next_power_of_2(parts)), NB=BUCKETS,
-            num_warps=4,
+        bucket, above, totals, least = launch_filter_nucleus(
+            bits16, tops, inv_temperature, top_p, log_min_p if has_min_p else None, is_bf16
         )
     filter_hist_kernel[(T, chunks)](
         bits16, bound, tops, bucket, hist, inv_temperature, V,

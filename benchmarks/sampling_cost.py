@@ -23,6 +23,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -117,6 +118,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=16, help="verify rows T")
     ap.add_argument("--calls", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="greedy / rule alternations per rule (the added share's median)")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--json", default=None)
@@ -136,7 +139,8 @@ def main() -> None:
     with torch.inference_mode():
         for T in (1, args.rows):
             # a decode moves the position every call; a verify is undone every call
-            room = len(RULES) * 2 * (args.warmup + args.calls + 2) + 8 if T == 1 else T + 8
+            n_walls = 2 * args.rounds + 1  # per rule: the rounds, and the eager acceptance
+            room = len(RULES) * n_walls * (args.warmup + args.calls) + 8 if T == 1 else T + 8
             target = ShardedTarget(model, plan, max_len=args.prompt_len + room, max_draft=T)
             target.forward(prompt, "prefill", 0)
             state = {"pos": len(prompt)}
@@ -158,22 +162,25 @@ def main() -> None:
                 return logits
 
             last["logits"] = forward()
-            greedy_wall = 0.0
-            for name, params in RULES.items():
-                rule = TokenAcceptance(params)
-                at = None if params.greedy else positions
 
-                def step(rule: TokenAcceptance = rule, at: torch.Tensor | None = at,
-                         forward: Callable[[], torch.Tensor] = forward,
-                         ids: torch.Tensor = ids, target: ShardedTarget = target) -> None:
+            def make_step(rule: TokenAcceptance, at: torch.Tensor | None,
+                          forward: Callable[[], torch.Tensor] = forward,
+                          ids: torch.Tensor = ids,
+                          target: ShardedTarget = target) -> Callable[[], None]:
+                def run_step() -> None:
                     logits = forward()
                     # the engine's path: the acceptance replayed from a graph that reads
                     # the forward graph's logits
-                    t, count = target.on_logits(
-                        "chain", logits, ids[0], rule,
-                        lambda d: rule.on_device(logits, d, at),
-                    )
+                    t, count = target.on_logits("chain", logits, ids[0], rule,
+                                                lambda d: rule.on_device(logits, d, at))
                     torch.cat([t, count]).tolist()  # the step's one host read
+                return run_step
+
+            greedy_step = make_step(TokenAcceptance(GREEDY), None)
+            for name, params in RULES.items():
+                rule = TokenAcceptance(params)
+                at = None if params.greedy else positions
+                step = make_step(rule, at)
 
                 def eager_step(rule: TokenAcceptance = rule, at: torch.Tensor | None = at,
                                forward: Callable[[], torch.Tensor] = forward,
@@ -189,7 +196,16 @@ def main() -> None:
 
                 graphs = target.graphs[-1] if target.graphs is not None else None
                 before = (graphs.replays, len(graphs.failures)) if graphs else (0, 0)
-                wall = _wall(step, args.calls, args.warmup)
+                # interleaved with the greedy step, so drift (clocks, context) cancels:
+                # the added share is the median over rounds of rule / greedy - 1
+                shares: list[float] = []
+                walls: list[float] = []
+                for _ in range(1 if params.greedy else args.rounds):
+                    base = _wall(greedy_step, args.calls, args.warmup)
+                    walls.append(_wall(step, args.calls, args.warmup))
+                    shares.append((walls[-1] / base - 1) * 100)
+                wall = statistics.median(walls)
+                added = statistics.median(shares) if not params.greedy else 0.0
                 replayed = graphs.replays - before[0] if graphs else 0
                 failures = graphs.failures[before[1]:] if graphs else []
                 eager_wall = _wall(eager_step, args.calls, args.warmup)
@@ -199,9 +215,6 @@ def main() -> None:
                 except RuntimeError as e:  # a capture failure is reported, not fatal
                     print(f"T={T} {name}: graph capture failed: {e}", flush=True)
                     graphed = float("nan")
-                if params.greedy:
-                    greedy_wall = wall
-                added = (wall - greedy_wall) / greedy_wall * 100
                 rows.append({"rows": T, "rule": name, "step_wall_ms": wall,
                              "step_eager_accept_ms": eager_wall,
                              "accept_gpu_ms": gpu, "accept_graphed_ms": graphed,

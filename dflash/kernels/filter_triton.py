@@ -55,7 +55,7 @@ GROUPS = 16
 #: top-p's coarse buckets of scaled logits below the top (equal slices of 22.25)
 BUCKETS = 64
 #: tokens per program of the mass pass
-MASS_CHUNK = 4096
+MASS_CHUNK = 2048
 #: tokens per step of the mass pass
 MASS_BLOCK = 128
 #: warps per program of the mass pass

@@ -12,12 +12,13 @@ the drafter is the recipe's shape (3 layers, block 16). Median wall time per ste
 ``--warmup`` steps, host-synchronised; ``--json`` writes the rows.
 
     python3 benchmarks/train_step.py [--device cuda] [--steps 25] [--batch 128]
-        [--anchors 32] [--attention blocked,dense] [--json FILE]
+        [--anchors 32] [--attention blocked,dense] [--formats dflash,dflash2] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -53,6 +54,8 @@ def main() -> None:
     ap.add_argument("--anchors", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--attention", default="blocked,dense")
+    ap.add_argument("--formats", default="dflash",
+                    help="drafter formats to time, comma-separated: dflash, dflash2")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.device.startswith("cuda"):  # as train_drafter runs (cuBLAS deterministic)
@@ -61,6 +64,9 @@ def main() -> None:
     modes = [m.strip() for m in args.attention.split(",") if m.strip()]
     if not modes or any(m not in ("blocked", "dense") for m in modes):
         ap.error(f"--attention takes blocked and/or dense (got {args.attention!r})")
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    if not formats or any(f not in ("dflash", "dflash2") for f in formats):
+        ap.error(f"--formats takes dflash and/or dflash2 (got {args.formats!r})")
     target_dir = require_default("target")
     lib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(str(f) for pkg in PACKAGES for f in (lib / pkg).glob("*.py"))
@@ -72,11 +78,11 @@ def main() -> None:
     encoder = Encoder(target_dir, model.config.vocab_size)
     docs = read_documents(files, encoder, model.config.vocab_size)
     train = data_set(docs, seq_len=args.seq_len, count=4096, seed=0)
-    config = drafter_config(cfg, model)
-    gamma = default_gamma(config.block_size)
     cuda = args.device.startswith("cuda")
     rows: list[dict[str, Any]] = []
-    for mode in modes:
+    for fmt, mode in ((f, m) for f in formats for m in modes):
+        config = drafter_config(dataclasses.replace(cfg, format=fmt), model)
+        gamma = default_gamma(config.block_size)
         drafter = DFlashDrafter.random(
             config, model.embed_tokens.weight, model.lm_head.weight, 0, dtype=torch.float32
         )
@@ -107,13 +113,14 @@ def main() -> None:
                 times.append(time.perf_counter() - t0)
         ms = statistics.median(times) * 1e3
         row = {
-            "attention": mode, "ms_per_step": ms, "batch": args.batch, "anchors": args.anchors,
+            "format": fmt, "attention": mode, "ms_per_step": ms, "batch": args.batch,
+            "anchors": args.anchors,
             "seq_len": args.seq_len, "steps": args.steps, "last_loss": loss,
             "sequence_tokens_per_s": args.batch * args.seq_len / (ms / 1e3),
         }
         rows.append(row)
-        print(f"{mode:<8} {ms:8.1f} ms/step  {row['sequence_tokens_per_s']:>10,.0f} tokens/s  "
-              f"(batch {args.batch}, {args.anchors} anchors)", flush=True)
+        print(f"{fmt:<8} {mode:<8} {ms:8.1f} ms/step  "
+              f"{row['sequence_tokens_per_s']:>10,.0f} tokens/s  (batch {args.batch}, {args.anchors} anchors)", flush=True)
     if args.json:
         env = {
             "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",

@@ -120,7 +120,8 @@ def main() -> None:
         }
         rows.append(row)
         print(f"{fmt:<8} {mode:<8} {ms:8.1f} ms/step  "
-              f"{row['sequence_tokens_per_s']:>10,.0f} tokens/s  (batch {args.batch}, {args.anchors} anchors)", flush=True)
+              f"{row['sequence_tokens_per_s']:>10,.0f} tokens/s  "
+              f"(batch {args.batch}, {args.anchors} anchors)", flush=True)
     if args.json:
         env = {
             "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",

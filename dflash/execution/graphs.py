@@ -33,6 +33,14 @@ The DFlash drafter's step runs on the first shard's graphs as well
 drafter's own static buffers, which it fills before each call; :meth:`ShardGraphs.bind`
 drops those graphs when another drafter, or new buffers, take over.
 
+The step's acceptance (the sampling rule's draw at every row, the accepted count or a
+tree's accepted path) and a plain decode's draw run on the last shard's graphs
+(:meth:`ShardGraphs.run_reading`, key ``("logits:<kind>", T, False)``): device work on the
+forward's logits, which the graph reads where they lie — so it is replayed only while the
+logits are the memory it was captured on (a verify graph's output is, replay after
+replay), and the rule it applies is bound (``bind("logits", rule)``): another rule drops
+it.
+
 The prefill, the capture gate's checks, the self-test and fault injection never run
 inside a graph: they run on the host between a step's graphs. The gate's verify itself
 replays the verify graph when one exists (a target kept across generations), so its

@@ -39,6 +39,7 @@
 #   bash benchmarks/gpu_session.sh graphs  # tests/gpu/test_graphs.py (graphs vs eager, 9B 1,024-token parity)
 #   bash benchmarks/gpu_session.sh profile # benchmarks/profile_step.py: wall vs GPU time, graphs off/on
 #   bash benchmarks/gpu_session.sh drafter # the default pair's drafter stage (scripts/build_default.py)
+#   bash benchmarks/gpu_session.sh drafter2 # a DFlash2 drafter for the default pair (one call's worth)
 # Expects the wheels the device lacks under .whl/ (scripts/device_wheels.sh fetches pydantic and
 # the server's; fla-core for the kernels comparison is fetched by hand).
 set -uo pipefail
@@ -285,6 +286,17 @@ print(' parity', d['parity'], 'sha', d['sha256'][:16], 'status', r['status'], \
         --target-dir dflash/data/default/target --work /tmp/dflash_build_work 2>&1 \
         | tee "$OUT/build_drafter.log"
       (cd /tmp/dflash_build && tar cf "$OUT/drafter.tar" drafter summary.json loss_curves.png)
+      ;;
+    drafter2)
+      # a DFlash2 drafter for the default pair, the v1 recipe at a step count that fits one
+      # 10-minute call: the DFlash2 step costs 148.7 ms at batch 128 against v1's 65.4
+      # (benchmarks/train_step.py --formats dflash,dflash2); D2_STEPS, D2_SAMPLES override
+      timeout "${D2_TIMEOUT:-560}" python3 scripts/build_default.py --out /tmp/dflash2_build \
+        --only-drafter --target-dir dflash/data/default/target --work /tmp/dflash2_work \
+        --drafter-extra "--format dflash2" --set drafter_steps="${D2_STEPS:-2400}" \
+        --set drafter_teacher_samples="${D2_SAMPLES:-196608}" --set drafter_eval_every=1200 \
+        --set drafter_save_every=0 2>&1 | tee "$OUT/build_drafter2.log" | tail -6
+      (cd /tmp/dflash2_build && tar czf "$OUT/drafter2.tgz" drafter summary.json loss_curves.png)
       ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac

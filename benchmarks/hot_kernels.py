@@ -28,6 +28,7 @@ import json
 import platform
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -126,7 +127,7 @@ def attention_part(bw: float, contexts: list[int]) -> list[dict[str, Any]]:
 def fp8_part(bw: float) -> list[dict[str, Any]]:
     rows = []
     shapes = [(4096, 4096), (12288, 4096), (4096, 12288), (8192, 4096)]
-    configs = list(itertools.product((64, 128), (1, 2, 4, 8), (4, 8), (4, 6)))
+    configs = list(itertools.product((64, 128), (1, 2, 4, 8), (4, 8), (4, 6), (False, True)))
     for N, K in shapes:
         w = torch.randn(N, K, device=DEVICE) / K**0.5
         wq, s = quantize_fp8(w)
@@ -138,9 +139,11 @@ def fp8_part(bw: float) -> list[dict[str, Any]]:
             bf16_us = timed(partial(linear, x, wb, None))
             default = fp8_linear_config(N, K, torch.bfloat16)
             default_us = timed(partial(launch_fp8_linear, x, wq, s, None, (128, 128), y))
+            words = replace(default, words=True)
+            words_us = timed(partial(launch_fp8_linear, x, wq, s, None, (128, 128), y, words))
             best: tuple[float, Fp8LinearConfig] | None = None
-            for bn, split, warps, stages in configs:
-                cfg = Fp8LinearConfig(bn, 128, split, warps, stages)
+            for bn, split, warps, stages, as_words in configs:
+                cfg = Fp8LinearConfig(bn, 128, split, warps, stages, as_words)
                 try:
                     us = timed(partial(launch_fp8_linear, x, wq, s, None, (128, 128), y, cfg))
                 except Exception as exc:  # a config the compiler refuses is skipped
@@ -154,13 +157,15 @@ def fp8_part(bw: float) -> list[dict[str, Any]]:
                    "default_us": round(default_us, 1),
                    "default": [default.block_n, default.split_k, default.num_warps,
                                default.num_stages],
+                   "default_words_us": round(words_us, 1),
                    "best_us": round(best[0], 1),
-                   "best": [b.block_n, b.split_k, b.num_warps, b.num_stages],
+                   "best": [b.block_n, b.split_k, b.num_warps, b.num_stages, b.words],
                    "floor_us": round(floor_us, 1)}
             rows.append(row)
             print(f"fp8 {N:>5}x{K:<5} M={M:>2}: bf16 {bf16_us:7.1f} us, fp8 default "
-                  f"{default_us:7.1f} ({row['default']}), best {best[0]:7.1f} "
-                  f"({row['best']}: block_n, split, warps, stages), floor {floor_us:6.1f} us",
+                  f"{default_us:7.1f} ({row['default']}), as int32 words {words_us:7.1f}, "
+                  f"best {best[0]:7.1f} ({row['best']}: block_n, split, warps, stages, "
+                  f"words), floor {floor_us:6.1f} us",
                   file=sys.stderr)
     return rows
 

@@ -79,6 +79,12 @@ class Fp8LinearConfig:
     split_k: int
     num_warps: int
     num_stages: int
+    #: read the weight as int32 words of four e4m3 bytes (:func:`e4m3_word_values`): for
+    #: sm_90 Triton 3.6 compiles a byte tile's load into 64 single-byte loads per thread
+    #: and K step, outside the software pipeline, and a word tile's into 4-byte
+    #: ``cp.async`` copies inside it; the values are the same, bit for bit. Taken only
+    #: where K, the row stride and the address are multiples of 4.
+    words: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,6 +189,20 @@ def row_tile_scaled_dot(  # type: ignore[no-untyped-def]  # Triton values are un
     return tl.fma(b_p, b_s[:, None], b_acc)
 
 
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def e4m3_word_values(words, DTYPE: tl.constexpr):  # type: ignore[no-untyped-def]  # untyped
+    """``words [R, C]`` int32, each four e4m3 bytes (little-endian: byte ``i`` is column
+    ``4c + i``) → ``[R, 4C]`` of ``DTYPE``, by the same conversion as a byte tile's
+    (``.to(DTYPE)``), so the values are those bit for bit."""
+    b0 = (words & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True)
+    b1 = ((words >> 8) & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True)
+    b2 = ((words >> 16) & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True)
+    b3 = ((words >> 24) & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True)
+    # join(join(b0, b2), join(b1, b3))[..., a, b] is b(2a + b): rows of b0 b1 b2 b3
+    v = tl.join(tl.join(b0, b2), tl.join(b1, b3))
+    return tl.reshape(v, [words.shape[0], 4 * words.shape[1]]).to(DTYPE)
+
+
 @triton.jit(do_not_specialize=["M"])  # type: ignore[untyped-decorator]  # triton ships no types
 def fp8_linear_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
     x, w, s, b, y, ws,       # x [M, K] (s_xm), w [N, K] e4m3 (s_wn), s [NB, KB] f32, b [N]
@@ -191,6 +211,7 @@ def fp8_linear_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
     K_BLOCKS_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
     M_TILES: tl.constexpr, F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     i_g = tl.program_id(0).to(tl.int64)   # row group: tiles i_g * M_TILES + 0 … M_TILES - 1
     i_n = tl.program_id(1).to(tl.int64)
@@ -220,10 +241,18 @@ def fp8_linear_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
         kb = kb0 + j
         o_k = kb * BK + o_kk
         m_k = (o_kk < BK) & (o_k < K)
-        p_w = w + o_n[:, None] * s_wn + o_k[None, :]
-        # [BLOCK_N, BLOCK_K] e4m3; ``other`` a float zero (Triton casts no int to float8)
-        b_w = tl.load(p_w, mask=m_n[:, None] & m_k[None, :], other=0.0)
-        b_w = b_w.to(x.dtype.element_ty)  # exact: e4m3 fits f16, bf16 and f32
+        if WORDS:  # w is an int32 view: [N, K // 4] words of four bytes, row stride s_wn
+            o_q = tl.arange(0, BLOCK_K // 4)
+            m_q = (4 * o_q < BK) & (kb * BK + 4 * o_q < K)
+            p_w = w + o_n[:, None] * s_wn + (kb * (BK // 4) + o_q)[None, :]
+            b_q = tl.load(p_w, mask=m_n[:, None] & m_q[None, :], other=0)
+            b_w = e4m3_word_values(b_q, x.dtype.element_ty)  # [BLOCK_N, BLOCK_K]
+        else:
+            p_w = w + o_n[:, None] * s_wn + o_k[None, :]
+            # [BLOCK_N, BLOCK_K] e4m3; ``other`` a float zero (Triton casts no int to
+            # float8)
+            b_w = tl.load(p_w, mask=m_n[:, None] & m_k[None, :], other=0.0)
+            b_w = b_w.to(x.dtype.element_ty)  # exact: e4m3 fits f16, bf16 and f32
         # the block bound as a [BLOCK_N] comparison: a scalar and-ed into the mask makes a
         # mask of another dtype under some interpreters
         m_s = m_n & ((o_n * 0 + kb) < K_BLOCKS)
@@ -268,6 +297,14 @@ def fp8_linear_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
                        SPLIT_K, HAS_BIAS, BLOCK_M)
 
 
+def words_fit(weight: torch.Tensor) -> bool:
+    """Whether an ``[N, K]`` e4m3 weight can be read as int32 words: contiguous rows, K
+    and the row stride multiples of 4, the address 4-byte aligned."""
+    K = weight.shape[1]
+    return (weight.stride(1) == 1 and K % 4 == 0 and weight.stride(0) % 4 == 0
+            and weight.data_ptr() % 4 == 0)
+
+
 def launch_fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
     block: tuple[int, int], out: torch.Tensor | None, config: Fp8LinearConfig | None = None,
@@ -294,13 +331,15 @@ def launch_fp8_linear(
     ws = (torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1
           else y2)
     b = scale_inv if bias is None else bias
+    words = cfg.words and words_fit(weight)
+    w = weight.view(torch.int32) if words else weight
     fp8_linear_kernel[plan.grid](
-        x2, weight, scale_inv, b, y2, ws, M, N, K, x2.stride(0), weight.stride(0),
+        x2, w, scale_inv, b, y2, ws, M, N, K, x2.stride(0), w.stride(0),
         scale_inv.stride(0), scale_inv.stride(1), y2.stride(0),
         BN=bn, BK=bk, K_BLOCKS=triton.cdiv(K, bk), K_BLOCKS_PER_SPLIT=plan.k_blocks_per_split,
         SPLIT_K=split, HAS_BIAS=bias is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=BLOCK_M, M_TILES=plan.m_tiles,
-        F32_DOT=x.dtype == torch.float32, EMULATE=INTERPRET,
+        F32_DOT=x.dtype == torch.float32, EMULATE=INTERPRET, WORDS=words,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:

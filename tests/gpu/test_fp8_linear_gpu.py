@@ -74,3 +74,32 @@ def test_fp8_linear_other_dtypes(dtype: torch.dtype) -> None:
     assert rel_rms(full, oracle) <= TOL[dtype]
     for M in ROWS:
         assert torch.equal(fp8_linear(x[:M], q, s, b), full[:M]), f"M={M}"
+
+
+@pytest.mark.parametrize(("N", "K"), [(4096, 4096), (12288, 4096)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_linear_word_reads_equal_byte_reads(N: int, K: int, dtype: torch.dtype) -> None:
+    """The weight read as int32 words (``Fp8LinearConfig.words``) gives the byte reads'
+    outputs bit for bit, every e4m3 byte in the weight (a NaN byte's output row NaN in
+    both), M = 1 and 16; outputs NaN-poisoned."""
+    from dataclasses import replace
+
+    from dflash.kernels.fp8_linear_triton import fp8_linear_config, launch_fp8_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    wq, s = quantize_fp8(torch.randn(N, K, device="cuda", generator=gen) / K**0.5)
+    wq.view(torch.uint8)[:2, :128] = torch.arange(256, dtype=torch.uint8,
+                                                  device="cuda").view(2, 128)
+    base = fp8_linear_config(N, K, dtype)
+    for M in (1, 16):
+        x = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
+        want = launch_fp8_linear(x, wq, s, None, (128, 128),
+                                 torch.full((M, N), float("nan"), device="cuda", dtype=dtype),
+                                 base)
+        got = launch_fp8_linear(x, wq, s, None, (128, 128),
+                                torch.full((M, N), float("nan"), device="cuda", dtype=dtype),
+                                replace(base, words=True))
+        nan = torch.isnan(want)
+        assert nan[:, :2].all() and not nan[:, 2:].any()  # the rows holding the NaN bytes
+        assert torch.equal(torch.isnan(got), nan)
+        assert torch.equal(got[~nan], want[~nan]), (M, dtype)

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from kernels_support import NAN, needs_interpreter, rel_rms
 
 from dflash.errors import KernelBoundsError
@@ -23,6 +25,7 @@ from dflash.kernels.fp8_linear import dequantize_fp8, fp8_linear, quantize_fp8
 from dflash.kernels.fp8_linear_reference import fp8_linear_reference
 from dflash.kernels.fp8_linear_triton import (
     Fp8LinearConfig,
+    e4m3_word_values,
     fp8_linear_config,
     fp8_linear_launch,
     launch_fp8_linear,
@@ -243,6 +246,70 @@ def test_config_is_a_function_of_the_shape() -> None:
     with pytest.raises(ValueError, match="'config' block_k"):
         cfg = fp8_linear_config(64, 64, torch.bfloat16)   # block_k 128, not 32
         fp8_linear_launch(1, 64, 64, torch.bfloat16, (32, 32), cfg)
+
+
+# ---------------------------------------------------------------- the weight read as words
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def _convert(words, nums, out, out_bytes, DTYPE: tl.constexpr):  # type: ignore[no-untyped-def]  # untyped
+    """``words [4, 16]`` int32 → ``out [4, 64]`` by :func:`e4m3_word_values`; the same
+    bytes ``nums [4, 64]`` (e4m3) → ``out_bytes`` by a byte tile's ``.to``."""
+    o_r = tl.arange(0, 4)
+    o_c = tl.arange(0, 16)
+    o_v = tl.arange(0, 64)
+    b_q = tl.load(words + o_r[:, None] * 16 + o_c[None, :])
+    tl.store(out + o_r[:, None] * 64 + o_v[None, :], e4m3_word_values(b_q, DTYPE))
+    b_b = tl.load(nums + o_r[:, None] * 64 + o_v[None, :])
+    tl.store(out_bytes + o_r[:, None] * 64 + o_v[None, :], b_b.to(DTYPE))
+
+
+@needs_interpreter
+def test_e4m3_word_values_are_the_bytes_values() -> None:
+    """Every one of the 256 e4m3fn bytes, four to an int32 word, converted by
+    :func:`e4m3_word_values` to each dtype: bitwise a byte tile's conversion, and every
+    finite byte torch's own value (signed zeros included); outputs NaN-poisoned. (The NaN
+    bytes: the GPU's conversion gives NaN for both; the interpreter reads them as 480.)"""
+    raw = torch.arange(256, dtype=torch.uint8)
+    want = raw.view(torch.float8_e4m3fn)
+    finite = (raw & 0x7F) != 0x7F
+    for dtype, ty in ((torch.bfloat16, tl.bfloat16), (torch.float16, tl.float16),
+                      (torch.float32, tl.float32)):
+        out = torch.full((4, 64), NAN, dtype=dtype)
+        by_bytes = torch.full((4, 64), NAN, dtype=dtype)
+        _convert[(1,)](raw.view(torch.int32).view(4, 16), want.view(4, 64), out, by_bytes,
+                       DTYPE=ty)
+        assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           by_bytes.view(torch.int16 if dtype != torch.float32
+                                         else torch.int32)), dtype
+        got = out.view(-1)
+        assert torch.equal(got[finite], want.to(dtype)[finite]), dtype
+        assert torch.signbit(got[128]) and not torch.signbit(got[0])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("block", [(32, 32), (128, 128)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_word_reads_equal_byte_reads_bitwise(block: tuple[int, int], dtype: torch.dtype) -> None:
+    """The kernel reading the weight as int32 words computes exactly what it computes
+    reading bytes, for M = 1 … 33 (several row tiles) with every finite e4m3 byte in the
+    weight; outputs NaN-poisoned."""
+    x, q, s, b = _inputs(33, block, dtype, seed=9)
+    q = q.clone()
+    every = torch.arange(256, dtype=torch.uint8)
+    # the NaN bytes 0x7f, 0xff -> 0x7e, 0xfe (the interpreter reads NaN bytes as 480)
+    finite = torch.where((every & 0x7F) == 0x7F, every - 1, every)
+    q.view(torch.uint8)[:2, :128] = finite.view(2, 128)
+    base = fp8_linear_config(N, K, dtype, block, 4)
+    words = Fp8LinearConfig(base.block_n, base.block_k, base.split_k, base.num_warps,
+                            base.num_stages, words=True)
+    for M in (1, 17, 33):
+        want = launch_fp8_linear(x[:M], q, s, b, block, torch.full((M, N), NAN, dtype=dtype),
+                                 base)
+        got = launch_fp8_linear(x[:M], q, s, b, block, torch.full((M, N), NAN, dtype=dtype),
+                                words)
+        assert torch.isfinite(want).all()
+        assert torch.equal(got, want), (M, dtype, block)
 
 
 # ---------------------------------------------------------------- argument checks

@@ -22,29 +22,10 @@ import math
 from typing import Any
 
 import torch
+from sampling_cost import _graphed  # 20 calls in one CUDA graph, timed by events
 
 from dflash.kernels import filter_triton as ft
 from dflash.model import HybridConfig
-
-
-def _graphed_us(run: Any, calls: int = 20) -> float:
-    """GPU µs per call: ``calls`` calls in one CUDA graph, its replays timed by events."""
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            run()
-    graph.replay()
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch's stub
-    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch's stub
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return float(start.elapsed_time(end)) * 1e3 / (5 * calls)
 
 
 def _ints(arg: str) -> list[int]:
@@ -90,7 +71,7 @@ def main() -> None:
             try:
                 got = run()
                 exact = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-                us = _graphed_us(run)
+                us = _graphed(run, 20) * 1e3  # ms per call -> µs
             except Exception as exc:  # a configuration that does not compile is reported
                 print(f"spread {spread} chunk {chunk} block {block} warps {warps}: "
                       f"{type(exc).__name__}: {str(exc)[:120]}", flush=True)

@@ -127,11 +127,16 @@ def tree_table_values(parents: Sequence[int], width: int | None = None) -> array
     walks = tree_walks(parents)
     values = array.array("i", parents)
     values.extend(_reloaded(parents, walks))
-    for walk in walks:
-        values.extend(walk)
-        values.extend([-1] * (width - len(walk)))
-    values.extend([-1] * (width * (T - len(walks))))
+    start = len(values)
+    values.extend(_MINUS_ONE * (width * T))  # every row -1, then each walk written in
+    for w, walk in enumerate(walks):
+        at = start + w * width
+        values[at : at + len(walk)] = array.array("i", walk)
     return values
+
+
+#: one int32 -1, repeated to fill a table
+_MINUS_ONE = array.array("i", [-1])
 
 
 def tree_table_size(T: int) -> int:
@@ -201,13 +206,12 @@ def tree_path_rows(geometry: ChainGeometry | TreeGeometry, width: int) -> array.
     T = _checked(geometry).n_actual
     if width < T:
         raise KernelBoundsError(f"'width' {width} is narrower than the geometry's T={T}")
-    rows = array.array("i")
-    paths: list[list[int]] = []
+    rows = _MINUS_ONE * (T * width)
+    paths: list[array.array[int]] = []
     for t, p in enumerate(geometry.parents):
-        path = [t] if p < 0 else [*paths[p], t]
+        path = array.array("i", [t]) if p < 0 else paths[p] + array.array("i", [t])
         paths.append(path)
-        rows.extend(path)
-        rows.extend([-1] * (width - len(path)))
+        rows[t * width : t * width + len(path)] = path
     return rows
 
 

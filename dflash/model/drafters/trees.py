@@ -21,7 +21,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Real
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 from dflash.geometry import MAX_SLOTS, Rejection, TreeGeometry, require_tree, validate_tree
 from dflash.model.drafters.base import check_context, check_token
@@ -63,15 +63,20 @@ class DraftTree:
         verdict = validate_tree(self.parents)
         if isinstance(verdict, Rejection):
             raise DraftArgumentError(f"not a draft tree: {verdict.message}")
-        for s, token in enumerate(self.tokens):
-            check_token(f"tokens[{s}]", token)
-        for s, lp in enumerate(self.log_probs):
-            value = float(lp) if isinstance(lp, Real) and not isinstance(lp, bool) else math.nan
-            if math.isnan(value) or value > 0:
-                raise DraftArgumentError(
-                    f"'log_probs[{s}]' must be a log-probability <= 0 or -inf (got {lp!r})"
-                )
-        object.__setattr__(self, "log_probs", tuple(float(lp) for lp in self.log_probs))
+        # the common case checked in one pass (exact ints >= 0, exact floats <= 0: NaN
+        # fails the comparison); anything else is checked entry by entry, and named
+        if not all(type(t) is int and t >= 0 for t in self.tokens):
+            for s, token in enumerate(self.tokens):
+                check_token(f"tokens[{s}]", token)
+        if not all(type(lp) is float and lp <= 0 for lp in self.log_probs):
+            for s, lp in enumerate(self.log_probs):
+                value = (float(lp) if isinstance(lp, Real) and not isinstance(lp, bool)
+                         else math.nan)
+                if math.isnan(value) or value > 0:
+                    raise DraftArgumentError(
+                        f"'log_probs[{s}]' must be a log-probability <= 0 or -inf (got {lp!r})"
+                    )
+            object.__setattr__(self, "log_probs", tuple(float(lp) for lp in self.log_probs))
         if self.log_probs[0] != 0.0:
             raise DraftArgumentError(f"'log_probs[0]' is the root's and must be 0.0 "
                                      f"(got {self.log_probs[0]!r})")
@@ -453,6 +458,10 @@ def _check_candidates(candidates: object, budget: int) -> list[list[tuple[int, f
         )
     levels: list[list[tuple[int, float]]] = []
     for d, level in enumerate(candidates):
+        fast = _plain_level(level)
+        if fast is not None:
+            levels.append(fast)
+            continue
         if isinstance(level, (str, bytes)) or not isinstance(level, Sequence) or not level:
             raise DraftArgumentError(
                 f"'candidates[{d}]' must be a non-empty sequence of (token, log_prob) pairs "
@@ -478,6 +487,28 @@ def _check_candidates(candidates: object, budget: int) -> list[list[tuple[int, f
             pairs.append((token, lp))
         levels.append(pairs)
     return levels
+
+
+def _plain_level(level: object) -> list[tuple[int, float]] | None:
+    """The common case of one depth's candidates checked in one pass: a non-empty list or
+    tuple of 2-tuples of an exact int >= 0 and an exact finite float <= 0, distinct
+    tokens, best first; None for anything else (then checked entry by entry, and the
+    first bad entry named)."""
+    if type(level) not in (list, tuple) or not level:
+        return None
+    pairs = cast(list[tuple[int, float]], list(cast(Sequence[object], level)))
+    previous = 0.0
+    for pair in pairs:
+        if type(pair) is not tuple or len(pair) != 2:
+            return None
+        token, lp = pair
+        if (type(token) is not int or token < 0 or type(lp) is not float
+                or not -math.inf < lp <= previous):
+            return None
+        previous = lp
+    if len({pair[0] for pair in pairs}) != len(pairs):
+        return None
+    return pairs
 
 
 def _check_branch(branch: object) -> list[int]:

@@ -209,8 +209,12 @@ class DFlash2Drafter(DFlashDrafter):
                              cfg.final_logit_softcapping)
         e: Tensor = sel.hidden_projection(hidden).float()                 # [..., R]
         a = sel.predecessor_codebook[previous].float()                    # [..., R]
-        s_rows = sel.successor_codebook[candidates_ids].float()           # [..., K, R]
-        return unary + ((a * e)[..., None, :] * s_rows).sum(-1)
+        s_rows = F.embedding(candidates_ids, sel.successor_codebook)      # [..., K, R]
+        # one batched product in float32 (autocast off): no [..., K, R] product tensor,
+        # forward or backward
+        with torch.autocast(device_type=e.device.type, enabled=False):
+            pair = torch.einsum("...kr,...r->...k", s_rows.float(), a * e)
+        return unary + pair
 
 
 __all__ = ["CandidateSelector", "DFlash2Drafter", "DFlash2Layer", "DynamicConv"]

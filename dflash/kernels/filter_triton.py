@@ -146,6 +146,7 @@ def filter_mass_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are u
     buckets of ``s - m`` — level 0: by bucket ``// 8`` (every token); level 1: by bucket
     ``% 8``, the tokens of the row's ``coarse`` eighth only. Integer sums, exact in any
     order; the sums stay in per-lane accumulators until the chunk's end."""
+    tl.static_assert(NB == 64, "the two levels split 64 buckets into 8 eighths of 8")
     i_t = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
     m = _logit_of(tl.load(tops + i_t), IS_BF16) * inv_t

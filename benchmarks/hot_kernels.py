@@ -6,6 +6,9 @@
   key 16384) and warps;
   the floor is the K and V bytes the rows can see. The default config's time is split
   into its two passes with the torch profiler.
+- ``tiles``: the same attention, T = 1 and 16, by the row tiles one program holds (1, 2,
+  4: the K/V loaded once per program) and warps (4, 8), the default splits; and whether
+  the T = 16 call's rows equal 16 T = 1 calls bit for bit at each warp count.
 - ``fp8``: :func:`dflash.kernels.fp8_linear` at the 9B shape's projections (M = 1 and 16)
   over N tiles, split-K counts, warps and pipeline stages, beside the bf16 M-invariant
   linear; the floor is the weight bytes (and scales).
@@ -124,6 +127,38 @@ def attention_part(bw: float, contexts: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
+def tiles_part(bw: float, contexts: list[int]) -> list[dict[str, Any]]:
+    H, HKV, D = 16, 4, 256
+    S = max(contexts) + 64
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    k = torch.randn(1, HKV, S, D, generator=gen, device=DEVICE).bfloat16()
+    v = torch.randn(1, HKV, S, D, generator=gen, device=DEVICE).bfloat16()
+    rows = []
+    for L in contexts:
+        floor_us = 2 * L * HKV * D * 2 / bw * 1e6
+        q = torch.randn(1, 16, H, D, generator=gen, device=DEVICE).bfloat16()
+        start = torch.tensor([L - 16], device=DEVICE)
+        for warps in (4, 8):
+            # rows of the 16-row call against 16 one-row calls, this warp count
+            alone = torch.cat([
+                launch_decode_attention(q[:, t : t + 1], k, v, start + t, D**-0.5, None,
+                                        num_warps=warps) for t in range(16)], 1)
+            for T, tiles in ((1, 1), (16, 1), (16, 2), (16, 4)):
+                out = torch.empty_like(q[:, :T])
+                fn = partial(launch_decode_attention, q[:, :T], k, v, start, D**-0.5, out,
+                             num_warps=warps, row_tiles=tiles)
+                us = timed(fn)
+                equal = bool(torch.equal(out, alone[:, :T]))
+                row = {"context": L, "T": T, "warps": warps, "row_tiles": tiles,
+                       "us": round(us, 1), "floor_us": round(floor_us, 1),
+                       "rows_equal_one_row_calls": equal}
+                rows.append(row)
+                print(f"attention tiles L={L:>7,} T={T:>2} warps {warps} row tiles {tiles}: "
+                      f"{us:8.1f} us (floor {floor_us:6.1f}), rows equal T=1 calls: {equal}",
+                      file=sys.stderr)
+    return rows
+
+
 def fp8_part(bw: float) -> list[dict[str, Any]]:
     rows = []
     shapes = [(4096, 4096), (12288, 4096), (4096, 12288), (8192, 4096)]
@@ -199,7 +234,7 @@ def gdn_part(T: int) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", nargs="+", choices=("attention", "fp8", "gdn"),
+    ap.add_argument("--part", nargs="+", choices=("attention", "tiles", "fp8", "gdn"),
                     default=["attention", "fp8", "gdn"])
     ap.add_argument("--gdn-tokens", type=int, default=4096, help="tokens of the GDN prefill")
     ap.add_argument("--contexts", default="8192,32768,131072,262144")
@@ -213,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if "attention" in args.part:
         report["attention"] = attention_part(bw, [int(c) for c in args.contexts.split(",")])
+    if "tiles" in args.part:
+        report["tiles"] = tiles_part(bw, [int(c) for c in args.contexts.split(",")])
     if "fp8" in args.part:
         report["fp8"] = fp8_part(bw)
     if "gdn" in args.part:

@@ -1,9 +1,11 @@
 """Triton kernel: causal decode/verify attention whose rows do not depend on T.
 
-Pass 1, one program per (16-row tile, key split, batch x KV head), the tile varying
-fastest (the tiles of a split run side by side, so a wide verify's K/V comes from L2 after
-its first tile): the ``G * T`` query rows of one KV head (``G = H // HKV`` query heads
-per KV head, row ``r = t * G + g``) travel in FIXED 16-row tiles (masked). The key range
+Pass 1, one program per (row group, key split, batch x KV head), the group varying
+fastest: the ``G * T`` query rows of one KV head (``G = H // HKV`` query heads per KV
+head, row ``r = t * G + g``) travel in FIXED 16-row tiles (masked), and a program holds
+up to :data:`MAX_ROW_TILES` consecutive tiles, each with its own softmax state, and loads
+each key block once for all of them (a 16-row verify of a 4-head GQA group, 64 rows, reads
+its K/V once, not once per tile: separate tile programs did not meet in L2). The key range
 ``0 .. S_max - 1`` is cut into splits at absolute key indices: :data:`SPLIT_KEYS` keys
 each below :data:`WIDE_FROM`, :data:`WIDE_KEYS` keys each from there (constants: many
 programs for a short context, few splits for the combine of a long one). Each split is
@@ -21,8 +23,9 @@ Why a row's bits do not depend on T: the splits and blocks are fixed by absolute
 index; a block that holds no key visible to a row leaves that row's ``m``, ``l`` and
 output exactly unchanged (its scores are ``-inf``: ``p = 0`` and the rescale factor is
 forced to exactly 1), so the extra blocks a longer call walks for its later rows are
-neutral for the earlier ones; and pass 2 reads exactly the same splits, in the same
-tiles, for the row.
+neutral for the earlier ones (and the blocks a program walks for its other tiles'
+rows); a tile's arithmetic is the same whichever tiles share its program; and pass 2
+reads exactly the same splits, in the same tiles, for the row.
 
 ``T`` and the strides that change with it are never specialised (``do_not_specialize``),
 so every ``T`` runs the same binary. The grid depends on shapes only (``S_max``, ``T``,
@@ -37,9 +40,10 @@ entries minus one, read on the device) and walks a LOGICAL key sequence: logical
 is cache row ``j`` for ``j < start`` and cache row ``start + paths[t, j - start]`` from
 ``start`` on, up to ``start + depth(t)``. Blocks and splits are cut by the logical index
 exactly as a chain cuts the absolute one. A block wholly below ``start`` is the same for
-every row and is loaded once for the tile; a block that reaches ``start`` is gathered once
-per node of the tile (masked loads through the table), and each such pass updates only
-that node's rows (the others see no key of it and stay unchanged, as above). So each row
+every row and is loaded once for the program's tiles; a block that reaches ``start`` is
+gathered once per node of the program (masked loads through the table), and each such pass
+updates only that node's rows, in the tiles that hold them (the others see no key of it
+and stay unchanged, as above). So each row
 loads, in each block, exactly the keys and values a ``T = 1`` chain call at
 ``start + depth(t)`` loads from the cache plain decoding would hold (the path's keys at
 contiguous rows), in the same columns, and its reduction (scores, online softmax, the
@@ -75,6 +79,9 @@ WIDE_FROM = 16384
 WIDE_KEYS = 2048
 #: splits the combine pass reads per step (a fixed tile, summed by one fixed reduction)
 COMBINE_SPLITS = 16
+#: the most row tiles one program holds (each key block loaded once for all of them):
+#: a 16-row verify of a 4-query-head GQA group is 64 rows, four tiles
+MAX_ROW_TILES = 4
 #: the score of a masked key (a constexpr: Triton kernels read only constexpr globals)
 NEG_INF = tl.constexpr(float("-inf"))
 LOG2E = 1.4426950408889634
@@ -127,6 +134,78 @@ def split_of(pos, SPLIT: tl.constexpr, WIDE_FROM: tl.constexpr, WIDE: tl.constex
                     WIDE_FROM // SPLIT + (pos - WIDE_FROM) // WIDE)
 
 
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def tile_rows(  # type: ignore[no-untyped-def]  # Triton values are untyped
+    i_tile, i_hk, st, paths, s_pt, T, G, BLOCK_M: tl.constexpr, TREE: tl.constexpr,
+):
+    """Row tile ``i_tile`` of KV head ``i_hk``: its rows ``r = t * G + g`` as
+    ``(m_r, o_t, o_h, pos)`` (valid, node, query head, absolute position), its first and
+    last node and its last visible key (-1 for a tile of padding rows only)."""
+    o_r = i_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_r = o_r < G * T
+    o_t = o_r // G
+    o_h = i_hk * G + o_r % G
+    # the tile's first and last node, reduced from its rows (the scalar form
+    # ``(i_tile * BLOCK_M) // G`` gave a wrong first tile on an H200 for G = 3, 5, 6)
+    t_first = tl.min(tl.where(m_r, o_t, T), 0)
+    t_last = tl.max(tl.where(m_r, o_t, -1), 0)
+    if TREE:   # node t sits at start + depth(t) (paths [T, T], B == 1)
+        pos = st + node_depth(paths, s_pt, o_t, m_r, T, BLOCK_M, BLOCK_M)
+        p_last = tl.max(tl.where(m_r, pos, -1), 0)   # the tile's last visible key
+    else:
+        pos = st + o_t                               # absolute position of each row
+        p_last = tl.where(t_last >= 0, st + t_last, -1)
+    return m_r, o_t, o_h, pos, t_first, t_last, p_last
+
+
+@triton.jit
+def tile_query(  # type: ignore[no-untyped-def]  # Triton values are untyped
+    q, i_b, o_t, o_h, m_r, o_d, m_d, s_qb, s_qt, s_qh,
+):
+    """The tile's query rows ``[BLOCK_M, BD]`` (padding rows and columns zero)."""
+    p_q = q + i_b * s_qb + o_t[:, None] * s_qt + o_h[:, None] * s_qh + o_d[None, :]
+    return tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0)
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def tile_gathered_block(  # type: ignore[no-untyped-def]  # Triton values are untyped
+    b_q, b_k, b_v, u, o_n, m_n, o_t, m_r, pos, t_first, t_last, b_m, b_l, b_o, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """A tree block gathered for node ``u``: the tile's rows of ``u`` updated, the tile
+    left as it is when none of its rows is ``u`` (a tile without them would see no key
+    of the pass and stay unchanged anyway: skipping it changes no bit)."""
+    if (u >= t_first) & (u <= t_last):
+        visible = ((o_t == u) & m_r)[:, None] & m_n[None, :]
+        visible = visible & (o_n[None, :] <= pos[:, None])
+        b_m, b_l, b_o = softmax_block(b_q, b_k, b_v, visible, b_m, b_l, b_o, qk_scale,
+                                      BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+    return b_m, b_l, b_o
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def tile_store(  # type: ignore[no-untyped-def]  # Triton values are untyped
+    b_m, b_l, b_o, i_b, i_s, o_t, o_h, m_r, o_d, m_d, ws_m, ws_l, ws_o, y,
+    T, s_yb, s_yt, s_yh, H: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
+    TREE: tl.constexpr,
+):
+    """The tile's split result: normalised into ``y`` (one split), else ``m``, ``l`` and
+    the unnormalised output into the workspace."""
+    if NS == 1:   # one split: normalise and write the output directly
+        if TREE:   # the tile's padding rows saw no key (l = 0); they are not stored
+            b_l = tl.where(m_r, b_l, 1.0)
+        p_y = y + i_b * s_yb + o_t[:, None] * s_yt + o_h[:, None] * s_yh + o_d[None, :]
+        b_y = b_o / b_l[:, None]
+        tl.store(p_y, b_y.to(y.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+    else:
+        row = (i_b * T + o_t) * H + o_h            # [BLOCK_M] row ids of the workspace
+        tl.store(ws_m + row * NS + i_s, b_m, mask=m_r)
+        tl.store(ws_l + row * NS + i_s, b_l, mask=m_r)
+        p_o = ws_o + (row[:, None] * NS + i_s) * D + o_d[None, :]
+        tl.store(p_o, b_o, mask=m_r[:, None] & m_d[None, :])
+
+
 @triton.jit(do_not_specialize=["T", "s_qb", "s_yb", "s_pt"])  # type: ignore[untyped-decorator]  # triton ships no types
 def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
     q, k, v, start, paths, ws_m, ws_l, ws_o, y,  # q [B,T,H,D]; k, v [B,HKV,S,D]; start [B]
@@ -136,43 +215,62 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers a
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
     SPLIT: tl.constexpr, WIDE_FROM: tl.constexpr, WIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr, TREE: tl.constexpr,
-    F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
+    M_TILES: tl.constexpr, F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
 ):
     G = H // HKV
-    # the row tile varies fastest: the tiles of one split run side by side and read its
-    # keys and values from L2 after the first (a verify of G * T > 16 rows)
-    i_r = tl.program_id(0).to(tl.int64)
+    # a program holds M_TILES row tiles (one state each, unrolled) and loads each key
+    # block once for all of them; the row groups vary fastest, so the groups of one split
+    # run side by side
+    i_g = tl.program_id(0).to(tl.int64)
     i_s = tl.program_id(1).to(tl.int64)
     i_bh = tl.program_id(2).to(tl.int64)
     i_b, i_hk = i_bh // HKV, i_bh % HKV
     st = tl.load(start + i_b).to(tl.int64)
+    i_t0 = i_g * M_TILES
 
-    o_r = i_r * BLOCK_M + tl.arange(0, BLOCK_M)      # row r = t * G + g of this KV head
-    m_r = o_r < G * T
-    o_t = o_r // G
-    o_h = i_hk * G + o_r % G
-    # the tile's first and last node, reduced from its rows (the scalar form
-    # ``(i_r * BLOCK_M) // G`` gave a wrong first tile on an H200 for G = 3, 5, 6)
-    t_first = tl.min(tl.where(m_r, o_t, T), 0)
-    t_last = tl.max(tl.where(m_r, o_t, -1), 0)
-    if TREE:   # node t sits at start + depth(t) (paths [T, T], B == 1)
-        pos = st + node_depth(paths, s_pt, o_t, m_r, T, BLOCK_M, BLOCK_M)
-        p_last = tl.max(tl.where(m_r, pos, -1), 0)   # the tile's last visible key
-    else:
-        pos = st + o_t                               # absolute position of each row
-        p_last = st + t_last
+    m_r0, o_t0, o_h0, pos0, tf0, tl0, p_last = tile_rows(
+        i_t0, i_hk, st, paths, s_pt, T, G, BLOCK_M, TREE)
+    t_first = tf0
+    t_last = tl0
+    if M_TILES > 1:
+        m_r1, o_t1, o_h1, pos1, tf1, tl1, pl1 = tile_rows(
+            i_t0 + 1, i_hk, st, paths, s_pt, T, G, BLOCK_M, TREE)
+        p_last = tl.maximum(p_last, pl1)
+        t_last = tl.maximum(t_last, tl1)
+    if M_TILES > 2:
+        m_r2, o_t2, o_h2, pos2, tf2, tl2, pl2 = tile_rows(
+            i_t0 + 2, i_hk, st, paths, s_pt, T, G, BLOCK_M, TREE)
+        m_r3, o_t3, o_h3, pos3, tf3, tl3, pl3 = tile_rows(
+            i_t0 + 3, i_hk, st, paths, s_pt, T, G, BLOCK_M, TREE)
+        p_last = tl.maximum(p_last, tl.maximum(pl2, pl3))
+        t_last = tl.maximum(t_last, tl.maximum(tl2, tl3))
     narrow = i_s < WIDE_FROM // SPLIT
     k_lo = tl.where(narrow, i_s * SPLIT, WIDE_FROM + (i_s - WIDE_FROM // SPLIT) * WIDE)
     k_end = k_lo + tl.where(narrow, SPLIT, WIDE)
+    # the last key any row of the program's tiles sees: blocks past a tile's own last
+    # key leave its rows unchanged (see above), so walking up to the program's is exact
     k_hi = tl.minimum(tl.minimum(k_end, p_last + 1), S_max)
-    if k_lo < k_hi:   # else no row of this tile sees a key of this split: nothing to do
+    if k_lo < k_hi:   # else no row of this program sees a key of this split: nothing to do
         o_d = tl.arange(0, BD)
         m_d = o_d < D
-        p_q = q + i_b * s_qb + o_t[:, None] * s_qt + o_h[:, None] * s_qh + o_d[None, :]
-        b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0)   # [BLOCK_M, BD]
-        b_m = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
-        b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
-        b_o = tl.zeros([BLOCK_M, BD], dtype=tl.float32)
+        b_q0 = tile_query(q, i_b, o_t0, o_h0, m_r0, o_d, m_d, s_qb, s_qt, s_qh)
+        b_m0 = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
+        b_l0 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        b_o0 = tl.zeros([BLOCK_M, BD], dtype=tl.float32)
+        if M_TILES > 1:
+            b_q1 = tile_query(q, i_b, o_t1, o_h1, m_r1, o_d, m_d, s_qb, s_qt, s_qh)
+            b_m1 = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
+            b_l1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+            b_o1 = tl.zeros([BLOCK_M, BD], dtype=tl.float32)
+        if M_TILES > 2:
+            b_q2 = tile_query(q, i_b, o_t2, o_h2, m_r2, o_d, m_d, s_qb, s_qt, s_qh)
+            b_m2 = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
+            b_l2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+            b_o2 = tl.zeros([BLOCK_M, BD], dtype=tl.float32)
+            b_q3 = tile_query(q, i_b, o_t3, o_h3, m_r3, o_d, m_d, s_qb, s_qt, s_qh)
+            b_m3 = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
+            b_l3 = tl.zeros([BLOCK_M], dtype=tl.float32)
+            b_o3 = tl.zeros([BLOCK_M, BD], dtype=tl.float32)
         p_k0 = k + i_b * s_kb + i_hk * s_kh + o_d[None, :]
         p_v0 = v + i_b * s_vb + i_hk * s_vh + o_d[None, :]
         # the split's blocks up to k_hi (those past it would load nothing and leave every
@@ -180,56 +278,68 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers a
         kb = k_lo
         while kb < k_hi:   # the interpreter cannot range() a runtime bound
             o_n = kb + tl.arange(0, BLOCK_N)
-            if TREE:
-                if kb + BLOCK_N <= st:
-                    # committed keys only: logical = physical, one tile for every row
-                    m_kv = (o_n < k_hi)[:, None] & m_d[None, :]
-                    b_k = tl.load(p_k0 + o_n[:, None] * s_ks, mask=m_kv, other=0)
-                    b_v = tl.load(p_v0 + o_n[:, None] * s_vs, mask=m_kv, other=0)
-                    b_m, b_l, b_o = softmax_block(
-                        b_q, b_k, b_v, o_n[None, :] <= pos[:, None], b_m, b_l, b_o,
-                        qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
-                else:
-                    # the block reaches the draft: each node of the tile gathers its own
-                    # logical keys (its path's slots from start on) and updates its rows;
-                    # the tile's other rows see no key of that pass and stay unchanged
-                    o_a = o_n - st                       # depth of logical key n's node
-                    m_a = (o_a >= 0) & (o_a < T)
-                    u = t_first
-                    while u <= t_last:   # the interpreter cannot range() a runtime bound
-                        slot = tl.load(paths + u * s_pt + o_a, mask=m_a, other=-1)
-                        src = tl.where(o_a < 0, o_n, st + slot)   # physical cache row
-                        m_n = ((o_a < 0) | (slot >= 0)) & (src >= 0) & (src < S_max)
-                        m_n = m_n & (o_n < S_max)
-                        m_kv = m_n[:, None] & m_d[None, :]
-                        b_k = tl.load(p_k0 + src[:, None] * s_ks, mask=m_kv, other=0)
-                        b_v = tl.load(p_v0 + src[:, None] * s_vs, mask=m_kv, other=0)
-                        visible = ((o_t == u) & m_r)[:, None] & m_n[None, :]
-                        visible = visible & (o_n[None, :] <= pos[:, None])
-                        b_m, b_l, b_o = softmax_block(
-                            b_q, b_k, b_v, visible, b_m, b_l, b_o,
-                            qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
-                        u += 1
-            else:
+            if (not TREE) or (kb + BLOCK_N <= st):
+                # a chain's block, or a tree's block of committed keys only (logical =
+                # physical): one K/V load for every row of every tile
                 m_kv = (o_n < k_hi)[:, None] & m_d[None, :]
                 b_k = tl.load(p_k0 + o_n[:, None] * s_ks, mask=m_kv, other=0)   # [BLOCK_N, BD]
                 b_v = tl.load(p_v0 + o_n[:, None] * s_vs, mask=m_kv, other=0)
-                b_m, b_l, b_o = softmax_block(
-                    b_q, b_k, b_v, o_n[None, :] <= pos[:, None], b_m, b_l, b_o,
+                b_m0, b_l0, b_o0 = softmax_block(
+                    b_q0, b_k, b_v, o_n[None, :] <= pos0[:, None], b_m0, b_l0, b_o0,
                     qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+                if M_TILES > 1:
+                    b_m1, b_l1, b_o1 = softmax_block(
+                        b_q1, b_k, b_v, o_n[None, :] <= pos1[:, None], b_m1, b_l1, b_o1,
+                        qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+                if M_TILES > 2:
+                    b_m2, b_l2, b_o2 = softmax_block(
+                        b_q2, b_k, b_v, o_n[None, :] <= pos2[:, None], b_m2, b_l2, b_o2,
+                        qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+                    b_m3, b_l3, b_o3 = softmax_block(
+                        b_q3, b_k, b_v, o_n[None, :] <= pos3[:, None], b_m3, b_l3, b_o3,
+                        qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+            else:
+                # a tree's block that reaches the draft: each node of the program gathers
+                # its own logical keys (its path's slots from start on) once and updates
+                # its rows in the tiles that hold them; every other row sees no key of
+                # that pass and stays unchanged
+                o_a = o_n - st                       # depth of logical key n's node
+                m_a = (o_a >= 0) & (o_a < T)
+                u = t_first
+                while u <= t_last:   # the interpreter cannot range() a runtime bound
+                    slot = tl.load(paths + u * s_pt + o_a, mask=m_a, other=-1)
+                    src = tl.where(o_a < 0, o_n, st + slot)   # physical cache row
+                    m_n = ((o_a < 0) | (slot >= 0)) & (src >= 0) & (src < S_max)
+                    m_n = m_n & (o_n < S_max)
+                    m_kv = m_n[:, None] & m_d[None, :]
+                    b_k = tl.load(p_k0 + src[:, None] * s_ks, mask=m_kv, other=0)
+                    b_v = tl.load(p_v0 + src[:, None] * s_vs, mask=m_kv, other=0)
+                    b_m0, b_l0, b_o0 = tile_gathered_block(
+                        b_q0, b_k, b_v, u, o_n, m_n, o_t0, m_r0, pos0, tf0, tl0,
+                        b_m0, b_l0, b_o0, qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+                    if M_TILES > 1:
+                        b_m1, b_l1, b_o1 = tile_gathered_block(
+                            b_q1, b_k, b_v, u, o_n, m_n, o_t1, m_r1, pos1, tf1, tl1,
+                            b_m1, b_l1, b_o1, qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+                    if M_TILES > 2:
+                        b_m2, b_l2, b_o2 = tile_gathered_block(
+                            b_q2, b_k, b_v, u, o_n, m_n, o_t2, m_r2, pos2, tf2, tl2,
+                            b_m2, b_l2, b_o2, qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+                        b_m3, b_l3, b_o3 = tile_gathered_block(
+                            b_q3, b_k, b_v, u, o_n, m_n, o_t3, m_r3, pos3, tf3, tl3,
+                            b_m3, b_l3, b_o3, qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+                    u += 1
             kb += BLOCK_N
-        if NS == 1:   # one split: normalise and write the output directly
-            if TREE:   # the tile's padding rows saw no key (l = 0); they are not stored
-                b_l = tl.where(m_r, b_l, 1.0)
-            p_y = y + i_b * s_yb + o_t[:, None] * s_yt + o_h[:, None] * s_yh + o_d[None, :]
-            b_y = b_o / b_l[:, None]
-            tl.store(p_y, b_y.to(y.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
-        else:
-            row = (i_b * T + o_t) * H + o_h            # [BLOCK_M] row ids of the workspace
-            tl.store(ws_m + row * NS + i_s, b_m, mask=m_r)
-            tl.store(ws_l + row * NS + i_s, b_l, mask=m_r)
-            p_o = ws_o + (row[:, None] * NS + i_s) * D + o_d[None, :]
-            tl.store(p_o, b_o, mask=m_r[:, None] & m_d[None, :])
+        tile_store(b_m0, b_l0, b_o0, i_b, i_s, o_t0, o_h0, m_r0, o_d, m_d, ws_m, ws_l,
+                   ws_o, y, T, s_yb, s_yt, s_yh, H, D, NS, TREE)
+        if M_TILES > 1:
+            tile_store(b_m1, b_l1, b_o1, i_b, i_s, o_t1, o_h1, m_r1, o_d, m_d, ws_m, ws_l,
+                       ws_o, y, T, s_yb, s_yt, s_yh, H, D, NS, TREE)
+        if M_TILES > 2:
+            tile_store(b_m2, b_l2, b_o2, i_b, i_s, o_t2, o_h2, m_r2, o_d, m_d, ws_m, ws_l,
+                       ws_o, y, T, s_yb, s_yt, s_yh, H, D, NS, TREE)
+            tile_store(b_m3, b_l3, b_o3, i_b, i_s, o_t3, o_h3, m_r3, o_d, m_d, ws_m, ws_l,
+                       ws_o, y, T, s_yb, s_yt, s_yh, H, D, NS, TREE)
 
 
 @triton.jit(do_not_specialize=["T", "s_yb", "s_pt"])  # type: ignore[untyped-decorator]  # triton ships no types
@@ -291,11 +401,19 @@ def split_count(S_max: int, split_keys: int = SPLIT_KEYS, wide_from: int = WIDE_
     return wide_from // split_keys - (-(S_max - wide_from) // wide_keys)
 
 
+def row_tiles_for(rows: int) -> int:
+    """Row tiles per program for ``rows`` query rows of one KV head (``G * T``): all of
+    its 16-row tiles, rounded up to a power of two, at most :data:`MAX_ROW_TILES`."""
+    tiles = -(-rows // BLOCK_M)
+    return min(MAX_ROW_TILES, int(triton.next_power_of_2(max(1, tiles))))
+
+
 def launch_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
     scale: float, out: torch.Tensor | None, *, num_warps: int = 4, num_stages: int = 2,
     split_keys: int = SPLIT_KEYS, block_n: int = BLOCK_N, paths: torch.Tensor | None = None,
     combine_splits: int = COMBINE_SPLITS, wide_from: int = WIDE_FROM, wide_keys: int = WIDE_KEYS,
+    row_tiles: int | None = None,
 ) -> torch.Tensor:
     """Launch both passes on validated inputs; returns ``out`` (``[B, T, H, D]``).
 
@@ -309,6 +427,9 @@ def launch_decode_attention(
     caller): a tree verify;
     ``None``: a chain (the ``TREE=False`` specialisation, whose arithmetic the tree code
     leaves untouched). The table's contents are read on the device only.
+    ``row_tiles`` (1, 2 or 4): the 16-row tiles a program holds; default
+    :func:`row_tiles_for` (every tile of a KV head's rows, up to :data:`MAX_ROW_TILES`).
+    Any value gives the same bits: a tile's arithmetic does not depend on its neighbours.
     """
     if split_keys % block_n != 0 or wide_keys % block_n != 0:
         raise ValueError(f"'block_n'={block_n} must divide 'split_keys'={split_keys} and "
@@ -320,6 +441,11 @@ def launch_decode_attention(
     B, T, H, D = q.shape
     HKV, S_max = k_cache.shape[1], k_cache.shape[2]
     G = H // HKV
+    tiles = triton.cdiv(G * T, BLOCK_M)
+    if row_tiles is None:
+        row_tiles = row_tiles_for(G * T)
+    elif row_tiles not in (1, 2, 4):
+        raise ValueError(f"'row_tiles' must be 1, 2 or 4 (got {row_tiles})")
     if out is None:
         out = torch.empty_like(q)
     NS = split_count(S_max, split_keys, wide_from, wide_keys)
@@ -331,7 +457,7 @@ def launch_decode_attention(
         ws_o = torch.empty(rows, NS, D, dtype=torch.float32, device=q.device)
     else:
         ws_m = ws_l = ws_o = out
-    grid = (triton.cdiv(G * T, BLOCK_M), NS, B * HKV)
+    grid = (triton.cdiv(tiles, row_tiles), NS, B * HKV)
     tree = paths is not None
     # a chain passes `start` for the table it never reads (a valid pointer of a fixed type)
     table = paths if paths is not None else start
@@ -345,7 +471,7 @@ def launch_decode_attention(
         out.stride(0), out.stride(1), out.stride(2),
         H=H, HKV=HKV, D=D, NS=NS, SPLIT=split_keys, WIDE_FROM=wide_from, WIDE=wide_keys,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BD=BD, TREE=tree, F32_DOT=q.dtype == torch.float32, EMULATE=INTERPRET,
+        BD=BD, TREE=tree, M_TILES=row_tiles, F32_DOT=q.dtype == torch.float32, EMULATE=INTERPRET,
         num_warps=num_warps, num_stages=num_stages,
     )
     if NS > 1:

@@ -443,6 +443,50 @@ def test_tree_table_may_be_a_block_of_a_larger_buffer(backend: Backend) -> None:
 
 
 @needs_interpreter
+@pytest.mark.parametrize("row_tiles", [2, 4])
+@pytest.mark.parametrize(("tree", "start0"), [(None, 12), (None, 28), ("branchy", 12),
+                                              ("branchy", 28), ("star", 31)])
+@pytest.mark.usefixtures("poisoned_workspace")
+def test_row_tiles_per_program_give_the_same_bits(tree: str | None, start0: int,
+                                                  row_tiles: int) -> None:
+    """A program holding 2 or 4 row tiles (each key block loaded once for them) gives the
+    one-tile programs' output bit for bit: G = 3, so nodes straddle tiles; 12 nodes are
+    36 rows, three tiles (the fourth of a 4-tile program is padding); chains and trees
+    from 12 (one split) and across the 32-key split boundary; NaN past the draft's rows
+    and in the workspace until written."""
+    T = 12
+    q, k, v = _qkv(1, T, 6, 2, 16, 70, torch.float32, seed=start0 + row_tiles)
+    start = torch.tensor([start0])
+    k, v = _poison_after(k, start + T - 1), _poison_after(v, start + T - 1)
+    paths = None if tree is None else _paths(TREES[tree][:T] + [0] * (T - len(TREES[tree])))
+
+    def call(tiles: int) -> torch.Tensor:
+        out = torch.full_like(q, NAN)
+        return launch_decode_attention(q, k, v, start, q.shape[-1] ** -0.5, out,
+                                       split_keys=32, block_n=16, paths=paths,
+                                       combine_splits=2, row_tiles=tiles)
+
+    want = call(1)
+    assert torch.isfinite(want).all()
+    assert torch.equal(call(row_tiles), want)
+
+
+@needs_interpreter
+def test_row_tiles_are_one_two_or_four() -> None:
+    q, k, v = _qkv(1, 2, 2, 2, 16, 8, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="'row_tiles' must be 1, 2 or 4 \\(got 3\\)"):
+        launch_decode_attention(q, k, v, torch.tensor([0]), 0.25, None, row_tiles=3)
+
+
+def test_row_tiles_for() -> None:
+    """Every tile of a KV head's rows in one program, up to four: T = 1 is one tile, a
+    16-row verify of a 4-head group (64 rows) four, a 64-node tree four per program."""
+    from dflash.kernels.attention_triton import row_tiles_for
+    assert [row_tiles_for(r) for r in (1, 4, 16, 17, 36, 64, 65, 256)] == [
+        1, 1, 1, 2, 4, 4, 4, 4]
+
+
+@needs_interpreter
 def test_tree_triton_matches_the_float64_reference() -> None:
     """Values, not only invariance: the Triton tree call against the float64 reference."""
     parents = TREES["branchy"]

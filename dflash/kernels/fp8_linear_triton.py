@@ -79,11 +79,11 @@ class Fp8LinearConfig:
     split_k: int
     num_warps: int
     num_stages: int
-    #: read the weight as int32 words of four e4m3 bytes (:func:`e4m3_word_values`): for
-    #: sm_90 Triton 3.6 compiles a byte tile's load into 64 single-byte loads per thread
-    #: and K step, outside the software pipeline, and a word tile's into 4-byte
-    #: ``cp.async`` copies inside it; the values are the same, bit for bit. Taken only
-    #: where K, the row stride and the address are multiples of 4.
+    #: read the weight as int32 words of four e4m3 bytes (:func:`e4m3_word_values`; the
+    #: values are the byte tile's, bit for bit). Off: on an H200 (triton 3.6) it is
+    #: 24-38 % slower than the byte tile at every 9B shape, which the software pipeline
+    #: already copies with 8-byte ``cp.async`` (BENCHMARKS.md, "The weight read as int32
+    #: words"). Taken only where K, the row stride and the address are multiples of 4.
     words: bool = False
 
 

@@ -2,10 +2,11 @@
 
 Pass 1, one program per (row group, key split, batch x KV head), the group varying
 fastest: the ``G * T`` query rows of one KV head (``G = H // HKV`` query heads per KV
-head, row ``r = t * G + g``) travel in FIXED 16-row tiles (masked), and a program holds
-up to :data:`MAX_ROW_TILES` consecutive tiles, each with its own softmax state, and loads
-each key block once for all of them (a 16-row verify of a 4-head GQA group, 64 rows, reads
-its K/V once, not once per tile: separate tile programs did not meet in L2). The key range
+head, row ``r = t * G + g``) travel in FIXED 16-row tiles (masked). A program may hold
+up to four consecutive tiles (``row_tiles``), each with its own softmax state, and load
+each key block once for all of them: a 16-row verify of a 4-head GQA group, 64 rows, then
+reads its K/V once, not once per tile (on an H200 separate tile programs did not meet in
+L2: 480 µs for 64 rows at 131,072 keys against 137 µs for one). The key range
 ``0 .. S_max - 1`` is cut into splits at absolute key indices: :data:`SPLIT_KEYS` keys
 each below :data:`WIDE_FROM`, :data:`WIDE_KEYS` keys each from there (constants: many
 programs for a short context, few splits for the combine of a long one). Each split is
@@ -79,9 +80,12 @@ WIDE_FROM = 16384
 WIDE_KEYS = 2048
 #: splits the combine pass reads per step (a fixed tile, summed by one fixed reduction)
 COMBINE_SPLITS = 16
-#: the most row tiles one program holds (each key block loaded once for all of them):
-#: a 16-row verify of a 4-query-head GQA group is 64 rows, four tiles
-MAX_ROW_TILES = 4
+#: the most row tiles one program holds by default (each key block loaded once for all of
+#: them; a 16-row verify of a 4-query-head GQA group is 64 rows, four tiles). 1 until the
+#: wider programs are timed on a GPU: for sm_90 (triton 3.6, 4 warps, D = 256) ptxas gives
+#: the one-tile program 255 registers and a 336-byte stack, the four-tile one 32
+#: registers and an 8 KB stack (``benchmarks/hot_kernels.py --part tiles`` measures 1, 2, 4)
+MAX_ROW_TILES = 1
 #: the score of a masked key (a constexpr: Triton kernels read only constexpr globals)
 NEG_INF = tl.constexpr(float("-inf"))
 LOG2E = 1.4426950408889634
@@ -401,11 +405,11 @@ def split_count(S_max: int, split_keys: int = SPLIT_KEYS, wide_from: int = WIDE_
     return wide_from // split_keys - (-(S_max - wide_from) // wide_keys)
 
 
-def row_tiles_for(rows: int) -> int:
+def row_tiles_for(rows: int, most: int = MAX_ROW_TILES) -> int:
     """Row tiles per program for ``rows`` query rows of one KV head (``G * T``): all of
-    its 16-row tiles, rounded up to a power of two, at most :data:`MAX_ROW_TILES`."""
+    its 16-row tiles, rounded up to a power of two, at most ``most`` (1, 2 or 4)."""
     tiles = -(-rows // BLOCK_M)
-    return min(MAX_ROW_TILES, int(triton.next_power_of_2(max(1, tiles))))
+    return min(most, int(triton.next_power_of_2(max(1, tiles))))
 
 
 def launch_decode_attention(
@@ -428,7 +432,7 @@ def launch_decode_attention(
     ``None``: a chain (the ``TREE=False`` specialisation, whose arithmetic the tree code
     leaves untouched). The table's contents are read on the device only.
     ``row_tiles`` (1, 2 or 4): the 16-row tiles a program holds; default
-    :func:`row_tiles_for` (every tile of a KV head's rows, up to :data:`MAX_ROW_TILES`).
+    :func:`row_tiles_for` (a KV head's tiles, up to :data:`MAX_ROW_TILES`).
     Any value gives the same bits: a tile's arithmetic does not depend on its neighbours.
     """
     if split_keys % block_n != 0 or wide_keys % block_n != 0:

@@ -479,11 +479,15 @@ def test_row_tiles_are_one_two_or_four() -> None:
 
 
 def test_row_tiles_for() -> None:
-    """Every tile of a KV head's rows in one program, up to four: T = 1 is one tile, a
-    16-row verify of a 4-head group (64 rows) four, a 64-node tree four per program."""
-    from dflash.kernels.attention_triton import row_tiles_for
-    assert [row_tiles_for(r) for r in (1, 4, 16, 17, 36, 64, 65, 256)] == [
-        1, 1, 1, 2, 4, 4, 4, 4]
+    """Every tile of a KV head's rows in one program, up to the cap: T = 1 is one tile, a
+    16-row verify of a 4-head group (64 rows) four, a 64-node tree four per program; the
+    default cap holds one tile per program until wider programs are timed on a GPU."""
+    from dflash.kernels.attention_triton import MAX_ROW_TILES, row_tiles_for
+    rows = (1, 4, 16, 17, 36, 64, 65, 256)
+    assert [row_tiles_for(r, 4) for r in rows] == [1, 1, 1, 2, 4, 4, 4, 4]
+    assert [row_tiles_for(r, 2) for r in rows] == [1, 1, 1, 2, 2, 2, 2, 2]
+    assert MAX_ROW_TILES == 1
+    assert [row_tiles_for(r) for r in rows] == [1] * len(rows)
 
 
 @needs_interpreter

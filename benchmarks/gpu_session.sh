@@ -25,6 +25,9 @@
 #   bash benchmarks/gpu_session.sh serve   # benchmarks/serve_load.py on cuda:0 (the default pair):
 #                                          # one client, then eight (needs the fastapi, uvicorn,
 #                                          # httpx and openai wheels and theirs under .whl/)
+#   bash benchmarks/gpu_session.sh tiles   # the attention's row tiles per program (1, 2, 4) by
+#                                          # warps at 8k and 128k keys, T = 1 and 16, with the
+#                                          # rows' bits against one-row calls; attention/tree tests
 #   bash benchmarks/gpu_session.sh fp8     # the FP8 linear's GPU tests, then dflash bench A/B/A with
 #                                          # --quantize fp8 (9B and 27B shapes, synthetic drafter;
 #                                          # FP8_TESTS=0, FP8_SHAPES="nine-b-shape")
@@ -211,6 +214,13 @@ for phase in "$@"; do
         --top-p 0.95 --seed 1 --a checkpoint --b recompute --warmup 1 --runs 3 \
         --out "$OUT/$name.json" --plot '' > "$OUT/$name.log" 2>&1
       echo "$name rc=$?"; tail -8 "$OUT/$name.log"
+      ;;
+    tiles)
+      python3 -m pytest tests/gpu/test_minv_kernels.py tests/gpu/test_trees.py -q \
+        -p no:cacheprovider -k "attention or tree" 2>&1 | tee "$OUT/gpu_tests_tiles.log" | tail -4
+      timeout "${HOT_TIMEOUT:-420}" python3 benchmarks/hot_kernels.py --part tiles \
+        --contexts "${TILE_CONTEXTS:-8192,131072}" --out "$OUT/hot_tiles.json" 2>&1 \
+        | tee "$OUT/hot_tiles.log" | grep "attention tiles"
       ;;
     hot)
       # decode attention, FP8 linear and GDN prefill against their floors, with sweeps

@@ -20,6 +20,7 @@ by plain and speculative decoding) may use any kernels: ``Ops(invariant=False)``
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -39,6 +40,7 @@ from dflash.kernels import (
 )
 from dflash.kernels.checks import use_triton
 from dflash.kernels.fp8_linear import fp8_linear
+from dflash.kernels.gdn_chunk import MAX_TRITON_CHUNK, PRECISIONS
 from dflash.model.config import HybridConfig
 from dflash.model.fp8 import Fp8Linear
 from dflash.model.tiles import PositionTiles
@@ -54,6 +56,27 @@ KernelBackend = Literal["auto", "triton", "reference"]
 CHUNKED_PREFILL_MIN = 256
 
 
+@dataclass(frozen=True)
+class GdnChunking:
+    """The chunk-parallel gated delta rule's settings for a prefill
+    (:func:`dflash.kernels.gdn_chunk_prefill`): tokens per chunk (a power of two in
+    16 … 128 for Triton) and the products' precision (``"ieee"``: float32; ``"tf32"``:
+    tensor-core products on 10-bit mantissas, float32 accumulation)."""
+
+    chunk: int = 64
+    precision: str = "ieee"
+
+    def __post_init__(self) -> None:
+        if (isinstance(self.chunk, bool) or not isinstance(self.chunk, int)
+                or self.chunk < 16 or self.chunk > MAX_TRITON_CHUNK
+                or self.chunk & (self.chunk - 1)):
+            raise ValueError(f"GdnChunking: 'chunk' must be a power of two in 16 … "
+                             f"{MAX_TRITON_CHUNK} (got {self.chunk!r})")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"GdnChunking: 'precision' must be one of "
+                             f"{', '.join(PRECISIONS)} (got {self.precision!r})")
+
+
 class Ops:
     """The kernels of one forward.
 
@@ -65,7 +88,7 @@ class Ops:
     forwards read positions from the device).
     """
 
-    __slots__ = ("backend", "chunked_prefill", "invariant", "tiles")
+    __slots__ = ("backend", "chunked_prefill", "gdn_chunk", "invariant", "tiles")
 
     def __init__(
         self,
@@ -76,11 +99,14 @@ class Ops:
         start: int | None = None,
         offsets: tuple[int, ...] | None = None,
         chunked_prefill: bool = False,
+        gdn_chunk: GdnChunking | None = None,
     ) -> None:
         self.invariant = invariant
         #: a prefill's gated delta rule in chunk-parallel form
         #: (:func:`dflash.kernels.gdn_chunk_prefill`), never an invariant forward's
         self.chunked_prefill = chunked_prefill and not invariant
+        #: that form's chunk and product precision
+        self.gdn_chunk = gdn_chunk or GdnChunking()
         self.backend: KernelBackend = backend
         self.tiles: PositionTiles | None = None
         if invariant and device.type == "cpu":
@@ -569,7 +595,8 @@ class GatedDeltaNet(GroupedModule):
         if capture is None:
             conv_rows.copy_(captured[:, t : t + kc1])
             if ops.chunked_prefill and t >= CHUNKED_PREFILL_MIN and bank is None:
-                o = gdn_chunk_prefill(q, k, v, g, beta, state, backend=backend)
+                o = gdn_chunk_prefill(q, k, v, g, beta, state, chunk=ops.gdn_chunk.chunk,
+                                      precision=ops.gdn_chunk.precision, backend=backend)
             else:
                 o = gdn_verify(  # state <- state after the last token (from the live one)
                     q, k, v, g, beta, state, state.unsqueeze(1), None,

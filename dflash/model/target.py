@@ -35,6 +35,7 @@ from dflash.model.layers import (
     AttentionLayer,
     DecoderLayer,
     DeltaNetLayer,
+    GdnChunking,
     KernelBackend,
     Ops,
     RMSNorm,
@@ -74,6 +75,8 @@ class TargetModel(nn.Module):
         #: Triton form is checked under the interpreter and waits for its measurement on
         #: a GPU before it becomes the CUDA default
         self.chunked_prefill: bool | None = None
+        #: the chunk-parallel form's chunk and product precision
+        self.gdn_chunk = GdnChunking()
         #: the FP8 format of the decoder layers' projections (None: the model dtype)
         self.quantization: Fp8Spec | None = None
         self.load_report: LoadReport | None = None  # set by from_pretrained
@@ -326,7 +329,7 @@ class TargetModel(nn.Module):
         chunked = device.type == "cpu" if self.chunked_prefill is None else self.chunked_prefill
         return Ops(invariant=invariant, backend=self.backend_for(device), device=device,
                    start=start if invariant else None, offsets=offsets if invariant else None,
-                   chunked_prefill=chunked)
+                   chunked_prefill=chunked, gdn_chunk=self.gdn_chunk)
 
     def logits(
         self, hidden: Tensor, mode: Mode, start: int | None = None,

@@ -277,6 +277,55 @@ def test_a_long_chunk_takes_the_chunk_parallel_recurrence(
 
 
 @torch.inference_mode()
+def test_the_chunk_parallel_form_takes_the_models_chunk_and_precision(
+    tiny: TargetModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``TargetModel.gdn_chunk`` reaches every chunked GDN call of a prefill (64 and float32
+    products unless set); a chunk of 16 and 64 give the same greedy continuation."""
+    import dflash.kernels as kernels
+    import dflash.model.layers as layers
+    from dflash.model.layers import GdnChunking
+
+    prompt = [(7 * i * i + 5) % 256 for i in range(300)]
+    seen: list[tuple[object, object]] = []
+    real = kernels.gdn_chunk_prefill
+
+    def recording(*args: object, **kwargs: object) -> torch.Tensor:
+        seen.append((kwargs.get("chunk"), kwargs.get("precision")))
+        return real(*args, **kwargs)  # type: ignore[arg-type]  # forwarded as given
+
+    monkeypatch.setattr(layers, "gdn_chunk_prefill", recording)
+    assert tiny.gdn_chunk == GdnChunking(64, "ieee")
+    continuations = {}
+    tiny.chunked_prefill = True
+    try:
+        for setting in (GdnChunking(16, "tf32"), GdnChunking()):
+            tiny.gdn_chunk = setting
+            continuations[setting.chunk] = reference_greedy(tiny, _plan(), prompt, 8,
+                                                            prefill_chunk=None)
+    finally:
+        tiny.chunked_prefill = None
+        tiny.gdn_chunk = GdnChunking()
+    assert seen == [(16, "tf32")] * 4 + [(64, "ieee")] * 4   # 4 recurrent layers each
+    assert continuations[16] == continuations[64]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"chunk": 8}, "'chunk' must be a power of two in 16 … 128 \\(got 8\\)"),
+    ({"chunk": 48}, "\\(got 48\\)"),
+    ({"chunk": 256}, "\\(got 256\\)"),
+    ({"chunk": True}, "\\(got True\\)"),
+    ({"precision": "bf16"}, "'precision' must be one of ieee, tf32 \\(got 'bf16'\\)"),
+])
+def test_gdn_chunking_refuses_what_the_kernels_cannot_run(kwargs: dict[str, object],
+                                                           match: str) -> None:
+    from dflash.model.layers import GdnChunking
+
+    with pytest.raises(ValueError, match=match):
+        GdnChunking(**kwargs)  # type: ignore[arg-type]  # deliberately ill-typed values
+
+
+@torch.inference_mode()
 def test_a_prefill_that_cannot_run_is_refused_before_its_first_chunk(tiny: TargetModel) -> None:
     from dflash.execution.errors import ContextLengthError, ShardPositionError
 

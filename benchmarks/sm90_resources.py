@@ -1,0 +1,147 @@
+"""Registers and local-memory stack of hot kernels compiled for sm_90, on any machine.
+
+Each case compiles one Triton kernel for an H100/H200 (``GPUTarget("cuda", 90, 32)``) with
+the divisibility hints Triton gives every argument at run time at the 9B shapes (pointers
+16-byte aligned; sizes and strides that are multiples of 16), then reads the cubin's
+resource usage with the ``cuobjdump`` Triton ships. No GPU is needed: this is what a
+launch at those shapes would run. A stack of more than a few hundred bytes means spilled
+registers (local memory in the inner loop); ``ptxas`` may then also report a small
+register count (32) for a binary whose values all live on the stack.
+
+    python benchmarks/sm90_resources.py [--only NAME_PREFIX] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from dflash.kernels import attention_triton as attn
+from dflash.kernels import fp8_linear_triton as fp8
+from dflash.kernels import gdn_chunk_triton as chunk
+
+#: arguments whose values are multiples of 16 at the 9B shapes (Triton's run-time hint)
+ALIGNED_INTS = {"N", "K", "s_xm", "s_wn", "s_ym"}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kernel: Callable[..., Any]
+    signature: dict[str, str]
+    constants: dict[str, Any]
+    num_warps: int
+    num_stages: int = 2
+
+
+def _attention(tree: bool, tiles: int, warps: int) -> Case:
+    sig = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "start": "*i64", "paths": "*i32",
+           "ws_m": "*fp32", "ws_l": "*fp32", "ws_o": "*fp32", "y": "*bf16",
+           "qk_scale": "fp32", "T": "i32", "S_max": "i32", "s_pt": "i32"}
+    strides = ["s_qb", "s_qt", "s_qh", "s_kb", "s_kh", "s_ks", "s_vb", "s_vh", "s_vs", "s_yb",
+               "s_yt", "s_yh"]
+    sig.update({n: "i32" for n in strides})
+    cst = dict(H=16, HKV=4, D=256, NS=8, SPLIT=attn.SPLIT_KEYS, WIDE_FROM=attn.WIDE_FROM,
+               WIDE=attn.WIDE_KEYS, BLOCK_M=attn.BLOCK_M, BLOCK_N=attn.BLOCK_N, BD=256,
+               TREE=tree, M_TILES=tiles, F32_DOT=False, EMULATE=False)
+    kind = "tree" if tree else "chain"
+    return Case(f"attention {kind} row_tiles={tiles} warps={warps}",
+                attn.attention_split_kernel, sig, cst, warps)
+
+
+def _gdn(part: str, C: int, precision: str) -> Case:
+    if part == "wy":
+        sig = {"k": "*bf16", "v": "*bf16", "g": "*fp32", "beta": "*fp32", "w": "*fp32",
+               "u": "*fp32", "T": "i32"}
+        block = 64 if C <= 64 else 32
+        cst = dict(HK=16, HV=32, K=128, V=128, C=C, BK=min(128, block), BV=min(128, block),
+                   USE_QK_L2NORM=True, DOT_PRECISION=precision)
+        return Case(f"gdn_chunk wy C={C} {precision}", chunk.gdn_chunk_wy_kernel, sig, cst,
+                    4 if C <= 64 else 8)
+    sig = {"q": "*bf16", "k": "*bf16", "g": "*fp32", "w": "*fp32", "u": "*fp32",
+           "o": "*bf16", "h": "*fp32", "scale": "fp32", "T": "i32", "n_chunks": "i32",
+           "s_h_b": "i32", "s_h_h": "i32", "s_h_k": "i32", "s_h_v": "i32"}
+    BV, warps = chunk.default_config(128, 128)
+    cst = dict(HK=16, HV=32, K=128, V=128, C=C, BK=128, BV=BV, USE_QK_L2NORM=True,
+               DOT_PRECISION=precision)
+    return Case(f"gdn_chunk state C={C} BV={BV} {precision}", chunk.gdn_chunk_state_kernel,
+                sig, cst, warps)
+
+
+def _fp8(words: bool) -> Case:
+    sig = {"x": "*bf16", "w": "*i32" if words else "*fp8e4nv", "s": "*fp32", "b": "*bf16",
+           "y": "*bf16", "ws": "*fp32", "M": "i32", "N": "i32", "K": "i32", "s_xm": "i32",
+           "s_wn": "i32", "s_sn": "i32", "s_sk": "i32", "s_ym": "i32"}
+    cfg = fp8.fp8_linear_config(4096, 4096, torch.bfloat16)
+    cst = dict(BN=128, BK=128, K_BLOCKS=32, K_BLOCKS_PER_SPLIT=32 // cfg.split_k,
+               SPLIT_K=cfg.split_k, HAS_BIAS=False, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+               BLOCK_M=16, M_TILES=1, F32_DOT=False, EMULATE=False, WORDS=words)
+    return Case(f"fp8_linear 4096x4096 {'words' if words else 'bytes'}",
+                fp8.fp8_linear_kernel, sig, cst, cfg.num_warps, cfg.num_stages)
+
+
+def cases() -> list[Case]:
+    out = [_attention(False, t, 4) for t in (1, 2, 4)] + [_attention(False, 4, 8)]
+    out += [_attention(True, t, 4) for t in (1, 4)]
+    out += [_gdn(p, C, prec) for p in ("wy", "state") for C in (32, 64)
+            for prec in ("ieee", "tf32")]
+    out += [_fp8(False), _fp8(True)]
+    return out
+
+
+def resources(case: Case) -> dict[str, Any]:
+    names = list(case.signature)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if case.signature[n].startswith("*") or n in ALIGNED_INTS}
+    src = ASTSource(case.kernel, case.signature, case.constants, attrs=aligned)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": case.num_warps, "num_stages": case.num_stages})
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    if found is None:
+        raise RuntimeError(f"{case.name}: no resource line in cuobjdump's output:\n{text}")
+    return {"kernel": case.name, "registers": int(found[1]), "stack_bytes": int(found[2]),
+            "num_warps": case.num_warps}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="the cases whose name starts with this")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    rows = []
+    print("| kernel (sm_90, 9B shape) | warps | registers | stack bytes |")
+    print("|---|---:|---:|---:|")
+    for case in cases():
+        if not case.name.startswith(args.only):
+            continue
+        row = resources(case)
+        rows.append(row)
+        print(f"| {row['kernel']} | {row['num_warps']} | {row['registers']} | "
+              f"{row['stack_bytes']} |", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"triton": triton.__version__, "rows": rows},
+                                        indent=2) + "\n")
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

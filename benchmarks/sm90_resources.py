@@ -56,7 +56,9 @@ def _attention(tree: bool, tiles: int, warps: int) -> Case:
     sig.update({n: "i32" for n in strides})
     cst = dict(H=16, HKV=4, D=256, NS=8, SPLIT=attn.SPLIT_KEYS, WIDE_FROM=attn.WIDE_FROM,
                WIDE=attn.WIDE_KEYS, BLOCK_M=attn.BLOCK_M, BLOCK_N=attn.BLOCK_N, BD=256,
-               TREE=tree, M_TILES=tiles, F32_DOT=False, EMULATE=False)
+               TREE=tree, M_TILES=tiles, F32_DOT=False, EMULATE=False,
+               # a cache past WIDE_FROM (a long context): its wide splits' block count
+               SPLIT_BLOCKS=max(attn.SPLIT_KEYS, attn.WIDE_KEYS) // attn.BLOCK_N)
     kind = "tree" if tree else "chain"
     return Case(f"attention {kind} row_tiles={tiles} warps={warps}",
                 attn.attention_split_kernel, sig, cst, warps)
@@ -94,8 +96,9 @@ def _fp8(words: bool) -> Case:
 
 
 def cases() -> list[Case]:
-    out = [_attention(False, t, 4) for t in (1, 2, 4)] + [_attention(False, 4, 8)]
-    out += [_attention(True, t, 4) for t in (1, 4)]
+    out = [_attention(False, t, 4) for t in (1, 2, 4)]
+    out += [_attention(False, t, 8) for t in (1, 4)]
+    out += [_attention(True, t, 4) for t in (1, 4)] + [_attention(True, 4, 8)]
     out += [_gdn(p, C, prec) for p in ("wy", "state") for C in (32, 64)
             for prec in ("ieee", "tf32")]
     out += [_fp8(False), _fp8(True)]

@@ -82,9 +82,9 @@ WIDE_KEYS = 2048
 COMBINE_SPLITS = 16
 #: the most row tiles one program holds by default (each key block loaded once for all of
 #: them; a 16-row verify of a 4-query-head GQA group is 64 rows, four tiles). 1 until the
-#: wider programs are timed on a GPU: for sm_90 (triton 3.6, 4 warps, D = 256) ptxas gives
-#: the one-tile program 255 registers and a 336-byte stack, the four-tile one 32
-#: registers and an 8 KB stack (``benchmarks/hot_kernels.py --part tiles`` measures 1, 2, 4)
+#: wider programs are timed on a GPU: for sm_90 (triton 3.6, 4 warps, D = 256) the
+#: one-tile program spills 112 bytes of stack, two tiles 240, four 896
+#: (``benchmarks/sm90_resources.py``; ``benchmarks/hot_kernels.py --part tiles`` times them)
 MAX_ROW_TILES = 1
 #: the score of a masked key (a constexpr: Triton kernels read only constexpr globals)
 NEG_INF = tl.constexpr(float("-inf"))
@@ -219,7 +219,8 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers a
     H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
     SPLIT: tl.constexpr, WIDE_FROM: tl.constexpr, WIDE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BD: tl.constexpr, TREE: tl.constexpr,
-    M_TILES: tl.constexpr, F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
+    M_TILES: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, F32_DOT: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     G = H // HKV
     # a program holds M_TILES row tiles (one state each, unrolled) and loads each key
@@ -278,62 +279,66 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers a
         p_k0 = k + i_b * s_kb + i_hk * s_kh + o_d[None, :]
         p_v0 = v + i_b * s_vb + i_hk * s_vh + o_d[None, :]
         # the split's blocks up to k_hi (those past it would load nothing and leave every
-        # row unchanged, see above: stopping there changes no bit)
-        kb = k_lo
-        while kb < k_hi:   # the interpreter cannot range() a runtime bound
-            o_n = kb + tl.arange(0, BLOCK_N)
-            if (not TREE) or (kb + BLOCK_N <= st):
-                # a chain's block, or a tree's block of committed keys only (logical =
-                # physical): one K/V load for every row of every tile
-                m_kv = (o_n < k_hi)[:, None] & m_d[None, :]
-                b_k = tl.load(p_k0 + o_n[:, None] * s_ks, mask=m_kv, other=0)   # [BLOCK_N, BD]
-                b_v = tl.load(p_v0 + o_n[:, None] * s_vs, mask=m_kv, other=0)
-                b_m0, b_l0, b_o0 = softmax_block(
-                    b_q0, b_k, b_v, o_n[None, :] <= pos0[:, None], b_m0, b_l0, b_o0,
-                    qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
-                if M_TILES > 1:
-                    b_m1, b_l1, b_o1 = softmax_block(
-                        b_q1, b_k, b_v, o_n[None, :] <= pos1[:, None], b_m1, b_l1, b_o1,
+        # row unchanged, see above: stopping there changes no bit), as a static loop over
+        # the longest split's blocks that takes a block only below k_hi: the interpreter
+        # cannot range() a runtime bound, and for sm_90 a while loop here compiles to 6x
+        # this form's stack (spilled registers; benchmarks/sm90_resources.py)
+        for j in range(0, SPLIT_BLOCKS):
+            kb = k_lo + j * BLOCK_N
+            if kb < k_hi:
+                o_n = kb + tl.arange(0, BLOCK_N)
+                if (not TREE) or (kb + BLOCK_N <= st):
+                    # a chain's block, or a tree's block of committed keys only (logical =
+                    # physical): one K/V load for every row of every tile
+                    m_kv = (o_n < k_hi)[:, None] & m_d[None, :]
+                    # [BLOCK_N, BD] each
+                    b_k = tl.load(p_k0 + o_n[:, None] * s_ks, mask=m_kv, other=0)
+                    b_v = tl.load(p_v0 + o_n[:, None] * s_vs, mask=m_kv, other=0)
+                    b_m0, b_l0, b_o0 = softmax_block(
+                        b_q0, b_k, b_v, o_n[None, :] <= pos0[:, None], b_m0, b_l0, b_o0,
                         qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
-                if M_TILES > 2:
-                    b_m2, b_l2, b_o2 = softmax_block(
-                        b_q2, b_k, b_v, o_n[None, :] <= pos2[:, None], b_m2, b_l2, b_o2,
-                        qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
-                    b_m3, b_l3, b_o3 = softmax_block(
-                        b_q3, b_k, b_v, o_n[None, :] <= pos3[:, None], b_m3, b_l3, b_o3,
-                        qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
-            else:
-                # a tree's block that reaches the draft: each node of the program gathers
-                # its own logical keys (its path's slots from start on) once and updates
-                # its rows in the tiles that hold them; every other row sees no key of
-                # that pass and stays unchanged
-                o_a = o_n - st                       # depth of logical key n's node
-                m_a = (o_a >= 0) & (o_a < T)
-                u = t_first
-                while u <= t_last:   # the interpreter cannot range() a runtime bound
-                    slot = tl.load(paths + u * s_pt + o_a, mask=m_a, other=-1)
-                    src = tl.where(o_a < 0, o_n, st + slot)   # physical cache row
-                    m_n = ((o_a < 0) | (slot >= 0)) & (src >= 0) & (src < S_max)
-                    m_n = m_n & (o_n < S_max)
-                    m_kv = m_n[:, None] & m_d[None, :]
-                    b_k = tl.load(p_k0 + src[:, None] * s_ks, mask=m_kv, other=0)
-                    b_v = tl.load(p_v0 + src[:, None] * s_vs, mask=m_kv, other=0)
-                    b_m0, b_l0, b_o0 = tile_gathered_block(
-                        b_q0, b_k, b_v, u, o_n, m_n, o_t0, m_r0, pos0, tf0, tl0,
-                        b_m0, b_l0, b_o0, qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
                     if M_TILES > 1:
-                        b_m1, b_l1, b_o1 = tile_gathered_block(
-                            b_q1, b_k, b_v, u, o_n, m_n, o_t1, m_r1, pos1, tf1, tl1,
-                            b_m1, b_l1, b_o1, qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+                        b_m1, b_l1, b_o1 = softmax_block(
+                            b_q1, b_k, b_v, o_n[None, :] <= pos1[:, None], b_m1, b_l1, b_o1,
+                            qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
                     if M_TILES > 2:
-                        b_m2, b_l2, b_o2 = tile_gathered_block(
-                            b_q2, b_k, b_v, u, o_n, m_n, o_t2, m_r2, pos2, tf2, tl2,
-                            b_m2, b_l2, b_o2, qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
-                        b_m3, b_l3, b_o3 = tile_gathered_block(
-                            b_q3, b_k, b_v, u, o_n, m_n, o_t3, m_r3, pos3, tf3, tl3,
-                            b_m3, b_l3, b_o3, qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
-                    u += 1
-            kb += BLOCK_N
+                        b_m2, b_l2, b_o2 = softmax_block(
+                            b_q2, b_k, b_v, o_n[None, :] <= pos2[:, None], b_m2, b_l2, b_o2,
+                            qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+                        b_m3, b_l3, b_o3 = softmax_block(
+                            b_q3, b_k, b_v, o_n[None, :] <= pos3[:, None], b_m3, b_l3, b_o3,
+                            qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+                else:
+                    # a tree's block that reaches the draft: each node of the program gathers
+                    # its own logical keys (its path's slots from start on) once and updates
+                    # its rows in the tiles that hold them; every other row sees no key of
+                    # that pass and stays unchanged
+                    o_a = o_n - st                       # depth of logical key n's node
+                    m_a = (o_a >= 0) & (o_a < T)
+                    u = t_first
+                    while u <= t_last:   # the interpreter cannot range() a runtime bound
+                        slot = tl.load(paths + u * s_pt + o_a, mask=m_a, other=-1)
+                        src = tl.where(o_a < 0, o_n, st + slot)   # physical cache row
+                        m_n = ((o_a < 0) | (slot >= 0)) & (src >= 0) & (src < S_max)
+                        m_n = m_n & (o_n < S_max)
+                        m_kv = m_n[:, None] & m_d[None, :]
+                        b_k = tl.load(p_k0 + src[:, None] * s_ks, mask=m_kv, other=0)
+                        b_v = tl.load(p_v0 + src[:, None] * s_vs, mask=m_kv, other=0)
+                        b_m0, b_l0, b_o0 = tile_gathered_block(
+                            b_q0, b_k, b_v, u, o_n, m_n, o_t0, m_r0, pos0, tf0, tl0,
+                            b_m0, b_l0, b_o0, qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+                        if M_TILES > 1:
+                            b_m1, b_l1, b_o1 = tile_gathered_block(
+                                b_q1, b_k, b_v, u, o_n, m_n, o_t1, m_r1, pos1, tf1, tl1,
+                                b_m1, b_l1, b_o1, qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+                        if M_TILES > 2:
+                            b_m2, b_l2, b_o2 = tile_gathered_block(
+                                b_q2, b_k, b_v, u, o_n, m_n, o_t2, m_r2, pos2, tf2, tl2,
+                                b_m2, b_l2, b_o2, qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+                            b_m3, b_l3, b_o3 = tile_gathered_block(
+                                b_q3, b_k, b_v, u, o_n, m_n, o_t3, m_r3, pos3, tf3, tl3,
+                                b_m3, b_l3, b_o3, qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+                        u += 1
         tile_store(b_m0, b_l0, b_o0, i_b, i_s, o_t0, o_h0, m_r0, o_d, m_d, ws_m, ws_l,
                    ws_o, y, T, s_yb, s_yt, s_yh, H, D, NS, TREE)
         if M_TILES > 1:
@@ -475,7 +480,10 @@ def launch_decode_attention(
         out.stride(0), out.stride(1), out.stride(2),
         H=H, HKV=HKV, D=D, NS=NS, SPLIT=split_keys, WIDE_FROM=wide_from, WIDE=wide_keys,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BD=BD, TREE=tree, M_TILES=row_tiles, F32_DOT=q.dtype == torch.float32, EMULATE=INTERPRET,
+        BD=BD, TREE=tree, M_TILES=row_tiles,
+        # the longest split's blocks (a cache that ends below wide_from has no wide split)
+        SPLIT_BLOCKS=(max(split_keys, wide_keys) if S_max > wide_from else split_keys) // block_n,
+        F32_DOT=q.dtype == torch.float32, EMULATE=INTERPRET,
         num_warps=num_warps, num_stages=num_stages,
     )
     if NS > 1:

@@ -59,6 +59,8 @@ a row-order-independent emulation under the interpreter).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -80,12 +82,27 @@ WIDE_FROM = 16384
 WIDE_KEYS = 2048
 #: splits the combine pass reads per step (a fixed tile, summed by one fixed reduction)
 COMBINE_SPLITS = 16
+
+
+def row_tiles_from_env(default: int) -> int:
+    """``DFLASH_ATTENTION_ROW_TILES`` (1, 2 or 4) if set, else ``default``; another value
+    is a ``ValueError`` naming it."""
+    raw = os.environ.get("DFLASH_ATTENTION_ROW_TILES", "")
+    if raw == "":
+        return default
+    if raw not in ("1", "2", "4"):
+        raise ValueError(f"DFLASH_ATTENTION_ROW_TILES must be 1, 2 or 4 (got {raw!r})")
+    return int(raw)
+
+
 #: the most row tiles one program holds by default (each key block loaded once for all of
 #: them; a 16-row verify of a 4-query-head GQA group is 64 rows, four tiles). 1 until the
 #: wider programs are timed on a GPU: for sm_90 (triton 3.6, 4 warps, D = 256) the
 #: one-tile program spills 112 bytes of stack, two tiles 240, four 896
-#: (``benchmarks/sm90_resources.py``; ``benchmarks/hot_kernels.py --part tiles`` times them)
-MAX_ROW_TILES = 1
+#: (``benchmarks/sm90_resources.py``; ``benchmarks/hot_kernels.py --part tiles`` times them).
+#: ``DFLASH_ATTENTION_ROW_TILES`` (read once, at import) sets it for a process: any value
+#: gives the same bits, so a benchmark can time a whole run with it
+MAX_ROW_TILES = row_tiles_from_env(1)
 #: the score of a masked key (a constexpr: Triton kernels read only constexpr globals)
 NEG_INF = tl.constexpr(float("-inf"))
 LOG2E = 1.4426950408889634

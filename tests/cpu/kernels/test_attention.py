@@ -482,12 +482,26 @@ def test_row_tiles_for() -> None:
     """Every tile of a KV head's rows in one program, up to the cap: T = 1 is one tile, a
     16-row verify of a 4-head group (64 rows) four, a 64-node tree four per program; the
     default cap holds one tile per program until wider programs are timed on a GPU."""
-    from dflash.kernels.attention_triton import MAX_ROW_TILES, row_tiles_for
+    from dflash.kernels.attention_triton import row_tiles_for
     rows = (1, 4, 16, 17, 36, 64, 65, 256)
     assert [row_tiles_for(r, 4) for r in rows] == [1, 1, 1, 2, 4, 4, 4, 4]
     assert [row_tiles_for(r, 2) for r in rows] == [1, 1, 1, 2, 2, 2, 2, 2]
-    assert MAX_ROW_TILES == 1
-    assert [row_tiles_for(r) for r in rows] == [1] * len(rows)
+    assert [row_tiles_for(r, 1) for r in rows] == [1] * len(rows)
+
+
+def test_row_tiles_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One tile per program unless ``DFLASH_ATTENTION_ROW_TILES`` says 1, 2 or 4; any
+    other value is refused by name."""
+    from dflash.kernels.attention_triton import row_tiles_from_env
+    monkeypatch.delenv("DFLASH_ATTENTION_ROW_TILES", raising=False)
+    assert row_tiles_from_env(1) == 1
+    for raw, want in (("", 1), ("1", 1), ("2", 2), ("4", 4)):
+        monkeypatch.setenv("DFLASH_ATTENTION_ROW_TILES", raw)
+        assert row_tiles_from_env(1) == want
+    for raw in ("3", "8", "0", "four", " 2"):
+        monkeypatch.setenv("DFLASH_ATTENTION_ROW_TILES", raw)
+        with pytest.raises(ValueError, match=f"must be 1, 2 or 4 \\(got {raw!r}\\)"):
+            row_tiles_from_env(1)
 
 
 @needs_interpreter

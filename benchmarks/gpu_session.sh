@@ -34,7 +34,9 @@
 #                                          # --quantize fp8 (9B and 27B shapes, synthetic drafter;
 #                                          # FP8_TESTS=0, FP8_SHAPES="nine-b-shape")
 #   bash benchmarks/gpu_session.sh hot     # benchmarks/hot_kernels.py: decode attention, FP8 linear
-#                                          # and GDN prefill against their floors (HOT_PARTS=...)
+#                                          # and GDN prefill against their floors (HOT_PARTS=...;
+#                                          # also "tiles", and "prefill": the prefill attention's
+#                                          # tiles, warps and stages in TFLOPS)
 #   bash benchmarks/gpu_session.sh wide    # the wide-verify linear: GPU tests + benchmarks/linear_wide.py
 #                                          # + benchmarks/wide_mma.py (wide row tiles: bits, µs)
 #   bash benchmarks/gpu_session.sh kernels # benchmarks/kernels.py (kernels-sweep: with its config sweep)

@@ -12,6 +12,10 @@
 - ``fp8``: :func:`dflash.kernels.fp8_linear` at the 9B shape's projections (M = 1 and 16)
   over N tiles, split-K counts, warps and pipeline stages, beside the bf16 M-invariant
   linear; the floor is the weight bytes (and scales).
+- ``prefill``: the prefill attention (:func:`dflash.kernels.prefill_attention`) at the 9B
+  shape's attention, a 4,096-token prefill chunk ending at each context, over query and
+  key tiles, warps and stages; TFLOPS of the causal products (4 D H flops per visible
+  query-key pair), and each configuration's largest difference from the default's output.
 - ``gdn``: one 9B GDN layer's prefill of ``--gdn-tokens`` tokens (a prefill chunk): the
   token loop (:func:`dflash.kernels.gdn_verify`, final state only) against
   :func:`dflash.kernels.gdn_chunk_prefill` in chunks of 32 and 64, float32 and tf32
@@ -55,6 +59,11 @@ from dflash.kernels.fp8_linear_triton import (
 from dflash.kernels.gdn import gdn_verify
 from dflash.kernels.gdn_chunk import gdn_chunk_prefill
 from dflash.kernels.linear import linear
+from dflash.kernels.prefill_attention_triton import (
+    PrefillConfig,
+    launch_prefill_attention,
+    prefill_config,
+)
 
 DEVICE = "cuda"
 
@@ -205,6 +214,47 @@ def fp8_part(bw: float) -> list[dict[str, Any]]:
     return rows
 
 
+def prefill_part(contexts: list[int], chunk: int = 4096) -> list[dict[str, Any]]:
+    H, HKV, D = 16, 4, 256
+    S = max(contexts)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    k = torch.randn(1, HKV, S, D, generator=gen, device=DEVICE).bfloat16()
+    v = torch.randn(1, HKV, S, D, generator=gen, device=DEVICE).bfloat16()
+    q = torch.randn(1, chunk, H, D, generator=gen, device=DEVICE).bfloat16()
+    default = prefill_config(D, (H // HKV) * chunk, 2)
+    configs = [default] + [
+        PrefillConfig(bm, bn, w, st)
+        for bm, bn, w, st in itertools.product((64, 128), (32, 64), (4, 8), (2, 3))
+        if (bm, bn, w, st) != (default.block_m, default.block_n, default.num_warps,
+                               default.num_stages)
+    ]
+    rows = []
+    for L in contexts:
+        start = L - chunk
+        pairs = sum(start + t + 1 for t in range(chunk))
+        flops = 4 * D * H * pairs
+        want = launch_prefill_attention(q, k, v, start, D**-0.5, None)
+        for cfg in configs:
+            out = torch.empty_like(q)
+            fn = partial(launch_prefill_attention, q, k, v, start, D**-0.5, out, config=cfg)
+            try:
+                us = timed(fn)
+            except Exception as exc:  # a config the compiler refuses is skipped
+                print(f"  skip {cfg}: {type(exc).__name__}", file=sys.stderr)
+                continue
+            diff = float((out.float() - want.float()).abs().max())
+            row = {"context": L, "chunk": chunk, "block_m": cfg.block_m,
+                   "block_n": cfg.block_n, "warps": cfg.num_warps, "stages": cfg.num_stages,
+                   "default": cfg == default, "us": round(us, 1),
+                   "tflops": round(flops / us / 1e6, 1), "max_abs_diff_vs_default": diff}
+            rows.append(row)
+            print(f"prefill L={L:>7,} {cfg.block_m:>3}x{cfg.block_n:<3} warps {cfg.num_warps} "
+                  f"stages {cfg.num_stages}{' (default)' if cfg == default else ''}: "
+                  f"{us:10.1f} us, {row['tflops']:6.1f} TFLOPS, max diff {diff:.2e}",
+                  file=sys.stderr)
+    return rows
+
+
 def gdn_part(T: int) -> list[dict[str, Any]]:
     """One 9B GDN layer's prefill of ``T`` tokens: the token loop against the chunk-parallel
     form (each chunk size, float32 and tf32 products)."""
@@ -234,10 +284,12 @@ def gdn_part(T: int) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", nargs="+", choices=("attention", "tiles", "fp8", "gdn"),
+    ap.add_argument("--part", nargs="+", choices=("attention", "tiles", "prefill", "fp8", "gdn"),
                     default=["attention", "fp8", "gdn"])
     ap.add_argument("--gdn-tokens", type=int, default=4096, help="tokens of the GDN prefill")
     ap.add_argument("--contexts", default="8192,32768,131072,262144")
+    ap.add_argument("--prefill-contexts", default="8192,32768,131072",
+                    help="contexts at which a 4,096-token prefill chunk ends")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     bw = copy_bandwidth()
@@ -250,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         report["attention"] = attention_part(bw, [int(c) for c in args.contexts.split(",")])
     if "tiles" in args.part:
         report["tiles"] = tiles_part(bw, [int(c) for c in args.contexts.split(",")])
+    if "prefill" in args.part:
+        report["prefill"] = prefill_part([int(c) for c in args.prefill_contexts.split(",")])
     if "fp8" in args.part:
         report["fp8"] = fp8_part(bw)
     if "gdn" in args.part:

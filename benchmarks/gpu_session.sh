@@ -32,7 +32,8 @@
 #                                          # 16) with 1 and 4 row tiles (TILE_COUNTS="1 2 4")
 #   bash benchmarks/gpu_session.sh fp8     # the FP8 linear's GPU tests, then dflash bench A/B/A with
 #                                          # --quantize fp8 (9B and 27B shapes, synthetic drafter;
-#                                          # FP8_TESTS=0, FP8_SHAPES="nine-b-shape")
+#                                          # FP8_TESTS=0, FP8_SHAPES="nine-b-shape",
+#                                          # FP8_FORMS="default x_major x_major,bits", FP8_RUNS)
 #   bash benchmarks/gpu_session.sh hot     # benchmarks/hot_kernels.py: decode attention, FP8 linear
 #                                          # and GDN prefill against their floors (HOT_PARTS=...;
 #                                          # also "tiles", and "prefill": the prefill attention's
@@ -77,11 +78,18 @@ for phase in "$@"; do
     fp8)
       [ "${FP8_TESTS:-1}" = 1 ] && python3 -m pytest tests/gpu/test_fp8_linear_gpu.py -q -s \
         -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_fp8.log" | tail -8
-      for shape in ${FP8_SHAPES:-nine-b-shape twenty-seven-b-shape}; do
-        timeout "${BENCH_TIMEOUT:-600}" python3 -m dflash.cli bench --model "$shape" --quantize fp8 \
-          --draft synthetic --acceptance 0.874 --block-size 16 --prompt-len 1024 \
-          --max-new-tokens 256 --a replay --b checkpoint --warmup 1 --runs 3 \
-          --out "$OUT/bench_fp8_$shape.json" --plot '' 2>&1 | tee "$OUT/bench_fp8_$shape.log"
+      # FP8_FORMS: the kernel forms to bench ("default", "x_major", "x_major,bits"; each
+      # run sets DFLASH_FP8_FORM)
+      for form in ${FP8_FORMS:-default}; do
+        for shape in ${FP8_SHAPES:-nine-b-shape twenty-seven-b-shape}; do
+          name=bench_fp8_${shape}_${form/,/_}
+          env_form=$form; [ "$form" = default ] && env_form=
+          DFLASH_FP8_FORM=$env_form timeout "${BENCH_TIMEOUT:-600}" python3 -m dflash.cli bench \
+            --model "$shape" --quantize fp8 --draft synthetic --acceptance 0.874 \
+            --block-size 16 --prompt-len 1024 --max-new-tokens 256 --a replay --b checkpoint \
+            --warmup 1 --runs "${FP8_RUNS:-3}" --out "$OUT/$name.json" --plot '' 2>&1 \
+            | tee "$OUT/$name.log" | tail -6
+        done
       done
       ;;
     serve)

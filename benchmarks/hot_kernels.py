@@ -10,8 +10,9 @@
   4: the K/V loaded once per program) and warps (4, 8), the default splits; and whether
   the T = 16 call's rows equal 16 T = 1 calls bit for bit at each warp count.
 - ``fp8``: :func:`dflash.kernels.fp8_linear` at the 9B shape's projections (M = 1 and 16)
-  over N tiles, split-K counts, warps and pipeline stages, beside the bf16 M-invariant
-  linear; the floor is the weight bytes (and scales).
+  over N tiles, split-K counts, warps, pipeline stages and the kernel's forms (x-major,
+  the bit conversion), beside the bf16 M-invariant linear; the floor is the weight bytes
+  (and scales).
 - ``prefill``: the prefill attention (:func:`dflash.kernels.prefill_attention`) at the 9B
   shape's attention, a 4,096-token prefill chunk ending at each context, over query and
   key tiles, warps and stages; TFLOPS of the causal products (4 D H flops per visible
@@ -168,10 +169,15 @@ def tiles_part(bw: float, contexts: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
-def fp8_part(bw: float) -> list[dict[str, Any]]:
+def fp8_part(bw: float, shapes: tuple[tuple[int, int], ...] = ((4096, 4096), (12288, 4096),
+                                                              (4096, 12288), (8192, 4096)),
+             ) -> list[dict[str, Any]]:
+    """Each 9B projection shape at M = 1 and 16: the bf16 linear, the FP8 default, its
+    x-major form with ``.to`` and with the bit conversion (bitwise checked against each
+    other), and the best of a sweep over N tiles, splits, warps, stages and the forms."""
     rows = []
-    shapes = [(4096, 4096), (12288, 4096), (4096, 12288), (8192, 4096)]
-    configs = list(itertools.product((64, 128), (1, 2, 4, 8), (4, 8), (4, 6), (False, True)))
+    forms = ((False, False), (True, False), (True, True))
+    configs = list(itertools.product((64, 128), (1, 2, 4, 8), (4, 8), (4, 6), forms))
     for N, K in shapes:
         w = torch.randn(N, K, device=DEVICE) / K**0.5
         wq, s = quantize_fp8(w)
@@ -181,13 +187,20 @@ def fp8_part(bw: float) -> list[dict[str, Any]]:
             x = torch.randn(M, K, device=DEVICE).bfloat16()
             y = torch.empty(M, N, device=DEVICE, dtype=torch.bfloat16)
             bf16_us = timed(partial(linear, x, wb, None))
-            default = fp8_linear_config(N, K, torch.bfloat16)
-            default_us = timed(partial(launch_fp8_linear, x, wq, s, None, (128, 128), y))
-            words = replace(default, words=True)
-            words_us = timed(partial(launch_fp8_linear, x, wq, s, None, (128, 128), y, words))
+            default = replace(fp8_linear_config(N, K, torch.bfloat16), x_major=False,
+                              bit_convert=False)
+            default_us = timed(partial(launch_fp8_linear, x, wq, s, None, (128, 128), y,
+                                       default))
+            form_us, outs = {}, {}
+            for name, (xm, bits) in (("x_major", (True, False)), ("x_major_bits", (True, True))):
+                cfg = replace(default, x_major=xm, bit_convert=bits)
+                form_us[name] = timed(partial(launch_fp8_linear, x, wq, s, None, (128, 128),
+                                              y, cfg))
+                outs[name] = launch_fp8_linear(x, wq, s, None, (128, 128), None, cfg)
+            bits_equal = bool(torch.equal(outs["x_major"], outs["x_major_bits"]))
             best: tuple[float, Fp8LinearConfig] | None = None
-            for bn, split, warps, stages, as_words in configs:
-                cfg = Fp8LinearConfig(bn, 128, split, warps, stages, as_words)
+            for bn, split, warps, stages, (xm, bits) in configs:
+                cfg = Fp8LinearConfig(bn, 128, split, warps, stages, xm, bits)
                 try:
                     us = timed(partial(launch_fp8_linear, x, wq, s, None, (128, 128), y, cfg))
                 except Exception as exc:  # a config the compiler refuses is skipped
@@ -201,16 +214,19 @@ def fp8_part(bw: float) -> list[dict[str, Any]]:
                    "default_us": round(default_us, 1),
                    "default": [default.block_n, default.split_k, default.num_warps,
                                default.num_stages],
-                   "default_words_us": round(words_us, 1),
+                   "x_major_us": round(form_us["x_major"], 1),
+                   "x_major_bits_us": round(form_us["x_major_bits"], 1),
+                   "bits_equal_to_cvt": bits_equal,
                    "best_us": round(best[0], 1),
-                   "best": [b.block_n, b.split_k, b.num_warps, b.num_stages, b.words],
+                   "best": [b.block_n, b.split_k, b.num_warps, b.num_stages, b.x_major,
+                            b.bit_convert],
                    "floor_us": round(floor_us, 1)}
             rows.append(row)
             print(f"fp8 {N:>5}x{K:<5} M={M:>2}: bf16 {bf16_us:7.1f} us, fp8 default "
-                  f"{default_us:7.1f} ({row['default']}), as int32 words {words_us:7.1f}, "
-                  f"best {best[0]:7.1f} ({row['best']}: block_n, split, warps, stages, "
-                  f"words), floor {floor_us:6.1f} us",
-                  file=sys.stderr)
+                  f"{default_us:7.1f}, x-major {form_us['x_major']:7.1f}, x-major + bits "
+                  f"{form_us['x_major_bits']:7.1f} (bits equal: {bits_equal}), best "
+                  f"{best[0]:7.1f} ({row['best']}: block_n, split, warps, stages, x_major, "
+                  f"bits), floor {floor_us:6.1f} us", file=sys.stderr)
     return rows
 
 

@@ -37,11 +37,17 @@ element is all the scaling costs in precision.
 order; the sums inside a block (an MMA here, a matrix-vector product there) and, with
 split-K, the grouping of the block sums differ, so the two agree closely, not bitwise.
 
+Two forms of the same arithmetic (:class:`Fp8LinearConfig`): the product ``w_tile @
+x_tile.T`` (the default) or ``x_tile @ w_tile.T`` (``x_major``), and the e4m3 values by
+``.to`` or by integer operations and a bf16x2 multiply (``bit_convert``, bfloat16 x). Each
+form keeps the row tiles, K steps and split order, so each is M-invariant on its own.
+
 ``M`` is a runtime argument that Triton never specialises (``do_not_specialize``).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -79,12 +85,37 @@ class Fp8LinearConfig:
     split_k: int
     num_warps: int
     num_stages: int
-    #: read the weight as int32 words of four e4m3 bytes (:func:`e4m3_word_values`; the
-    #: values are the byte tile's, bit for bit). Off: on an H200 (triton 3.6) it is
-    #: 24-38 % slower than the byte tile at every 9B shape, which the software pipeline
-    #: already copies with 8-byte ``cp.async`` (BENCHMARKS.md, "The weight read as int32
-    #: words"). Taken only where K, the row stride and the address are multiples of 4.
-    words: bool = False
+    #: the product as ``x_tile @ w_tile.T``, the weight the MMA's second operand: for sm_90
+    #: (triton 3.6) the e4m3 tile then reaches the registers in 8-byte shared loads, where
+    #: the default ``w_tile @ x_tile.T`` (the weight the first operand, converted in the
+    #: MMA's register layout) takes 2-byte ones. The same row tiles, K steps, scales and
+    #: split order: rows stay independent of M. Off until timed on a GPU
+    x_major: bool = False
+    #: bfloat16 x: each e4m3 byte widened to bfloat16 by integer operations and one bf16x2
+    #: multiply by 2^120 (:data:`E4M3_TO_BF16`) instead of the three conversion
+    #: instructions per pair that ``.to`` emits (``cvt.rn.f16x2.e4m3x2``, then
+    #: ``cvt.bf16.f16`` twice): the same value for every finite byte (NaN bytes are refused
+    #: when a checkpoint is loaded). Compiled kernels only; the interpreter uses ``.to``.
+    #: Off until timed on a GPU
+    bit_convert: bool = False
+
+
+def form_from_env() -> tuple[bool, bool]:
+    """``(x_major, bit_convert)`` of the default configuration: ``DFLASH_FP8_FORM`` is
+    empty (both off), ``x_major``, ``bits`` or ``x_major,bits``; another value is a
+    ``ValueError`` naming it. Each form is M-invariant on its own, so a whole run (a
+    benchmark, decoding and its parity check) may take one."""
+    raw = os.environ.get("DFLASH_FP8_FORM", "")
+    parts = [p for p in raw.split(",") if p]
+    if len(set(parts)) != len(parts) or any(p not in ("x_major", "bits") for p in parts):
+        raise ValueError(
+            f"DFLASH_FP8_FORM must be empty, 'x_major', 'bits' or 'x_major,bits' (got {raw!r})"
+        )
+    return "x_major" in parts, "bits" in parts
+
+
+#: the default configuration's form, read once at import (:func:`form_from_env`)
+FORM = form_from_env()
 
 
 @dataclass(frozen=True)
@@ -142,7 +173,8 @@ def fp8_linear_config(
         split *= 2
     stage = block_n * block_k + m_tiles * BLOCK_M * block_k * dtype.itemsize
     stages = max(MIN_STAGES, min(3 if dtype == torch.float32 else 4, STAGE_BYTES // stage))
-    return Fp8LinearConfig(block_n, block_k, split, num_warps=4, num_stages=stages)
+    return Fp8LinearConfig(block_n, block_k, split, num_warps=4, num_stages=stages,
+                           x_major=FORM[0], bit_convert=FORM[1])
 
 
 def fp8_linear_launch(
@@ -189,18 +221,101 @@ def row_tile_scaled_dot(  # type: ignore[no-untyped-def]  # Triton values are un
     return tl.fma(b_p, b_s[:, None], b_acc)
 
 
+#: PTX for four e4m3 bytes (one 32-bit register, byte ``i`` element ``i``) to four
+#: bfloat16 (two registers, element 0 in the low half): each byte ``s eeee mmm`` is spread
+#: into a 16-bit lane as ``s 0000 eeee mmm 0000`` (a bfloat16 of the same sign, exponent
+#: field ``eeee`` and mantissa ``mmm``: the byte's value times 2^-120, a bfloat16
+#: subnormal for a subnormal byte), then multiplied by 2^120 (``0x7B80``) in bf16x2: exact,
+#: the product is the byte's value, which bfloat16 holds. A NaN byte (``x 1111 111``)
+#: would give ±480, so NaN bytes are refused at load (``dflash.model.fp8``).
+E4M3_TO_BF16 = tl.constexpr("""
+{
+.reg .b32 lo, hi, t0, t1, c;
+mov.b32 c, 0x7B807B80;
+prmt.b32 lo, $2, 0, 0x4140;
+prmt.b32 hi, $2, 0, 0x4342;
+shl.b32 t0, lo, 4;
+and.b32 t0, t0, 0x07F007F0;
+shl.b32 t1, lo, 8;
+and.b32 t1, t1, 0x80008000;
+or.b32 lo, t0, t1;
+shl.b32 t0, hi, 4;
+and.b32 t0, t0, 0x07F007F0;
+shl.b32 t1, hi, 8;
+and.b32 t1, t1, 0x80008000;
+or.b32 hi, t0, t1;
+mul.rn.bf16x2 $0, lo, c;
+mul.rn.bf16x2 $1, hi, c;
+}
+""")
+
+
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
-def e4m3_word_values(words, DTYPE: tl.constexpr):  # type: ignore[no-untyped-def]  # untyped
-    """``words [R, C]`` int32, each four e4m3 bytes (little-endian: byte ``i`` is column
-    ``4c + i``) → ``[R, 4C]`` of ``DTYPE``, by the same conversion as a byte tile's
-    (``.to(DTYPE)``), so the values are those bit for bit."""
-    b0 = (words & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True)
-    b1 = ((words >> 8) & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True)
-    b2 = ((words >> 16) & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True)
-    b3 = ((words >> 24) & 0xFF).to(tl.int8).to(tl.float8e4nv, bitcast=True)
-    # join(join(b0, b2), join(b1, b3))[..., a, b] is b(2a + b): rows of b0 b1 b2 b3
-    v = tl.join(tl.join(b0, b2), tl.join(b1, b3))
-    return tl.reshape(v, [words.shape[0], 4 * words.shape[1]]).to(DTYPE)
+def e4m3_values(  # type: ignore[no-untyped-def]  # Triton values are untyped
+    b_w, DTYPE: tl.constexpr, BITS: tl.constexpr,
+):
+    """An e4m3 tile in ``DTYPE`` (exact: e4m3 fits float16, bfloat16 and float32):
+    ``BITS`` by :data:`E4M3_TO_BF16` (bfloat16 only, compiled kernels only), else
+    ``.to``."""
+    if BITS:
+        v = tl.inline_asm_elementwise(E4M3_TO_BF16, "=r,=r,r", [b_w.to(tl.uint8, bitcast=True)],
+                                      dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        v = b_w.to(DTYPE)
+    return v
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def x_major_scaled_dot(  # type: ignore[no-untyped-def]  # Triton values are untyped
+    b_acc, b_w, b_s, x, o_k, m_k, i_t, M, s_xm,
+    BLOCK_M: tl.constexpr, F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """:func:`row_tile_scaled_dot` with the product the other way round: ``b_acc +
+    (x[rows of tile i_t, o_k] @ b_w.T) * b_s[None, :]``, ``b_acc [BLOCK_M, BLOCK_N]`` the
+    tile's output as it is stored (not transposed)."""
+    o_m = i_t * BLOCK_M + tl.arange(0, BLOCK_M)
+    p_x = x + o_m[:, None] * s_xm + o_k[None, :]
+    b_x = tl.load(p_x, mask=(o_m < M)[:, None] & m_k[None, :], other=0)   # [BLOCK_M, BLOCK_K]
+    b_p = mma(b_x, tl.trans(b_w), tl.zeros_like(b_acc), F32_DOT, EMULATE)
+    return tl.fma(b_p, b_s[None, :], b_acc)
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def tile_zeros(  # type: ignore[no-untyped-def]  # Triton values are untyped
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, X_MAJOR: tl.constexpr,
+):
+    """A row tile's float32 accumulator: ``[BLOCK_M, BLOCK_N]`` x-major, else transposed."""
+    if X_MAJOR:
+        z = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        z = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    return z
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def tile_step(  # type: ignore[no-untyped-def]  # Triton values are untyped
+    b_acc, b_w, b_s, x, o_k, m_k, i_t, M, s_xm,
+    BLOCK_M: tl.constexpr, F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
+    X_MAJOR: tl.constexpr,
+):
+    """One row tile's K block in the kernel's product form."""
+    if X_MAJOR:
+        r = x_major_scaled_dot(b_acc, b_w, b_s, x, o_k, m_k, i_t, M, s_xm,
+                               BLOCK_M, F32_DOT, EMULATE)
+    else:
+        r = row_tile_scaled_dot(b_acc, b_w, b_s, x, o_k, m_k, i_t, M, s_xm,
+                                BLOCK_M, F32_DOT, EMULATE)
+    return r
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def tile_out(b_acc, X_MAJOR: tl.constexpr):  # type: ignore[no-untyped-def]  # untyped values
+    """A row tile's accumulator as :func:`row_tile_store` takes it, ``[BLOCK_N, BLOCK_M]``."""
+    if X_MAJOR:  # noqa: SIM108  # a compile-time branch: each form compiles one arm
+        r = tl.trans(b_acc)
+    else:
+        r = b_acc
+    return r
 
 
 @triton.jit(do_not_specialize=["M"])  # type: ignore[untyped-decorator]  # triton ships no types
@@ -211,7 +326,7 @@ def fp8_linear_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
     K_BLOCKS_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
     M_TILES: tl.constexpr, F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
-    WORDS: tl.constexpr,
+    X_MAJOR: tl.constexpr, BITS: tl.constexpr,
 ):
     i_g = tl.program_id(0).to(tl.int64)   # row group: tiles i_g * M_TILES + 0 … M_TILES - 1
     i_n = tl.program_id(1).to(tl.int64)
@@ -223,86 +338,71 @@ def fp8_linear_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
     o_kk = tl.arange(0, BLOCK_K)
     kb0 = i_s * K_BLOCKS_PER_SPLIT
 
-    # one accumulator per row tile (y tile, transposed), unrolled as in linear_kernel
-    b_acc0 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    # one accumulator per row tile, unrolled as in linear_kernel
+    b_acc0 = tile_zeros(BLOCK_N, BLOCK_M, X_MAJOR)
     if M_TILES > 1:
-        b_acc1 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        b_acc1 = tile_zeros(BLOCK_N, BLOCK_M, X_MAJOR)
     if M_TILES > 2:
-        b_acc2 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        b_acc3 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        b_acc2 = tile_zeros(BLOCK_N, BLOCK_M, X_MAJOR)
+        b_acc3 = tile_zeros(BLOCK_N, BLOCK_M, X_MAJOR)
     if M_TILES > 4:
-        b_acc4 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        b_acc5 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        b_acc6 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        b_acc7 = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        b_acc4 = tile_zeros(BLOCK_N, BLOCK_M, X_MAJOR)
+        b_acc5 = tile_zeros(BLOCK_N, BLOCK_M, X_MAJOR)
+        b_acc6 = tile_zeros(BLOCK_N, BLOCK_M, X_MAJOR)
+        b_acc7 = tile_zeros(BLOCK_N, BLOCK_M, X_MAJOR)
     # one scale block per step, ascending; the last split may run past the last block
     # (every load masked: it adds zeros)
     for j in range(0, K_BLOCKS_PER_SPLIT):
         kb = kb0 + j
         o_k = kb * BK + o_kk
         m_k = (o_kk < BK) & (o_k < K)
-        if WORDS:  # w is an int32 view: [N, K // 4] words of four bytes, row stride s_wn
-            o_q = tl.arange(0, BLOCK_K // 4)
-            m_q = (4 * o_q < BK) & (kb * BK + 4 * o_q < K)
-            p_w = w + o_n[:, None] * s_wn + (kb * (BK // 4) + o_q)[None, :]
-            b_q = tl.load(p_w, mask=m_n[:, None] & m_q[None, :], other=0)
-            b_w = e4m3_word_values(b_q, x.dtype.element_ty)  # [BLOCK_N, BLOCK_K]
-        else:
-            p_w = w + o_n[:, None] * s_wn + o_k[None, :]
-            # [BLOCK_N, BLOCK_K] e4m3; ``other`` a float zero (Triton casts no int to
-            # float8)
-            b_w = tl.load(p_w, mask=m_n[:, None] & m_k[None, :], other=0.0)
-            b_w = b_w.to(x.dtype.element_ty)  # exact: e4m3 fits f16, bf16 and f32
+        p_w = w + o_n[:, None] * s_wn + o_k[None, :]
+        # [BLOCK_N, BLOCK_K] e4m3; ``other`` a float zero (Triton casts no int to float8)
+        b_w = tl.load(p_w, mask=m_n[:, None] & m_k[None, :], other=0.0)
+        b_w = e4m3_values(b_w, x.dtype.element_ty, BITS)
         # the block bound as a [BLOCK_N] comparison: a scalar and-ed into the mask makes a
         # mask of another dtype under some interpreters
         m_s = m_n & ((o_n * 0 + kb) < K_BLOCKS)
         b_s = tl.load(p_s + kb * s_sk, mask=m_s, other=0)   # [BLOCK_N]
-        b_acc0 = row_tile_scaled_dot(b_acc0, b_w, b_s, x, o_k, m_k, t0, M, s_xm,
-                                     BLOCK_M, F32_DOT, EMULATE)
+        b_acc0 = tile_step(b_acc0, b_w, b_s, x, o_k, m_k, t0, M, s_xm,
+                           BLOCK_M, F32_DOT, EMULATE, X_MAJOR)
         if M_TILES > 1:
-            b_acc1 = row_tile_scaled_dot(b_acc1, b_w, b_s, x, o_k, m_k, t0 + 1, M, s_xm,
-                                         BLOCK_M, F32_DOT, EMULATE)
+            b_acc1 = tile_step(b_acc1, b_w, b_s, x, o_k, m_k, t0 + 1, M, s_xm,
+                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR)
         if M_TILES > 2:
-            b_acc2 = row_tile_scaled_dot(b_acc2, b_w, b_s, x, o_k, m_k, t0 + 2, M, s_xm,
-                                         BLOCK_M, F32_DOT, EMULATE)
-            b_acc3 = row_tile_scaled_dot(b_acc3, b_w, b_s, x, o_k, m_k, t0 + 3, M, s_xm,
-                                         BLOCK_M, F32_DOT, EMULATE)
+            b_acc2 = tile_step(b_acc2, b_w, b_s, x, o_k, m_k, t0 + 2, M, s_xm,
+                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR)
+            b_acc3 = tile_step(b_acc3, b_w, b_s, x, o_k, m_k, t0 + 3, M, s_xm,
+                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR)
         if M_TILES > 4:
-            b_acc4 = row_tile_scaled_dot(b_acc4, b_w, b_s, x, o_k, m_k, t0 + 4, M, s_xm,
-                                         BLOCK_M, F32_DOT, EMULATE)
-            b_acc5 = row_tile_scaled_dot(b_acc5, b_w, b_s, x, o_k, m_k, t0 + 5, M, s_xm,
-                                         BLOCK_M, F32_DOT, EMULATE)
-            b_acc6 = row_tile_scaled_dot(b_acc6, b_w, b_s, x, o_k, m_k, t0 + 6, M, s_xm,
-                                         BLOCK_M, F32_DOT, EMULATE)
-            b_acc7 = row_tile_scaled_dot(b_acc7, b_w, b_s, x, o_k, m_k, t0 + 7, M, s_xm,
-                                         BLOCK_M, F32_DOT, EMULATE)
+            b_acc4 = tile_step(b_acc4, b_w, b_s, x, o_k, m_k, t0 + 4, M, s_xm,
+                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR)
+            b_acc5 = tile_step(b_acc5, b_w, b_s, x, o_k, m_k, t0 + 5, M, s_xm,
+                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR)
+            b_acc6 = tile_step(b_acc6, b_w, b_s, x, o_k, m_k, t0 + 6, M, s_xm,
+                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR)
+            b_acc7 = tile_step(b_acc7, b_w, b_s, x, o_k, m_k, t0 + 7, M, s_xm,
+                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR)
 
-    row_tile_store(b_acc0, t0, o_n, m_n, b, y, ws, i_s, M, N, s_ym, SPLIT_K, HAS_BIAS, BLOCK_M)
+    row_tile_store(tile_out(b_acc0, X_MAJOR), t0, o_n, m_n, b, y, ws, i_s, M, N, s_ym,
+                   SPLIT_K, HAS_BIAS, BLOCK_M)
     if M_TILES > 1:
-        row_tile_store(b_acc1, t0 + 1, o_n, m_n, b, y, ws, i_s, M, N, s_ym,
-                       SPLIT_K, HAS_BIAS, BLOCK_M)
+        row_tile_store(tile_out(b_acc1, X_MAJOR), t0 + 1, o_n, m_n, b, y, ws, i_s, M, N,
+                       s_ym, SPLIT_K, HAS_BIAS, BLOCK_M)
     if M_TILES > 2:
-        row_tile_store(b_acc2, t0 + 2, o_n, m_n, b, y, ws, i_s, M, N, s_ym,
-                       SPLIT_K, HAS_BIAS, BLOCK_M)
-        row_tile_store(b_acc3, t0 + 3, o_n, m_n, b, y, ws, i_s, M, N, s_ym,
-                       SPLIT_K, HAS_BIAS, BLOCK_M)
+        row_tile_store(tile_out(b_acc2, X_MAJOR), t0 + 2, o_n, m_n, b, y, ws, i_s, M, N,
+                       s_ym, SPLIT_K, HAS_BIAS, BLOCK_M)
+        row_tile_store(tile_out(b_acc3, X_MAJOR), t0 + 3, o_n, m_n, b, y, ws, i_s, M, N,
+                       s_ym, SPLIT_K, HAS_BIAS, BLOCK_M)
     if M_TILES > 4:
-        row_tile_store(b_acc4, t0 + 4, o_n, m_n, b, y, ws, i_s, M, N, s_ym,
-                       SPLIT_K, HAS_BIAS, BLOCK_M)
-        row_tile_store(b_acc5, t0 + 5, o_n, m_n, b, y, ws, i_s, M, N, s_ym,
-                       SPLIT_K, HAS_BIAS, BLOCK_M)
-        row_tile_store(b_acc6, t0 + 6, o_n, m_n, b, y, ws, i_s, M, N, s_ym,
-                       SPLIT_K, HAS_BIAS, BLOCK_M)
-        row_tile_store(b_acc7, t0 + 7, o_n, m_n, b, y, ws, i_s, M, N, s_ym,
-                       SPLIT_K, HAS_BIAS, BLOCK_M)
-
-
-def words_fit(weight: torch.Tensor) -> bool:
-    """Whether an ``[N, K]`` e4m3 weight can be read as int32 words: contiguous rows, K
-    and the row stride multiples of 4, the address 4-byte aligned."""
-    K = weight.shape[1]
-    return (weight.stride(1) == 1 and K % 4 == 0 and weight.stride(0) % 4 == 0
-            and weight.data_ptr() % 4 == 0)
+        row_tile_store(tile_out(b_acc4, X_MAJOR), t0 + 4, o_n, m_n, b, y, ws, i_s, M, N,
+                       s_ym, SPLIT_K, HAS_BIAS, BLOCK_M)
+        row_tile_store(tile_out(b_acc5, X_MAJOR), t0 + 5, o_n, m_n, b, y, ws, i_s, M, N,
+                       s_ym, SPLIT_K, HAS_BIAS, BLOCK_M)
+        row_tile_store(tile_out(b_acc6, X_MAJOR), t0 + 6, o_n, m_n, b, y, ws, i_s, M, N,
+                       s_ym, SPLIT_K, HAS_BIAS, BLOCK_M)
+        row_tile_store(tile_out(b_acc7, X_MAJOR), t0 + 7, o_n, m_n, b, y, ws, i_s, M, N,
+                       s_ym, SPLIT_K, HAS_BIAS, BLOCK_M)
 
 
 def launch_fp8_linear(
@@ -331,15 +431,15 @@ def launch_fp8_linear(
     ws = (torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1
           else y2)
     b = scale_inv if bias is None else bias
-    words = cfg.words and words_fit(weight)
-    w = weight.view(torch.int32) if words else weight
     fp8_linear_kernel[plan.grid](
-        x2, w, scale_inv, b, y2, ws, M, N, K, x2.stride(0), w.stride(0),
+        x2, weight, scale_inv, b, y2, ws, M, N, K, x2.stride(0), weight.stride(0),
         scale_inv.stride(0), scale_inv.stride(1), y2.stride(0),
         BN=bn, BK=bk, K_BLOCKS=triton.cdiv(K, bk), K_BLOCKS_PER_SPLIT=plan.k_blocks_per_split,
         SPLIT_K=split, HAS_BIAS=bias is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=BLOCK_M, M_TILES=plan.m_tiles,
-        F32_DOT=x.dtype == torch.float32, EMULATE=INTERPRET, WORDS=words,
+        F32_DOT=x.dtype == torch.float32, EMULATE=INTERPRET, X_MAJOR=cfg.x_major,
+        # the PTX conversion in compiled kernels only (the interpreter runs no PTX)
+        BITS=cfg.bit_convert and x.dtype == torch.bfloat16 and not INTERPRET,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dflash.kernels.fp8_linear import dequantize_fp8, fp8_linear, quantize_fp8
+from dflash.kernels.fp8_linear_triton import e4m3_values
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 NAN = float("nan")
@@ -76,30 +79,53 @@ def test_fp8_linear_other_dtypes(dtype: torch.dtype) -> None:
         assert torch.equal(fp8_linear(x[:M], q, s, b), full[:M]), f"M={M}"
 
 
-@pytest.mark.parametrize(("N", "K"), [(4096, 4096), (12288, 4096)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_fp8_linear_word_reads_equal_byte_reads(N: int, K: int, dtype: torch.dtype) -> None:
-    """The weight read as int32 words (``Fp8LinearConfig.words``) gives the byte reads'
-    outputs bit for bit, every e4m3 byte in the weight (a NaN byte's output row NaN in
-    both), M = 1 and 16; outputs NaN-poisoned."""
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def convert(src, dst, BITS: tl.constexpr):  # type: ignore[no-untyped-def]  # untyped
+    """256 e4m3 bytes to bfloat16 by :func:`e4m3_values`."""
+    o = tl.arange(0, 256)
+    tl.store(dst + o, e4m3_values(tl.load(src + o), tl.bfloat16, BITS))
+
+
+def test_the_bit_conversion_ptx_gives_every_finite_bytes_value() -> None:
+    """``E4M3_TO_BF16`` (compiled PTX) on all 256 bytes: each finite byte's bfloat16 value
+    bit for bit, as ``.to`` converts it; the NaN bytes give ±480 (refused at load)."""
+    raw = torch.arange(256, dtype=torch.uint8, device="cuda")
+    by_bits = torch.full((256,), NAN, dtype=torch.bfloat16, device="cuda")
+    by_to = torch.full((256,), NAN, dtype=torch.bfloat16, device="cuda")
+    convert[(1,)](raw.view(torch.float8_e4m3fn), by_bits, BITS=True)
+    convert[(1,)](raw.view(torch.float8_e4m3fn), by_to, BITS=False)
+    finite = (raw & 0x7F) != 0x7F
+    assert torch.equal(by_bits[finite].view(torch.int16), by_to[finite].view(torch.int16))
+    assert by_bits[0x7F] == 480 and by_bits[0xFF] == -480
+
+
+@pytest.mark.parametrize(("N", "K"), [(4096, 4096), (12288, 4096), (4096, 12288)])
+def test_the_x_major_forms(N: int, K: int) -> None:
+    """``x_major`` (``x_tile @ w_tile.T``) with ``.to`` and with the bit conversion: bitwise
+    equal to each other (the same products of the same values), rows of 1-, 16- and
+    64-row calls bitwise equal to the 64-row call's (and a 200-row call's), close to the
+    float64 oracle; every finite e4m3 byte in the weight; outputs NaN-poisoned."""
     from dataclasses import replace
 
     from dflash.kernels.fp8_linear_triton import fp8_linear_config, launch_fp8_linear
 
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    wq, s = quantize_fp8(torch.randn(N, K, device="cuda", generator=gen) / K**0.5)
-    wq.view(torch.uint8)[:2, :128] = torch.arange(256, dtype=torch.uint8,
-                                                  device="cuda").view(2, 128)
-    base = fp8_linear_config(N, K, dtype)
-    for M in (1, 16):
-        x = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
-        want = launch_fp8_linear(x, wq, s, None, (128, 128),
-                                 torch.full((M, N), float("nan"), device="cuda", dtype=dtype),
-                                 base)
-        got = launch_fp8_linear(x, wq, s, None, (128, 128),
-                                torch.full((M, N), float("nan"), device="cuda", dtype=dtype),
-                                replace(base, words=True))
-        nan = torch.isnan(want)
-        assert nan[:, :2].all() and not nan[:, 2:].any()  # the rows holding the NaN bytes
-        assert torch.equal(torch.isnan(got), nan)
-        assert torch.equal(got[~nan], want[~nan]), (M, dtype)
+    x, q, s = _inputs(N, K, torch.bfloat16, seed=N + 3 * K, rows=200)
+    every = torch.arange(256, dtype=torch.uint8, device="cuda")
+    q.view(torch.uint8)[:2, :128] = torch.where((every & 0x7F) == 0x7F, every - 1,
+                                                every).view(2, 128)
+    oracle = x.double() @ dequantize_fp8(q, s, dtype=torch.float64).T
+    base = fp8_linear_config(N, K, torch.bfloat16)
+
+    def run(rows: torch.Tensor, bits: bool) -> torch.Tensor:
+        cfg = replace(base, x_major=True, bit_convert=bits)
+        out = torch.full((rows.shape[0], N), NAN, dtype=torch.bfloat16, device="cuda")
+        return launch_fp8_linear(rows, q, s, None, (128, 128), out, cfg)
+
+    full = run(x[:64], True)
+    assert torch.equal(run(x[:64], False), full)
+    assert torch.equal(run(x, True)[:64], full)
+    assert rel_rms(full, oracle[:64]) <= TOL[torch.bfloat16]
+    for M in ROWS:
+        for first in sorted({f for f in (0, 7, 64 - M) if f + M <= 64}):
+            got = run(x[first : first + M], True)
+            assert torch.equal(got, full[first : first + M]), f"M={M} rows {first}.."

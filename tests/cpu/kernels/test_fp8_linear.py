@@ -15,8 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 from kernels_support import NAN, needs_interpreter, rel_rms
 
 from dflash.errors import KernelBoundsError
@@ -25,7 +23,6 @@ from dflash.kernels.fp8_linear import dequantize_fp8, fp8_linear, quantize_fp8
 from dflash.kernels.fp8_linear_reference import fp8_linear_reference
 from dflash.kernels.fp8_linear_triton import (
     Fp8LinearConfig,
-    e4m3_word_values,
     fp8_linear_config,
     fp8_linear_launch,
     launch_fp8_linear,
@@ -248,68 +245,75 @@ def test_config_is_a_function_of_the_shape() -> None:
         fp8_linear_launch(1, 64, 64, torch.bfloat16, (32, 32), cfg)
 
 
-# ---------------------------------------------------------------- the weight read as words
+# ---------------------------------------------------------------- the x-major form
 
 
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
-def _convert(words, nums, out, out_bytes, DTYPE: tl.constexpr):  # type: ignore[no-untyped-def]  # untyped
-    """``words [4, 16]`` int32 → ``out [4, 64]`` by :func:`e4m3_word_values`; the same
-    bytes ``nums [4, 64]`` (e4m3) → ``out_bytes`` by a byte tile's ``.to``."""
-    o_r = tl.arange(0, 4)
-    o_c = tl.arange(0, 16)
-    o_v = tl.arange(0, 64)
-    b_q = tl.load(words + o_r[:, None] * 16 + o_c[None, :])
-    tl.store(out + o_r[:, None] * 64 + o_v[None, :], e4m3_word_values(b_q, DTYPE))
-    b_b = tl.load(nums + o_r[:, None] * 64 + o_v[None, :])
-    tl.store(out_bytes + o_r[:, None] * 64 + o_v[None, :], b_b.to(DTYPE))
+def e4m3_bits_to_bf16(raw: torch.Tensor) -> torch.Tensor:
+    """What :data:`~dflash.kernels.fp8_linear_triton.E4M3_TO_BF16` computes, in torch: each
+    byte ``s eeee mmm`` (uint8) spread into the bfloat16 pattern ``s 0000 eeee mmm 0000``
+    (the byte's value times 2^-120), then multiplied by 2^120 in float32 and rounded to
+    bfloat16 (the PTX multiplies in bf16x2: the product is exact either way)."""
+    u = raw.to(torch.int32)
+    bits = ((u & 0x7F) << 4) | ((u & 0x80) << 8)
+    small = bits.to(torch.int16).view(torch.bfloat16)
+    return (small.float() * 2.0**120).to(torch.bfloat16)
 
 
-@needs_interpreter
-def test_e4m3_word_values_are_the_bytes_values() -> None:
-    """Every one of the 256 e4m3fn bytes, four to an int32 word, converted by
-    :func:`e4m3_word_values` to each dtype: bitwise a byte tile's conversion, and every
-    finite byte torch's own value (signed zeros included); outputs NaN-poisoned. (The NaN
-    bytes: the GPU's conversion gives NaN for both; the interpreter reads them as 480.)"""
+def test_the_bit_conversion_gives_every_finite_bytes_value() -> None:
+    """The integer widening and the 2^120 product give torch's own e4m3 value for each of
+    the 254 finite bytes (signed zeros and the 14 subnormals included), bit for bit; the
+    two NaN bytes would give ±480, which is why a checkpoint holding them is refused."""
     raw = torch.arange(256, dtype=torch.uint8)
-    want = raw.view(torch.float8_e4m3fn)
+    want = raw.view(torch.float8_e4m3fn).to(torch.bfloat16)
+    got = e4m3_bits_to_bf16(raw)
     finite = (raw & 0x7F) != 0x7F
-    for dtype, ty in ((torch.bfloat16, tl.bfloat16), (torch.float16, tl.float16),
-                      (torch.float32, tl.float32)):
-        out = torch.full((4, 64), NAN, dtype=dtype)
-        by_bytes = torch.full((4, 64), NAN, dtype=dtype)
-        _convert[(1,)](raw.view(torch.int32).view(4, 16), want.view(4, 64), out, by_bytes,
-                       DTYPE=ty)
-        assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
-                           by_bytes.view(torch.int16 if dtype != torch.float32
-                                         else torch.int32)), dtype
-        got = out.view(-1)
-        assert torch.equal(got[finite], want.to(dtype)[finite]), dtype
-        assert torch.signbit(got[128]) and not torch.signbit(got[0])
+    assert int(finite.sum()) == 254
+    assert torch.equal(got[finite].view(torch.int16), want[finite].view(torch.int16))
+    assert got[0x7F] == 480 and got[0xFF] == -480
+    assert torch.signbit(got[0x80]) and not torch.signbit(got[0])
+
+
+def test_the_form_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DFLASH_FP8_FORM``: empty (the default: both off), ``x_major``, ``bits`` or both;
+    anything else is refused by name."""
+    from dflash.kernels.fp8_linear_triton import form_from_env
+    monkeypatch.delenv("DFLASH_FP8_FORM", raising=False)
+    assert form_from_env() == (False, False)
+    for raw, want in (("", (False, False)), ("x_major", (True, False)), ("bits", (False, True)),
+                      ("x_major,bits", (True, True)), ("bits,x_major", (True, True))):
+        monkeypatch.setenv("DFLASH_FP8_FORM", raw)
+        assert form_from_env() == want
+    for raw in ("words", "x_major,x_major", "x-major", "bits, x_major"):
+        monkeypatch.setenv("DFLASH_FP8_FORM", raw)
+        with pytest.raises(ValueError, match=f"DFLASH_FP8_FORM must be .* \\(got {raw!r}\\)"):
+            form_from_env()
 
 
 @needs_interpreter
-@pytest.mark.parametrize("block", [(32, 32), (128, 128)])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_word_reads_equal_byte_reads_bitwise(block: tuple[int, int], dtype: torch.dtype) -> None:
-    """The kernel reading the weight as int32 words computes exactly what it computes
-    reading bytes, for M = 1 … 33 (several row tiles) with every finite e4m3 byte in the
-    weight; outputs NaN-poisoned."""
+@pytest.mark.parametrize("bit_convert", [False, True])
+@pytest.mark.parametrize(("dtype", "block"), [(torch.bfloat16, (32, 32)),
+                                               (torch.float32, (128, 128)),
+                                               (torch.float16, (48, 32))])
+def test_the_x_major_form_keeps_rows_independent_of_M(
+    dtype: torch.dtype, block: tuple[int, int], bit_convert: bool
+) -> None:
+    """``x_major`` (``x_tile @ w_tile.T``): rows bitwise independent of M for M = 1 … 33
+    (up to 4 row tiles a program, with split-K at 32 × 32), and close to the float64
+    oracle; every finite e4m3 byte in the weight; outputs NaN-poisoned. (``bit_convert``
+    is the PTX conversion on a GPU; the interpreter converts with ``.to``, so here it
+    checks that the option launches the same arithmetic.)"""
     x, q, s, b = _inputs(33, block, dtype, seed=9)
     q = q.clone()
     every = torch.arange(256, dtype=torch.uint8)
-    # the NaN bytes 0x7f, 0xff -> 0x7e, 0xfe (the interpreter reads NaN bytes as 480)
-    finite = torch.where((every & 0x7F) == 0x7F, every - 1, every)
-    q.view(torch.uint8)[:2, :128] = finite.view(2, 128)
+    q.view(torch.uint8)[:2, :128] = torch.where((every & 0x7F) == 0x7F, every - 1,
+                                                every).view(2, 128)
     base = fp8_linear_config(N, K, dtype, block, 4)
-    words = Fp8LinearConfig(base.block_n, base.block_k, base.split_k, base.num_warps,
-                            base.num_stages, words=True)
-    for M in (1, 17, 33):
-        want = launch_fp8_linear(x[:M], q, s, b, block, torch.full((M, N), NAN, dtype=dtype),
-                                 base)
-        got = launch_fp8_linear(x[:M], q, s, b, block, torch.full((M, N), NAN, dtype=dtype),
-                                words)
-        assert torch.isfinite(want).all()
-        assert torch.equal(got, want), (M, dtype, block)
+    cfg = Fp8LinearConfig(base.block_n, base.block_k, base.split_k, base.num_warps,
+                          base.num_stages, x_major=True, bit_convert=bit_convert)
+    _check_rows_do_not_depend_on_M(
+        lambda xs, out: launch_fp8_linear(xs, q, s, b, block, out, cfg), x)
+    got = launch_fp8_linear(x, q, s, b, block, torch.full((33, N), NAN, dtype=dtype), cfg)
+    assert rel_rms(got, _oracle(x, q, s, block, b)) <= TOL[dtype]
 
 
 # ---------------------------------------------------------------- argument checks

@@ -8,7 +8,10 @@ included: ``avg_commit``), pooled over every step; every run's tokens are compar
 plain greedy decoding.
 
     python3 benchmarks/tree_tau.py [--budgets 8,16,32,64] [--prompts 6] [--tokens 96]
-        [--seed 7] [--device cpu|cuda] [--json FILE]
+        [--seed 7] [--device cpu|cuda] [--drafter DIR] [--json FILE]
+
+``--drafter``: another drafter for the default target (a DFlash or DFlash2 checkpoint
+directory) in place of the shipped one.
 """
 
 from __future__ import annotations
@@ -41,12 +44,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--drafter", default=None,
+                    help="a drafter checkpoint directory (default: the shipped drafter)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     budgets = [int(b) for b in args.budgets.split(",")]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     model = TargetModel.from_pretrained(require_default("target"), dtype=dtype, device=args.device)
-    drafter_dir = str(require_default("drafter"))
+    drafter_dir = args.drafter or str(require_default("drafter"))
     plan = plan_shards(model.config.num_hidden_layers, args.device)
     prompts = default_heldout_prompts(args.prompts, seed=args.seed)
     oracles = [reference_greedy(model, plan, p, args.tokens) for p in prompts]
@@ -81,7 +86,8 @@ def main() -> None:
           f"{best['tau'] / chain:.2f}x the chain's {chain:.3f}")
     if args.json:
         out = {"python": platform.python_version(), "device": args.device,
-               "prompts": len(prompts), "tokens": args.tokens, "block_size": BLOCK,
+               "drafter": drafter_dir, "prompts": len(prompts), "tokens": args.tokens,
+               "block_size": BLOCK,
                "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 

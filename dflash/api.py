@@ -85,6 +85,7 @@ from dflash.model import TargetModel
 from dflash.model.caches import capture_kind
 from dflash.model.drafters import Drafter
 from dflash.model.drafters.trees import CandidateDrafter, TreeDrafter
+from dflash.model.fp8 import QUANTIZE_CHOICES, quantize_spec
 from dflash.model.tokenizer import TextTokenizer, require_utf8
 from dflash.sampling import GREEDY, SamplingError, SamplingParams
 
@@ -204,7 +205,8 @@ def load(
             (None: all of them), so a drafting step costs the same at any context length;
             the output does not change.
         quantize: ``"fp8"``: the decoder layers' projections quantized to FP8 at load
-            (:meth:`TargetModel.quantize_fp8_`); an FP8 checkpoint is read as FP8 anyway.
+            (:meth:`TargetModel.quantize_fp8_`); ``"fp8-lm-head"``: the LM head too (not
+            a head tied to the embedding); an FP8 checkpoint is read as FP8 anyway.
         prefix_cache_mb: keep up to this many MB of prefilled prefixes (0: none): a prompt
             that extends a cached one at a ``prefill_chunk`` boundary prefills only the
             rest (``cached_tokens`` in the result), and its output is the same bits as
@@ -233,8 +235,10 @@ def load(
     _int("seed", seed, 0, 2**63 - 1)
     if prefill_chunk is not None:
         _int("prefill_chunk", prefill_chunk, 1)
-    if quantize not in (None, "fp8"):
-        raise ArgumentError(f"{param('quantize')} must be None or 'fp8' (got {quantize!r})")
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise ArgumentError(f"{param('quantize')} must be None, "
+                            f"{' or '.join(repr(c) for c in QUANTIZE_CHOICES)} "
+                            f"(got {quantize!r})")
     _int("prefix_cache_mb", prefix_cache_mb, 0)
     if prefix_cache_mb and prefill_chunk is None:
         raise ArgumentError(
@@ -274,12 +278,15 @@ def load(
     torch_dtype = parse_dtype(_dtype_name("dtype", dtype), model, first)
     drafter_dtype_name = _dtype_name("draft_dtype", draft_dtype)
     target = build_model(model, seed=seed, dtype=torch_dtype, device=first)
-    if quantize == "fp8":
+    if quantize is not None:
         if target.quantization is not None:
             raise ArgumentError(
-                f"{param('quantize')}='fp8': {model!r} is an FP8 checkpoint already"
+                f"{param('quantize')}={quantize!r}: {model!r} is an FP8 checkpoint already"
             )
-        target.quantize_fp8_()
+        try:
+            target.quantize_fp8_(quantize_spec(quantize))
+        except ValueError as exc:  # a tied LM head
+            raise ArgumentError(f"{param('quantize')}={quantize!r}: {exc}") from None
     drafter: Drafter | None = None
     if draft is not None:
         drafter, _ = build_drafter(

@@ -34,6 +34,10 @@ from dflash.execution.errors import ContextLengthError
 from dflash.execution.policy import ENV_VAR, ROLLBACK_MODES, RollbackPolicy
 from dflash.execution.results import GenerationResult
 
+#: ``--quantize``'s values, as :data:`dflash.model.fp8.QUANTIZE_CHOICES` (a test holds them
+#: equal; that module imports torch, which a command loads only when it runs)
+QUANTIZE_CHOICES = ("fp8", "fp8-lm-head")
+
 if TYPE_CHECKING:
     from dflash.execution.window import WindowChoice
     from dflash.sampling import SamplingParams
@@ -212,12 +216,13 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--quantize",
-        choices=("fp8",),
+        choices=QUANTIZE_CHOICES,   # dflash.model.fp8's (torch loads only when a command runs)
         default=None,
         help="quantize the decoder layers' projections at load to FP8 (e4m3, 128x128 "
         "block scales, Hugging Face's fine-grained format): half the bytes a decode reads; "
-        "the output is plain decoding's of the same FP8 model (an FP8 checkpoint is read "
-        "as FP8 without this flag)",
+        "fp8-lm-head: the LM head too (not a head tied to the embedding); the output is "
+        "plain decoding's of the same FP8 model (an FP8 checkpoint is read as FP8 without "
+        "this flag)",
     )
     p.add_argument(
         "--draft-window",
@@ -628,10 +633,17 @@ def prepare(args: argparse.Namespace) -> Prepared:
         torch.cuda.set_device(torch.device(first))
     set_cpu_threads(args.model, first)
     model = build_model_checked(args.model, config, seed=args.seed, dtype=dtype, device=first)
-    if getattr(args, "quantize", None) == "fp8":
+    quantize = getattr(args, "quantize", None)
+    if quantize is not None:
+        from dflash.model.fp8 import quantize_spec
+
         if model.quantization is not None:
-            raise UsageError(f"--quantize fp8: {args.model!r} is an FP8 checkpoint already")
-        model.quantize_fp8_()
+            raise UsageError(f"--quantize {quantize}: {args.model!r} is an FP8 checkpoint "
+                             "already")
+        try:
+            model.quantize_fp8_(quantize_spec(quantize))
+        except ValueError as exc:  # a tied LM head
+            raise UsageError(f"--quantize {quantize}: {exc}") from None
     codec: TextCodec | None = tokenizer
     if codec is None and args.bytes:
         codec = ByteText()

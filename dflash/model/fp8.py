@@ -7,7 +7,12 @@ Activations stay in the model's dtype (weight-only: half the bytes a decode read
 activation rounding). The projections of the decoder layers are quantized — attention's
 ``q/k/v/o_proj``, Gated DeltaNet's ``in_proj_*`` and ``out_proj``, the MLP's
 ``gate/up/down_proj`` — except those a checkpoint's ``modules_to_not_convert`` names;
-embeddings, norms, the conv, the gates' parameters and the LM head stay in the model dtype.
+embeddings, norms, the conv, the gates' parameters and the LM head stay in the model dtype,
+unless the LM head is quantized too (:attr:`Fp8Spec.lm_head`: a checkpoint that stores
+``lm_head.weight`` in e4m3 with its scales, or ``quantize="fp8-lm-head"``; never a head
+tied to the embedding). Reading, the file's dtype of ``lm_head.weight`` decides; writing,
+``modules_to_not_convert`` says it the way transformers reads it (absent: the LM head is
+left alone; a list: only what it names).
 
 Every product of a quantized linear goes through :func:`dflash.kernels.fp8_linear`, which
 is M-invariant: speculative decoding of an FP8 model is bitwise plain decoding of the same
@@ -45,20 +50,34 @@ class Fp8Spec:
 
     block: tuple[int, int] = (128, 128)
     modules_to_not_convert: tuple[str, ...] = ()
+    #: the LM head quantized too (its weight e4m3 with block scales)
+    lm_head: bool = False
 
     def to_hf(self) -> dict[str, Any]:
+        """The ``quantization_config`` that Hugging Face reads as this spec: an FP8 LM head
+        needs an explicit ``modules_to_not_convert`` (absent, transformers leaves the LM
+        head unquantized), and a bf16 one beside other skipped modules is named in it."""
+        skip = list(self.modules_to_not_convert)
+        if not self.lm_head and skip and "lm_head" not in skip:
+            skip.append("lm_head")
         return {
             "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": list(self.block),
-            **({"modules_to_not_convert": list(self.modules_to_not_convert)}
-               if self.modules_to_not_convert else {}),
+            **({"modules_to_not_convert": skip} if skip or self.lm_head else {}),
         }
 
     def converts(self, name: str) -> bool:
-        """Whether the linear ``name`` (``layers.3.mlp.up_proj``) is quantized."""
+        """Whether the linear ``name`` (``layers.3.mlp.up_proj``, ``lm_head``) is
+        quantized."""
+        if name == "lm_head":
+            return self.lm_head and self.converts_name(name)
         if not name.startswith("layers.") or not any(name.endswith("." + q) for q in QUANTIZED):
             return False
-        full = "model." + name
+        return self.converts_name(name)
+
+    def converts_name(self, name: str) -> bool:
+        """Whether ``modules_to_not_convert`` leaves the module ``name`` to be converted."""
+        full = name if name == "lm_head" else "model." + name
         return not any(_names(m, full) for m in self.modules_to_not_convert)
 
 
@@ -108,6 +127,19 @@ def parse_fp8_config(raw: object, source: str) -> Fp8Spec | None:
             "fine-grained FP8 format dflash reads"
         )
     return Fp8Spec(block=(block[0], block[1]), modules_to_not_convert=tuple(skip))
+
+
+#: the values of ``--quantize`` / ``quantize=``: the decoder layers' projections, or those
+#: and the LM head
+QUANTIZE_CHOICES = ("fp8", "fp8-lm-head")
+
+
+def quantize_spec(choice: str) -> Fp8Spec:
+    """The :class:`Fp8Spec` of a :data:`QUANTIZE_CHOICES` value (128 × 128 blocks)."""
+    if choice not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)} "
+                         f"(got {choice!r})")
+    return Fp8Spec(lm_head=choice == "fp8-lm-head")
 
 
 class Fp8Linear(nn.Module):
@@ -201,9 +233,11 @@ def replace_linears_(model: nn.Module, spec: Fp8Spec, *, quantize: bool) -> None
 __all__ = [
     "FP8",
     "QUANTIZED",
+    "QUANTIZE_CHOICES",
     "Fp8Linear",
     "Fp8Spec",
     "fp8_linears",
     "parse_fp8_config",
+    "quantize_spec",
     "replace_linears_",
 ]

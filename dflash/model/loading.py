@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -295,6 +295,15 @@ def load_target(
             f"{str(directory)!r}: FP8 weights of a qwen3_next checkpoint (fused projections, "
             "experts) are not read yet; a qwen3_5 FP8 checkpoint is"
         )
+    head = sources.get("lm_head.weight")
+    if spec is not None and head is not None and head[0].dtype == "F8_E4M3":
+        # the file's dtype says whether the LM head is quantized too
+        if not spec.converts_name("lm_head"):
+            raise CheckpointError(
+                f"tensor 'lm_head.weight' is F8_E4M3 but the quantization_config's "
+                f"modules_to_not_convert names it ({list(spec.modules_to_not_convert)})"
+            )
+        spec = replace(spec, lm_head=True)
     with torch.device("meta"):
         model = cls(config)
         if spec is not None:  # the quantized projections: an FP8 weight and its scales

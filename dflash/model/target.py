@@ -141,13 +141,20 @@ class TargetModel(nn.Module):
         save_target(self, Path(directory))
 
     def quantize_fp8_(self, spec: Fp8Spec | None = None) -> TargetModel:
-        """Quantize the decoder layers' projections to FP8 in place (``spec``: the block
-        and the modules left alone; default 128 × 128, all of them): each weight per block
-        by its absolute maximum (:mod:`dflash.model.fp8`). The embedding, norms, conv,
-        gates and LM head keep the model dtype. Returns ``self``."""
+        """Quantize the decoder layers' projections to FP8 in place (``spec``: the block,
+        the modules left alone and whether the LM head too; default 128 × 128, every
+        projection, not the head): each weight per block by its absolute maximum
+        (:mod:`dflash.model.fp8`). The embedding, norms, conv and gates keep the model
+        dtype, and so does the LM head unless ``spec.lm_head`` (refused when it is tied to
+        the embedding). Returns ``self``."""
         spec = spec or Fp8Spec()
         if self.quantization is not None:
             raise ValueError(f"the model is already quantized ({self.quantization})")
+        if spec.lm_head and self.config.tie_word_embeddings:
+            raise ValueError(
+                "the LM head is tied to the embedding (tie_word_embeddings): it cannot be "
+                "quantized on its own; quantize the projections only"
+            )
         replace_linears_(self, spec, quantize=True)
         self.quantization = spec
         return self

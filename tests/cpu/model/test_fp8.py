@@ -132,15 +132,21 @@ def test_modules_to_not_convert_stay_in_the_model_dtype(tmp_path: Path) -> None:
     model.save_pretrained(tmp_path)
     again = TargetModel.from_pretrained(tmp_path)
     assert again.quantization is not None
-    assert set(again.quantization.modules_to_not_convert) == {"mlp", "layers.2.self_attn.o_proj"}
+    # written as transformers reads it: beside other skipped modules, the bf16 LM head is
+    # named (a list given, transformers converts all that it does not name)
+    assert set(again.quantization.modules_to_not_convert) == {
+        "mlp", "layers.2.self_attn.o_proj", "lm_head"}
+    assert not again.quantization.lm_head
     assert greedy_generate(again, PROMPT, 8) == greedy_generate(model, PROMPT, 8)
 
 
 @torch.inference_mode()
-def test_fp8_logits_are_transformers_on_the_dequantized_weights(tmp_path: Path) -> None:
-    """An FP8 checkpoint (written by dflash, read back) against transformers running the
-    same weights dequantized to float32: the logits of a prefill and 16 greedy decode
-    steps within 1e-4, the same tokens."""
+@pytest.mark.parametrize("lm_head", [False, True])
+def test_fp8_logits_are_transformers_on_the_dequantized_weights(tmp_path: Path,
+                                                                 lm_head: bool) -> None:
+    """An FP8 checkpoint (written by dflash, read back; the LM head in FP8 too or not)
+    against transformers running the same weights dequantized to float32: the logits of
+    a prefill and 16 greedy decode steps within 1e-4, the same tokens."""
     pytest.importorskip("transformers")
     from test_parity_transformers import CASES, TOL, _hf_model
     from test_parity_transformers import PROMPT as HF_PROMPT
@@ -149,12 +155,14 @@ def test_fp8_logits_are_transformers_on_the_dequantized_weights(tmp_path: Path) 
     hf = _hf_model(kind, fields, seed=5)
     hf.save_pretrained(tmp_path / "float")
     TargetModel.from_pretrained(tmp_path / "float").quantize_fp8_(
-        Fp8Spec(block=(16, 16))).save_pretrained(tmp_path / "fp8")
+        Fp8Spec(block=(16, 16), lm_head=lm_head)).save_pretrained(tmp_path / "fp8")
     ours = TargetModel.from_pretrained(tmp_path / "fp8")
+    assert isinstance(ours.lm_head, Fp8Linear) is lm_head
     state = hf.state_dict()
     for name, module in ours.named_modules():
         if isinstance(module, Fp8Linear):
-            state["model." + name + ".weight"] = module.dequantized(torch.float32)
+            key = "lm_head.weight" if name == "lm_head" else "model." + name + ".weight"
+            state[key] = module.dequantized(torch.float32)
     hf.load_state_dict(state)
     out = hf(input_ids=torch.tensor([HF_PROMPT]), use_cache=True)
     caches = ours.new_caches(max_len=len(HF_PROMPT) + 17)
@@ -185,7 +193,7 @@ def test_the_command_line_and_the_library_quantize_at_load(
     llm = dflash.load(model="tiny", draft="prompt-lookup", quantize="fp8")
     assert llm.model.quantization == Fp8Spec()
     assert llm.generate(PROMPT, max_new_tokens=8).tokens == greedy_generate(llm.model, PROMPT, 8)
-    with pytest.raises(UsageError, match="'quantize' must be None or 'fp8'"):
+    with pytest.raises(UsageError, match="'quantize' must be None, 'fp8' or 'fp8-lm-head'"):
         dflash.load(model="tiny", quantize="int4")
     TargetModel.tiny_default().quantize_fp8_().save_pretrained(tmp_path)
     with pytest.raises(UsageError, match="is an FP8 checkpoint already"):
@@ -203,7 +211,125 @@ def test_the_command_line_and_the_library_quantize_at_load(
     ("model.layers.4.*", "layers.4.mlp.down_proj", False),
     ("*.down_proj", "layers.4.mlp.up_proj", True),
     ("up", "layers.4.mlp.up_proj", True),  # a part of a component is not a name
-    ("mlp", "lm_head", False),  # never a decoder projection
+    ("mlp", "lm_head", False),  # never a decoder projection (nor, by default, quantized)
 ])
 def test_modules_to_not_convert_names(skip: str, name: str, converts: bool) -> None:
     assert Fp8Spec(modules_to_not_convert=(skip,)).converts(name) is converts
+
+
+# ---------------------------------------------------------------- the LM head in FP8
+
+
+@pytest.fixture(scope="module")
+def fp8_head_tiny() -> TargetModel:
+    torch.set_num_threads(1)
+    return TargetModel.tiny_default(seed=2).quantize_fp8_(Fp8Spec(block=(32, 32),
+                                                                  lm_head=True))
+
+
+@pytest.mark.parametrize("mode", ["checkpoint", "recompute"])
+def test_speculative_decoding_with_an_fp8_lm_head_is_its_plain_decoding(
+    fp8_head_tiny: TargetModel, mode: RollbackMode
+) -> None:
+    assert isinstance(fp8_head_tiny.lm_head, Fp8Linear)
+    assert fp8_head_tiny.lm_head.weight.dtype == FP8
+    r = generate(fp8_head_tiny, PromptLookupDrafter(), PROMPT,
+                 plan=plan_shards(6, "cpu,cpu", "2,4"), max_new_tokens=24, block_size=4,
+                 policy=RollbackPolicy(mode=mode), check_parity=True)
+    assert r.parity is True
+    assert r.tokens == greedy_generate(fp8_head_tiny, PROMPT, 24)
+
+
+def test_an_fp8_lm_head_round_trips(fp8_head_tiny: TargetModel, tmp_path: Path) -> None:
+    """Written with an explicit, empty ``modules_to_not_convert`` (so transformers converts
+    the LM head too) and the head's e4m3 weight and scales; read back by its dtype."""
+    fp8_head_tiny.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["quantization_config"]["modules_to_not_convert"] == []
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert stored["lm_head.weight"].dtype == FP8
+    assert stored["lm_head.weight_scale_inv"].shape == (256 // 32, 64 // 32)
+    again = TargetModel.from_pretrained(tmp_path)
+    assert again.quantization == Fp8Spec(block=(32, 32), lm_head=True)
+    assert isinstance(again.lm_head, Fp8Linear)
+    assert torch.equal(again.lm_head.weight.view(torch.uint8),
+                       fp8_head_tiny.lm_head.weight.view(torch.uint8))
+    assert greedy_generate(again, PROMPT, 12) == greedy_generate(fp8_head_tiny, PROMPT, 12)
+
+
+@torch.inference_mode()
+def test_an_fp8_lm_head_computes_its_dequantized_product(fp8_head_tiny: TargetModel) -> None:
+    """A decode's logits are the final hidden state times the dequantized head (float32,
+    within the kernel's summation order); a prefill's too."""
+    caches = fp8_head_tiny.new_caches(max_len=len(PROMPT) + 2)
+    hidden: list[torch.Tensor] = []
+    norm = fp8_head_tiny.norm
+    handle = norm.register_forward_hook(lambda m, i, o: hidden.append(o.clone()))
+    try:
+        prefill, _ = fp8_head_tiny(torch.tensor([PROMPT]), caches, "prefill")
+        decode, _ = fp8_head_tiny(torch.tensor([[7]]), caches, "decode")
+    finally:
+        handle.remove()
+    head = fp8_head_tiny.lm_head
+    assert isinstance(head, Fp8Linear)
+    w = head.dequantized(torch.float32)
+    # an invariant CPU forward normalises a 16-row position tile: the decode's row is
+    # its position's within the tile
+    for got, h in ((prefill[0, -1], hidden[0].reshape(-1, 64)[-1]),
+                   (decode[0, -1], hidden[-1].reshape(-1, 64)[len(PROMPT) % 16])):
+        torch.testing.assert_close(got, h @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_tied_lm_head_is_not_quantized_on_its_own() -> None:
+    from dflash.model import HybridConfig
+
+    config = HybridConfig.tiny_default().model_copy(update={"tie_word_embeddings": True})
+    tied = TargetModel.seeded(config, seed=1)
+    with pytest.raises(ValueError, match="the LM head is tied to the embedding"):
+        tied.quantize_fp8_(Fp8Spec(lm_head=True))
+    assert tied.quantization is None
+    tied.quantize_fp8_(Fp8Spec())   # the projections alone: fine
+    assert tied.lm_head.weight is tied.embed_tokens.weight
+
+
+def test_an_fp8_lm_head_that_the_config_skips_is_refused(
+    fp8_head_tiny: TargetModel, tmp_path: Path
+) -> None:
+    fp8_head_tiny.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = ["lm_head"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"'lm_head\.weight' is F8_E4M3 but the "
+                                              r"quantization_config's modules_to_not_convert"):
+        TargetModel.from_pretrained(tmp_path)
+
+
+def test_the_lm_head_from_the_command_line_and_the_library(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    import dflash
+    from dflash.cli import main
+    from dflash.commands.generate import QUANTIZE_CHOICES
+    from dflash.model.fp8 import QUANTIZE_CHOICES as MODEL_CHOICES
+
+    assert QUANTIZE_CHOICES == MODEL_CHOICES
+    args = ["generate", "--model", "tiny", "--max-new-tokens", "8", "--block-size", "4",
+            "--devices", "cpu", "--no-progress", "--draft", "prompt-lookup", "--json"]
+    assert main([*args, "--quantize", "fp8-lm-head", "--check-parity", "--no-baseline"]) == 0
+    assert json.loads(capsys.readouterr().out)["parity"] is True
+    llm = dflash.load(model="tiny", draft="prompt-lookup", quantize="fp8-lm-head")
+    assert llm.model.quantization == Fp8Spec(lm_head=True)
+    assert isinstance(llm.model.lm_head, Fp8Linear)
+
+
+def test_the_memory_estimate_counts_an_fp8_lm_head() -> None:
+    """One byte per head weight plus its scales, instead of the model dtype's two."""
+    from dflash.commands.resources import weight_bytes
+    from dflash.model import HybridConfig
+
+    config = HybridConfig.nine_b_shape()
+    _, projections = weight_bytes(config, torch.bfloat16, Fp8Spec())
+    _, with_head = weight_bytes(config, torch.bfloat16, Fp8Spec(lm_head=True))
+    head = config.vocab_size * config.hidden_size
+    scales = -(-config.vocab_size // 128) * (config.hidden_size // 128) * 4
+    assert projections - with_head == head - scales

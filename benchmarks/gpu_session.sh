@@ -33,7 +33,8 @@
 #   bash benchmarks/gpu_session.sh fp8     # the FP8 linear's GPU tests, then dflash bench A/B/A with
 #                                          # --quantize fp8 (9B and 27B shapes, synthetic drafter;
 #                                          # FP8_TESTS=0, FP8_SHAPES="nine-b-shape",
-#                                          # FP8_FORMS="default x_major x_major,bits", FP8_RUNS)
+#                                          # FP8_FORMS="default x_major x_major,bits", FP8_RUNS,
+#                                          # FP8_QUANT=fp8-lm-head: the LM head in FP8 too)
 #   bash benchmarks/gpu_session.sh hot     # benchmarks/hot_kernels.py: decode attention, FP8 linear
 #                                          # and GDN prefill against their floors (HOT_PARTS=...;
 #                                          # also "tiles", and "prefill": the prefill attention's
@@ -82,10 +83,10 @@ for phase in "$@"; do
       # run sets DFLASH_FP8_FORM)
       for form in ${FP8_FORMS:-default}; do
         for shape in ${FP8_SHAPES:-nine-b-shape twenty-seven-b-shape}; do
-          name=bench_fp8_${shape}_${form/,/_}
+          name=bench_${FP8_QUANT:-fp8}_${shape}_${form/,/_}
           env_form=$form; [ "$form" = default ] && env_form=
           DFLASH_FP8_FORM=$env_form timeout "${BENCH_TIMEOUT:-600}" python3 -m dflash.cli bench \
-            --model "$shape" --quantize fp8 --draft synthetic --acceptance 0.874 \
+            --model "$shape" --quantize "${FP8_QUANT:-fp8}" --draft synthetic --acceptance 0.874 \
             --block-size 16 --prompt-len 1024 --max-new-tokens 256 --a replay --b checkpoint \
             --warmup 1 --runs "${FP8_RUNS:-3}" --out "$OUT/$name.json" --plot '' 2>&1 \
             | tee "$OUT/$name.log" | tail -6

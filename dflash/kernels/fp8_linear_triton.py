@@ -94,9 +94,10 @@ class Fp8LinearConfig:
     #: bfloat16 x: each e4m3 byte widened to bfloat16 by integer operations and one bf16x2
     #: multiply by 2^120 (:data:`E4M3_TO_BF16`) instead of the three conversion
     #: instructions per pair that ``.to`` emits (``cvt.rn.f16x2.e4m3x2``, then
-    #: ``cvt.bf16.f16`` twice): the same value for every finite byte (NaN bytes are refused
-    #: when a checkpoint is loaded). Compiled kernels only; the interpreter uses ``.to``.
-    #: Off until timed on a GPU
+    #: ``cvt.bf16.f16`` twice): the same value for every finite byte. A NaN byte becomes
+    #: ±480, not NaN: checkpoints holding one are refused at load and the quantizer never
+    #: writes one, but a direct caller's weight is not scanned. Compiled kernels only; the
+    #: interpreter uses ``.to``. Off until timed on a GPU
     bit_convert: bool = False
 
 

@@ -54,6 +54,11 @@ KernelBackend = Literal["auto", "triton", "reference"]
 #: the model asks for it, :attr:`dflash.model.TargetModel.chunked_prefill`): below, the
 #: token loop is cheap and rounds closest to the recurrence it stands for
 CHUNKED_PREFILL_MIN = 256
+#: the most rows a prefill multiplies by an FP8 weight in the FP8 kernel; more rows go
+#: through the weight dequantized once (one large product). A ShardedTarget's prefill
+#: takes the LM head on its last row only, which this keeps from dequantizing the whole
+#: head (2 GB in bf16 at the 9B shape) for one row
+FP8_KERNEL_ROWS = 128
 
 
 @dataclass(frozen=True)
@@ -117,9 +122,12 @@ class Ops:
     def linear(self, module: nn.Linear | Fp8Linear, x: Tensor) -> Tensor:
         """``module(x)`` on this forward's kernels (``x: [..., in]`` → ``[..., out]``): an
         FP8 linear through :func:`dflash.kernels.fp8_linear` (M-invariant) in decode,
-        verify and replay, through its dequantized weight in a prefill."""
+        verify and replay, and in a prefill of at most :data:`FP8_KERNEL_ROWS` rows (a
+        prefill's last row through an FP8 LM head: no dequantized copy of the head);
+        through its dequantized weight in a longer prefill."""
         if isinstance(module, Fp8Linear):
-            if not self.invariant:
+            rows = x.numel() // max(1, x.shape[-1])
+            if not self.invariant and rows > FP8_KERNEL_ROWS:
                 return F.linear(x, module.dequantized(x.dtype), module.bias)
             return fp8_linear(x, module.weight, module.weight_scale_inv, module.bias,
                               block=module.block, backend=self.backend)

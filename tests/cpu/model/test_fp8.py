@@ -280,6 +280,40 @@ def test_an_fp8_lm_head_computes_its_dequantized_product(fp8_head_tiny: TargetMo
         torch.testing.assert_close(got, h @ w.T, rtol=1e-5, atol=1e-5)
 
 
+@torch.inference_mode()
+def test_a_prefill_never_dequantizes_the_fp8_lm_head(
+    fp8_head_tiny: TargetModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A target's prefill takes the LM head on its last row only, through the FP8 kernel:
+    the head is never dequantized whole (a 9B head would be 2 GB in bf16). A prefill
+    chunk of more than ``FP8_KERNEL_ROWS`` rows dequantizes the projections it multiplies,
+    once each; a short one none."""
+    from dflash.execution import ShardedTarget
+    from dflash.model.layers import FP8_KERNEL_ROWS
+
+    dequantized: list[int] = []
+    real = Fp8Linear.dequantized
+
+    def recording(self: Fp8Linear, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dequantized.append(self.out_features)
+        return real(self, dtype)
+
+    monkeypatch.setattr(Fp8Linear, "dequantized", recording)
+    vocab = fp8_head_tiny.config.vocab_size
+    long_prompt = [(3 * i + 1) % vocab for i in range(FP8_KERNEL_ROWS + 20)]
+    target = ShardedTarget(fp8_head_tiny, plan_shards(6, "cpu"), max_len=len(long_prompt) + 8,
+                           max_draft=4, prefill_chunk=None)
+    logits, _ = target.prefill(long_prompt)
+    assert logits.shape[-1] == vocab and torch.isfinite(logits).all()
+    projections = sum(1 for m in fp8_head_tiny.modules() if isinstance(m, Fp8Linear)) - 1
+    assert vocab not in dequantized and len(dequantized) == projections
+    dequantized.clear()
+    short = ShardedTarget(fp8_head_tiny, plan_shards(6, "cpu"), max_len=40, max_draft=4,
+                          prefill_chunk=None)
+    short.prefill(PROMPT)
+    assert dequantized == []
+
+
 def test_a_tied_lm_head_is_not_quantized_on_its_own() -> None:
     from dflash.model import HybridConfig
 

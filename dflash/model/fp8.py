@@ -16,7 +16,9 @@ left alone; a list: only what it names).
 
 Every product of a quantized linear goes through :func:`dflash.kernels.fp8_linear`, which
 is M-invariant: speculative decoding of an FP8 model is bitwise plain decoding of the same
-FP8 model. A prefill (any kernel allowed) multiplies by the dequantized weight.
+FP8 model. A prefill (any kernel allowed) of more than
+:data:`dflash.model.layers.FP8_KERNEL_ROWS` rows multiplies by the dequantized weight; a
+shorter one (the LM head on a target prefill's last row) runs the FP8 kernel.
 """
 
 from __future__ import annotations

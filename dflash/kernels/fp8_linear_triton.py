@@ -228,7 +228,8 @@ def row_tile_scaled_dot(  # type: ignore[no-untyped-def]  # Triton values are un
 #: field ``eeee`` and mantissa ``mmm``: the byte's value times 2^-120, a bfloat16
 #: subnormal for a subnormal byte), then multiplied by 2^120 (``0x7B80``) in bf16x2: exact,
 #: the product is the byte's value, which bfloat16 holds. A NaN byte (``x 1111 111``)
-#: would give ±480, so NaN bytes are refused at load (``dflash.model.fp8``).
+#: would give ±480, so NaN bytes are refused at load (``dflash.model.loading``: every
+#: tensor must be finite).
 E4M3_TO_BF16 = tl.constexpr("""
 {
 .reg .b32 lo, hi, t0, t1, c;

@@ -194,15 +194,17 @@ for phase in "$@"; do
       done
       ;;
     accept)
-      # the acceptance inside CUDA graphs and top-p's mass pass: the rule's GPU tests (every
-      # mode, chains and trees, the graphed acceptance, the oracle's graphed draws), the mass
-      # pass's launch configurations, the rule's cost in a 9B verify step, its kernels' profile
+      # the acceptance inside CUDA graphs and top-p's mass launches: the rule's GPU tests
+      # (every mode, chains and trees, the graphed acceptance, the oracle's graphed draws),
+      # the mass launches' configurations, the rule's cost in a 9B verify step (interleaved,
+      # COST_ROUNDS rounds, default 7), its kernels' profile
       python3 -m pytest tests/gpu/test_sample_kernels.py tests/gpu/test_sampled.py -q -s \
         -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_accept.log" | tail -20
       timeout "${COST_TIMEOUT:-300}" python3 benchmarks/filter_mass.py \
         --json "$OUT/filter_mass.json" 2>&1 | tee "$OUT/filter_mass.log" | tail -16
       timeout "${COST_TIMEOUT:-300}" python3 benchmarks/sampling_cost.py \
-        --json "$OUT/sampling_cost.json" 2>&1 | tee "$OUT/sampling_cost.log" | tail -22
+        --rounds "${COST_ROUNDS:-7}" --json "$OUT/sampling_cost.json" 2>&1 \
+        | tee "$OUT/sampling_cost.log" | tail -22
       timeout "${COST_TIMEOUT:-300}" python3 benchmarks/sampling_cost.py --profile \
         > "$OUT/sampling_profile.log" 2>&1; echo "profile rc=$?"
       ;;

@@ -30,6 +30,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from dflash.kernels import attention_triton as attn
+from dflash.kernels import filter_triton as filt
 from dflash.kernels import fp8_linear_triton as fp8
 from dflash.kernels import gdn_chunk_triton as chunk
 
@@ -97,6 +98,34 @@ def _fp8(x_major: bool, bits: bool) -> Case:
                 cfg.num_warps, cfg.num_stages)
 
 
+def _filter(part: str, level: int = 0, coarse: bool = True) -> Case:
+    """The sampling filters' launches at Qwen3.5's vocabulary (248,320 tokens, bf16)."""
+    V = 248320
+    chunks, parts = -(-V // filt.CHUNK), -(-V // filt.MASS_CHUNK)
+    if part == "maxima":
+        sig = {"bits16": "*i16", "maxima": "*i32", "hist": "*i32", "V": "i32", "chunks": "i32"}
+        return Case("filter maxima (+ the histogram's zeroing)", filt.filter_maxima_kernel,
+                    sig, dict(BV=filt.CHUNK, SUB=filt.GROUPS), 4)
+    if part == "mass":
+        sig = {n: "*i32" for n in ("bits16", "maxima", "tops", "masses", "lowest", "prior",
+                                   "coarse", "above", "total", "least")}
+        sig.update(bits16="*i16", masses="*i64", prior="*i64", above="*i64", total="*i64",
+                   inv_t="fp32", log_min_p="fp32", top_p="fp32", V="i32", n="i32")
+        cst = dict(LEVEL=level, HAS_MIN_P=False, IS_BF16=True, BV=filt.MASS_CHUNK,
+                   BS=filt.MASS_BLOCK, NB=filt.BUCKETS, BN=filt.block_of(chunks * filt.GROUPS),
+                   BC=filt.block_of(parts))
+        return Case(f"filter mass level {level}", filt.filter_mass_kernel, sig, cst,
+                    filt.MASS_WARPS)
+    sig = {"bits16": "*i16", "bound": "*i32", "tops": "*i32", "hist": "*i32",
+           "masses": "*i64", "coarse": "*i32", "prior_above": "*i64", "total": "*i64",
+           "bucket": "*i32", "above": "*i64", "inv_t": "fp32", "top_p": "fp32", "V": "i32",
+           "parts": "i32"}
+    cst = dict(COARSE=coarse, IS_BF16=True, BV=filt.CHUNK, NB=filt.BUCKETS,
+               BC=filt.block_of(parts if coarse else 1))
+    return Case(f"filter hist{' (top-p alone)' if coarse else ''}", filt.filter_hist_kernel,
+                sig, cst, 4)
+
+
 def cases() -> list[Case]:
     out = [_attention(False, t, 4) for t in (1, 2, 4)]
     out += [_attention(False, t, 8) for t in (1, 4)]
@@ -104,6 +133,8 @@ def cases() -> list[Case]:
     out += [_gdn(p, C, prec) for p in ("wy", "state") for C in (32, 64)
             for prec in ("ieee", "tf32")]
     out += [_fp8(False, False), _fp8(True, False), _fp8(True, True)]
+    out += [_filter("maxima"), _filter("mass", 0), _filter("mass", 1), _filter("hist"),
+            _filter("hist", coarse=False)]
     return out
 
 

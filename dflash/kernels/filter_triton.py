@@ -4,21 +4,27 @@
 A 16-bit logit has 65,536 possible values, so a row's order (logit descending, then id) is
 a histogram of its tokens over those values, read from the top. Only the tokens that can
 decide a cut are counted: global atomics cost about 30 µs per million tokens on an H200,
-so counting a whole 248,320-token vocabulary for 16 rows would cost over 100 µs. Up to
-ten launches:
+so counting a whole 248,320-token vocabulary for 16 rows would cost over 100 µs. Each
+launch is a phase that needs the one before it in every program of a row, so a row's
+small reductions are folded into the launch after them (every program of that launch
+repeats the reduction; program 0 of the row stores it): six launches with top-k, seven
+with top-p alone, no memset.
 
-1. ``filter_maxima_kernel`` (``[T, chunks]``): the top bin of each group of 256 tokens.
-2. ``filter_bound_kernel`` (one program per row): the row's top bin (the scaled logit
-   ``m`` every weight is relative to) and, with top-k, the lowest bin that can matter:
+1. ``filter_maxima_kernel`` (``[T, chunks]``): the top bin of each group of 256 tokens;
+   the programs also zero the row's histogram.
+2. ``filter_bound_kernel`` (one program per row), with top-k: the row's top bin (the
+   scaled logit ``m`` every weight is relative to) and the lowest bin that can matter:
    the ``k``-th largest group maximum (``k`` tokens lie at or above it, so the ``k``-th
-   token does).
-3. Top-p alone, whose cut may lie deep in a flat row, in two levels of two launches
-   (:func:`launch_filter_nucleus`): ``filter_mass_kernel`` (``[T, chunks]``) sums every
-   token's top-p weight by eighth of 64 buckets of ``s - m`` (integer sums in per-lane
-   accumulators, exact in any order), and min-p's lowest kept bin;
-   ``filter_nucleus_kernel`` (one program per row) finds the eighth where the running
-   mass reaches ``top_p * Z``. The second level sums that eighth's tokens by bucket and
-   finds the bucket, and the mass above it. Only that bucket's tokens are counted next.
+   token does). Without top-k the bound is 0 (every token), and top-p alone finds the top
+   bin in its first mass launch.
+3. Top-p alone, whose cut may lie deep in a flat row, in two levels
+   (:func:`launch_filter_nucleus`) of ``filter_mass_kernel`` (``[T, chunks]``): level 0
+   finds the row's top bin from the group maxima and sums every token's top-p weight by
+   eighth of 64 buckets of ``s - m`` (integer sums in per-lane accumulators, exact in any
+   order), and min-p's lowest kept bin. Level 1 first finds the eighth where the running
+   mass reaches ``top_p * Z`` from level 0's partials (:func:`_cut`), then sums that
+   eighth's tokens by bucket. The histogram launch finds the bucket and the mass above it
+   from level 1's partials; only that bucket's tokens are counted.
 4. ``filter_hist_kernel`` (``[T, chunks]``): each token that can matter adds one to the
    bin of its logit's bits, mapped to an order-preserving index (``-0.0`` counted as
    ``+0.0``). Integer atomics: the counts do not depend on the order they land in.
@@ -92,9 +98,12 @@ def _weight(s, m):  # type: ignore[no-untyped-def]  # Triton values are untyped
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
 def filter_maxima_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
-    bits16, maxima,  # [T, V] int16 (the logits' bits); [T, chunks * SUB] int32
-    V, BV: tl.constexpr, SUB: tl.constexpr,
+    bits16, maxima, hist,  # [T, V] int16 (the logits' bits); [T, chunks * SUB] i32; [T, NBINS]
+    V, chunks, BV: tl.constexpr, SUB: tl.constexpr,
 ):
+    """The top bin of each group of ``BV // SUB`` tokens; the row's ``chunks`` programs
+    also zero its histogram, ``BV`` bins at a time (no memset launch before the
+    histogram's)."""
     i_t = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
     o_v = i_c * BV + tl.arange(0, BV)
@@ -102,7 +111,12 @@ def filter_maxima_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are
     u = tl.load(bits16 + i_t * V + o_v, mask=m_v, other=0).to(tl.int32) & 0xFFFF
     b = tl.reshape(tl.where(m_v, _bin_of(u), -1), [SUB, BV // SUB])
     o_s = tl.arange(0, SUB)
-    tl.store(maxima + (i_t * tl.num_programs(1) + i_c) * SUB + o_s, tl.max(b, 1))
+    tl.store(maxima + (i_t * chunks + i_c) * SUB + o_s, tl.max(b, 1))
+    o_b = tl.arange(0, BV)
+    z = i_c * BV
+    while z < 65536:
+        tl.store(hist + i_t * 65536 + z + o_b, tl.zeros([BV], dtype=tl.int32))
+        z += chunks * BV
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
@@ -136,25 +150,71 @@ def _bucket(s, m, NB: tl.constexpr):  # type: ignore[no-untyped-def]  # untyped 
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def _partials(masses, i_t, chunks, BC: tl.constexpr):  # type: ignore[no-untyped-def]  # untyped values
+    """A row's mass by eighth: the sum of its ``chunks`` partials ``[8]`` (int64, exact)."""
+    o_c = tl.arange(0, BC)
+    o_8 = tl.arange(0, 8)
+    p_m = masses + (i_t * chunks + o_c[:, None]) * 8 + o_8[None, :]
+    return tl.sum(tl.load(p_m, mask=(o_c < chunks)[:, None], other=0), 0)
+
+
+@triton.jit
+def _cut(per, start, z, top_p):  # type: ignore[no-untyped-def]  # Triton values are untyped
+    """The first of 8 slices ``per`` (int64 masses, in order) where the running mass from
+    ``start`` reaches ``top_p * z`` (the last when none does), and the mass above it."""
+    o_8 = tl.arange(0, 8)
+    cum = start + tl.cumsum(per, 0)
+    target = top_p * z.to(tl.float64)
+    first = tl.min(tl.where((cum.to(tl.float64) >= target) & (per > 0), o_8, 8), 0)
+    first = tl.minimum(first, 7)
+    return first, tl.sum(tl.where(o_8 == first, cum - per, 0), 0)
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
 def filter_mass_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
-    bits16, tops, coarse, masses, lowest,  # [T, V] i16; [T] i32 x2; [T, chunks, 8] i64; ...
-    inv_t, log_min_p, V,  # ... lowest: [T, chunks] i32 (min-p's lowest kept bin, level 0)
+    bits16, maxima, tops, masses, lowest,  # [T, V] i16; [T, n] i32; [T] i32; [T, chunks, 8]
+    prior, coarse, above, total, least,  # i64 x2; lowest [T, chunks] i32; [T] i32 i64 i64 i32
+    inv_t, log_min_p, top_p, V, n,
     LEVEL: tl.constexpr, HAS_MIN_P: tl.constexpr, IS_BF16: tl.constexpr,
-    BV: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr,
+    BV: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, BN: tl.constexpr,
+    BC: tl.constexpr,
 ):
     """One level of top-p's mass: every token's weight summed by eighth of the ``NB``
-    buckets of ``s - m`` — level 0: by bucket ``// 8`` (every token); level 1: by bucket
-    ``% 8``, the tokens of the row's ``coarse`` eighth only. Integer sums, exact in any
-    order; the sums stay in per-lane accumulators until the chunk's end."""
+    buckets of ``s - m`` into ``masses`` — level 0: by bucket ``// 8`` (every token);
+    level 1: by bucket ``% 8``, the tokens of the row's coarse eighth only. Integer sums,
+    exact in any order; the sums stay in per-lane accumulators until the chunk's end.
+
+    Each level first finishes the launch before it, in every program: level 0 takes the
+    row's top bin from the ``n`` group ``maxima``; level 1 sums level 0's partials
+    (``prior``) into ``Z`` and finds the coarse eighth, the mass above it and min-p's
+    lowest kept bin. Program 0 of the row stores them (``tops``; ``total``, ``coarse``,
+    ``above``, ``least``) for the launches after."""
     tl.static_assert(NB == 64, "the two levels split 64 buckets into 8 eighths of 8")
     i_t = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
-    m = _logit_of(tl.load(tops + i_t), IS_BF16) * inv_t
-    low = m + log_min_p
+    chunks = tl.num_programs(1)
     o_8 = tl.arange(0, 8)
     inside = -1
-    if LEVEL == 1:
-        inside = tl.load(coarse + i_t)
+    if LEVEL == 0:
+        o_n = tl.arange(0, BN)
+        top = tl.max(tl.load(maxima + i_t * n + o_n, mask=o_n < n, other=-1), 0)
+        if i_c == 0:
+            tl.store(tops + i_t, top)
+    else:
+        top = tl.load(tops + i_t)
+        per = _partials(prior, i_t, chunks, BC)
+        z = tl.sum(per, 0)
+        inside, mass_above = _cut(per, tl.zeros([], dtype=tl.int64), z, top_p)
+        if i_c == 0:
+            tl.store(total + i_t, z)
+            tl.store(coarse + i_t, inside)
+            tl.store(above + i_t, mass_above)
+            if HAS_MIN_P:
+                o_c = tl.arange(0, BC)
+                x = tl.load(lowest + i_t * chunks + o_c, mask=o_c < chunks, other=65536)
+                tl.store(least + i_t, tl.min(x, 0))
+    m = _logit_of(top, IS_BF16) * inv_t
+    low = m + log_min_p
     acc = tl.zeros([8, BS], dtype=tl.int64)
     least = 65536
     for sub in range(0, BV, BS):
@@ -172,61 +232,37 @@ def filter_mass_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are u
         acc += tl.where(key[None, :] == o_8[:, None], w[None, :], 0)
         if HAS_MIN_P:
             least = tl.minimum(least, tl.min(tl.where(m_v & (sv >= low), b, 65536), 0))
-    tl.store(masses + ((i_t * tl.num_programs(1) + i_c) * 8) + o_8, tl.sum(acc, 1))
+    tl.store(masses + ((i_t * chunks + i_c) * 8) + o_8, tl.sum(acc, 1))
     if LEVEL == 0:
-        tl.store(lowest + i_t * tl.num_programs(1) + i_c, least)
-
-
-@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
-def filter_nucleus_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
-    masses, lowest, coarse, above, total, least,  # partials; [T] i32, i64, i64, i32
-    top_p, chunks,
-    LEVEL: tl.constexpr, HAS_MIN_P: tl.constexpr, BC: tl.constexpr,
-):
-    """The eighth where the running mass reaches ``top_p * Z``: level 0 sums the row's
-    partials into Z and finds the coarse eighth (``coarse``) and the mass above it
-    (``above``); level 1 continues from that mass inside the eighth and leaves the
-    bucket (``coarse * 8 + eighth``) and the mass above the bucket."""
-    i_t = tl.program_id(0).to(tl.int64)
-    o_c = tl.arange(0, BC)
-    o_8 = tl.arange(0, 8)
-    p_m = masses + (i_t * chunks + o_c[:, None]) * 8 + o_8[None, :]
-    per = tl.sum(tl.load(p_m, mask=(o_c < chunks)[:, None], other=0), 0)  # [8], exact
-    if LEVEL == 0:
-        z = tl.sum(per, 0)
-        start = tl.zeros([], dtype=tl.int64)
-        tl.store(total + i_t, z)
-    else:
-        z = tl.load(total + i_t)
-        start = tl.load(above + i_t)
-    cum = start + tl.cumsum(per, 0)
-    target = top_p * z.to(tl.float64)
-    first = tl.min(tl.where((cum.to(tl.float64) >= target) & (per > 0), o_8, 8), 0)
-    first = tl.minimum(first, 7)
-    tl.store(above + i_t, tl.sum(tl.where(o_8 == first, cum - per, 0), 0))
-    if LEVEL == 0:
-        tl.store(coarse + i_t, first)
-        if HAS_MIN_P:
-            x = tl.load(lowest + i_t * chunks + o_c, mask=o_c < chunks, other=65536)
-            tl.store(least + i_t, tl.min(x, 0))
-    else:
-        tl.store(coarse + i_t, tl.load(coarse + i_t) * 8 + first)
+        tl.store(lowest + i_t * chunks + i_c, least)
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
 def filter_hist_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
-    bits16, bound, tops, bucket, hist,  # [T, V] i16; [T] i32 x3; [T, NBINS] i32, zeroed
-    inv_t, V,
+    bits16, bound, tops, hist,  # [T, V] i16; [T] i32 x2; [T, NBINS] i32, zeroed
+    masses, coarse, prior_above, total, bucket, above,  # top-p alone: level 1's partials
+    inv_t, top_p, V, parts,  # [T, parts, 8] i64, [T] i32 i64 i64; out: [T] i32 i64
     COARSE: tl.constexpr, IS_BF16: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
+    BC: tl.constexpr,
 ):
+    """Count each token that can matter into the bin of its logit. Top-p alone
+    (``COARSE``) first finishes the second mass level, in every program: the bucket where
+    the running mass reaches ``top_p * Z`` inside the coarse eighth, and the mass above it
+    (program 0 of the row stores them: ``bucket``, ``above``); only that bucket counts."""
     i_t = tl.program_id(0).to(tl.int64)
     o_v = tl.program_id(1) * BV + tl.arange(0, BV)
     m_v = o_v < V
     u = tl.load(bits16 + i_t * V + o_v, mask=m_v, other=0).to(tl.int32) & 0xFFFF
     b = _bin_of(u)
     if COARSE:
+        per = _partials(masses, i_t, parts, BC)
+        first, mass_above = _cut(per, tl.load(prior_above + i_t), tl.load(total + i_t), top_p)
+        cut = tl.load(coarse + i_t) * 8 + first
+        if tl.program_id(1) == 0:
+            tl.store(bucket + i_t, cut)
+            tl.store(above + i_t, mass_above)
         m = _logit_of(tl.load(tops + i_t), IS_BF16) * inv_t
-        m_b = m_v & (_bucket(_logit_of(b, IS_BF16) * inv_t, m, NB) == tl.load(bucket + i_t))
+        m_b = m_v & (_bucket(_logit_of(b, IS_BF16) * inv_t, m, NB) == cut)
     else:
         m_b = m_v & (b >= tl.load(bound + i_t))
     tl.atomic_add(hist + i_t * 65536 + b, 1, mask=m_b, sem="relaxed")
@@ -381,40 +417,50 @@ def filter_ties_pick_kernel(  # type: ignore[no-untyped-def]  # Triton pointers 
 
 
 def launch_filter_nucleus(
-    bits16: torch.Tensor, tops: torch.Tensor, inv_temperature: float, top_p: float,
+    bits16: torch.Tensor, maxima: torch.Tensor, inv_temperature: float, top_p: float,
     log_min_p: float | None, is_bf16: bool, *, chunk: int | None = None,
     block: int | None = None, warps: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top-p alone's coarse cut over ``bits16: [T, V]`` (the 16-bit logits' bits) with the
-    rows' top bins ``tops: [T]``: ``(bucket [T] int32, above [T] int64, total [T] int64,
-    least [T] int32)`` — the bucket of ``s - m`` (of :data:`BUCKETS`) where the running
-    mass reaches ``top_p * Z``, the mass above it, ``Z``, and min-p's lowest kept bin
-    (``log_min_p``: ``log(min_p)``, None when off; ``least`` is then unwritten). Two mass
-    passes of 8 eighths each, then 8 within the eighth, each with its nucleus launch.
-    ``chunk`` (tokens per program), ``block`` (tokens per step) and ``warps`` default to
-    the measured best (:data:`MASS_CHUNK`, :data:`MASS_BLOCK`, :data:`MASS_WARPS`); every
-    choice gives the same integers."""
+) -> dict[str, torch.Tensor]:
+    """Top-p alone's two mass launches over ``bits16: [T, V]`` (the 16-bit logits' bits)
+    with the rows' group maxima ``maxima: [T, n]`` (:func:`filter_maxima_kernel`). Returns
+    the tensors the histogram and the scan read: ``tops`` ``[T]`` int32 (the rows' top
+    bins), ``masses`` ``[T, parts, 8]`` int64 (level 1's partials inside the coarse
+    eighth), ``coarse`` ``[T]`` int32 (that eighth of the :data:`BUCKETS` buckets of
+    ``s - m``), ``above`` ``[T]`` int64 (the mass above it), ``total`` ``[T]`` int64
+    (``Z``) and ``least`` ``[T]`` int32 (min-p's lowest kept bin; ``log_min_p`` is
+    ``log(min_p)``, None when off, and ``least`` is then unwritten). ``chunk`` (tokens per
+    program), ``block`` (tokens per step) and ``warps`` default to the measured best
+    (:data:`MASS_CHUNK`, :data:`MASS_BLOCK`, :data:`MASS_WARPS`); every choice gives the
+    same integers (``masses`` summed over its parts)."""
     chunk, block = chunk or MASS_CHUNK, block or MASS_BLOCK
     T, V = bits16.shape
+    n = maxima.shape[1]
     device = bits16.device
     parts = triton.cdiv(V, chunk)
-    masses = torch.empty(T, parts, 8, dtype=torch.int64, device=device)
-    lowest = torch.empty(T, parts, dtype=torch.int32, device=device)
-    bucket, least = (torch.empty(T, dtype=torch.int32, device=device) for _ in range(2))
-    above, total = (torch.empty(T, dtype=torch.int64, device=device) for _ in range(2))
-    has_min_p = log_min_p is not None
-    for level in (0, 1):
+
+    def ints(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype, device=device)
+
+    out = {
+        "tops": ints(T), "masses": ints(T, parts, 8, dtype=torch.int64), "coarse": ints(T),
+        "above": ints(T, dtype=torch.int64), "total": ints(T, dtype=torch.int64),
+        "least": ints(T),
+    }
+    prior, lowest = ints(T, parts, 8, dtype=torch.int64), ints(T, parts)
+    for level, masses in ((0, prior), (1, out["masses"])):
         filter_mass_kernel[(T, parts)](
-            bits16, tops, bucket, masses, lowest, inv_temperature, log_min_p or 0.0, V,
-            LEVEL=level, HAS_MIN_P=has_min_p and level == 0, IS_BF16=is_bf16, BV=chunk,
-            BS=block, NB=BUCKETS, num_warps=warps or MASS_WARPS,
+            bits16, maxima, out["tops"], masses, lowest, prior, out["coarse"], out["above"],
+            out["total"], out["least"], inv_temperature, log_min_p or 0.0, top_p, V, n,
+            LEVEL=level, HAS_MIN_P=log_min_p is not None, IS_BF16=is_bf16, BV=chunk,
+            BS=block, NB=BUCKETS, BN=block_of(n), BC=block_of(parts),
+            num_warps=warps or MASS_WARPS,
         )
-        filter_nucleus_kernel[(T,)](
-            masses, lowest, bucket, above, total, least, top_p, parts,
-            LEVEL=level, HAS_MIN_P=has_min_p, BC=max(16, triton.next_power_of_2(parts)),
-            num_warps=4,
-        )
-    return bucket, above, total, least
+    return out
+
+
+def block_of(n: int) -> int:
+    """The lanes of a block that holds ``n`` entries: a power of two, at least 16."""
+    return max(16, 1 << (n - 1).bit_length())
 
 
 def launch_filter_floors(
@@ -438,23 +484,33 @@ def launch_filter_floors(
     def ints(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.empty(*shape, dtype=dtype, device=device)
 
-    hist = torch.zeros(T, NBINS, dtype=torch.int32, device=device)
-    maxima, tops, bound = ints(T, chunks * GROUPS), ints(T), ints(T)
-    bucket, least, cut_bin, counts = ints(T), ints(T), ints(T), ints(T, chunks)
-    above, totals, cut_rank = (ints(T, dtype=torch.int64) for _ in range(3))
-    filter_maxima_kernel[(T, chunks)](bits16, maxima, V, BV=CHUNK, SUB=GROUPS, num_warps=4)
+    hist = ints(T, NBINS)  # zeroed by the maxima launch
     n = chunks * GROUPS
-    filter_bound_kernel[(T,)](
-        maxima, tops, bound, n, top_k if has_k else 0,
-        HAS_K=has_k, BN=max(16, triton.next_power_of_2(n)), num_warps=8,
+    maxima, bound, cut_bin, counts = ints(T, n), ints(T), ints(T), ints(T, chunks)
+    cut_rank = ints(T, dtype=torch.int64)
+    filter_maxima_kernel[(T, chunks)](
+        bits16, maxima, hist, V, chunks, BV=CHUNK, SUB=GROUPS, num_warps=4
     )
-    if coarse:
-        bucket, above, totals, least = launch_filter_nucleus(
-            bits16, tops, inv_temperature, top_p, log_min_p if has_min_p else None, is_bf16
+    if coarse:  # the top bins come from the first mass launch; the bound is not read
+        m = launch_filter_nucleus(
+            bits16, maxima, inv_temperature, top_p, log_min_p if has_min_p else None, is_bf16
         )
+        tops, parts = m["tops"], m["masses"].shape[1]
+        nucleus = (m["masses"], m["coarse"], m["above"], m["total"])
+        above, totals, least = ints(T, dtype=torch.int64), m["total"], m["least"]
+    else:
+        tops, parts = ints(T), 1
+        filter_bound_kernel[(T,)](
+            maxima, tops, bound, n, top_k if has_k else 0,
+            HAS_K=has_k, BN=block_of(n), num_warps=8,
+        )
+        above, totals, least = (ints(T, dtype=torch.int64) for _ in range(3))
+        nucleus = (above, bound, above, above)  # not read without top-p alone
+    bucket = ints(T)
     filter_hist_kernel[(T, chunks)](
-        bits16, bound, tops, bucket, hist, inv_temperature, V,
-        COARSE=coarse, IS_BF16=is_bf16, BV=CHUNK, NB=BUCKETS, num_warps=4,
+        bits16, bound, tops, hist, *nucleus, bucket, above, inv_temperature, top_p, V, parts,
+        COARSE=coarse, IS_BF16=is_bf16, BV=CHUNK, NB=BUCKETS, BC=block_of(parts),
+        num_warps=4,
     )
     filter_scan_kernel[(T,)](
         hist, tops, above, totals, least, floor, floor_id, cut_bin, cut_rank,
@@ -467,6 +523,6 @@ def launch_filter_floors(
     )
     filter_ties_pick_kernel[(T, chunks)](
         bits16, cut_bin, cut_rank, counts, floor_id, V, chunks,
-        BV=CHUNK, BC=max(16, triton.next_power_of_2(chunks)), num_warps=4,
+        BV=CHUNK, BC=block_of(chunks), num_warps=4,
     )
     return floor, floor_id

@@ -70,6 +70,39 @@ def test_triton_equals_the_reference(dtype: torch.dtype, V: int) -> None:
         assert torch.equal(got[1], ref[1]), (k, p, mp, got, ref)
 
 
+class _PoisonedScratch:
+    """``torch`` as :mod:`dflash.kernels.filter_triton` sees it, except that every scratch
+    tensor it allocates starts full of garbage (NaN, or -123,457 for integers), so a
+    buffer read before a launch writes it (the histogram before its zeroing, a partial
+    before its level) changes the floors."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*shape: int, dtype: torch.dtype = torch.float32, device: object = None
+              ) -> torch.Tensor:
+        t: torch.Tensor = torch.empty(*shape, dtype=dtype, device=device)  # type: ignore[call-overload]  # the device as the kernels' module gives it
+        return t.fill_(NAN if dtype.is_floating_point else -123_457)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_no_scratch_is_read_before_it_is_written(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Top-p alone (two mass levels folded into the launches after them), top-k, min-p and
+    all three on rows of several chunks, every scratch tensor poisoned."""
+    from dflash.kernels import filter_triton
+
+    monkeypatch.setattr(filter_triton, "torch", _PoisonedScratch())
+    logits = hostile_rows(CHUNK + 3, dtype, seed=5)
+    for k, p, mp in [(0, 0.9, 0.0), (0, 0.8, 0.2), (40, 1.0, 0.05), (20, 0.95, 0.02)]:
+        got = run_triton(logits, 1 / 0.7, k, p, mp)
+        ref = filter_floors_reference(logits, float(torch.tensor(1 / 0.7).float()), k, p, mp)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (k, p, mp)
+
+
 @needs_interpreter
 def test_a_rows_floor_does_not_depend_on_the_call() -> None:
     logits = hostile_rows(700, torch.bfloat16, seed=1)

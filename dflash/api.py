@@ -467,7 +467,7 @@ class LLM:
             for s in stops:
                 require_utf8(s, "stop")
             self._need_tokenizer("stop")
-        ids = self._encode(prompt)
+        ids = self.encode(prompt)
         check_positions(self.model, len(ids), n, self.slots, self.max_context)
         return _Request(ids, n, stops, sampling)
 
@@ -479,7 +479,15 @@ class LLM:
             )
         return self.tokenizer
 
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """The token ids a generation of ``prompt`` starts from: text tokenized by the
+        model's tokenizer (it needs one), or token ids checked against the vocabulary.
+        Passing the ids back as the prompt gives the same generation.
+
+        Raises:
+            ArgumentError: an empty prompt, text without a tokenizer or that is not valid
+                UTF-8 or encodes to nothing, an entry that is not a token id of the model.
+        """
         vocab = self.model.config.vocab_size
         if isinstance(prompt, str):
             if not prompt:

@@ -69,6 +69,11 @@ class SamplingParams:
                 )
 
         number("temperature", self.temperature, 0.0, 100.0, False)
+        if self.temperature > 0 and math.isinf(inverse_temperature(self)):
+            raise SamplingError(
+                f"'temperature' must be 0 (greedy) or large enough that 1 / temperature is "
+                f"finite in float32, about 2.95e-39 or more (got {self.temperature!r})"
+            )
         number("top_p", self.top_p, 0.0, 1.0, True)
         number("min_p", self.min_p, 0.0, 1.0, False)
         for name, value, hi in (("top_k", self.top_k, 2**31 - 1), ("seed", self.seed, 2**63 - 1)):

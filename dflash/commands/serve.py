@@ -67,9 +67,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"dflash serve needs {' and '.join(missing)}: pip install 'dflash[serve]'"
         )
-    from dflash.serve import ServeConfig, run_server
+    from dflash.serve import ServeConfig, listen, run_server
 
-    for flag, value, low in (("--port", args.port, 0), ("--queue-size", args.queue_size, 0),
+    for flag, value, low in (("--queue-size", args.queue_size, 0),
                              ("--default-max-tokens", args.default_max_tokens, 1)):
         if value < low:
             raise UsageError(f"{flag} must be >= {low} (got {value})")
@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
                           ("--request-timeout", args.request_timeout)):
         if not seconds > 0 or seconds == float("inf"):
             raise UsageError(f"{flag} must be a number of seconds > 0 (got {seconds})")
+    sock = listen(args.host, args.port)  # before the model loads: a taken port fails at once
     devices = args.devices or ("cuda:0" if _cuda() else "cpu")
     llm = dflash.load(
         model=args.model, draft=None if args.draft == "none" else args.draft, device=devices,
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"dflash serve: {name!r} at {url}/v1 (drafter {args.draft}, {devices})",
               file=sys.stderr, flush=True)
 
-    run_server(llm, config, args.host, args.port, on_ready=ready)
+    run_server(llm, config, sock, on_ready=ready)
     return 0
 
 

@@ -6,27 +6,33 @@ OpenAI error, never a traceback), streams SSE with a plain async generator, and 
 OpenAPI description of the endpoints at ``/docs``; uvicorn is the ASGI server it is made
 for, and stops on SIGTERM by refusing new connections and finishing the requests in flight.
 
-One generation runs at a time (the engine's regime: batch 1). A request waits in a bounded
-queue (:attr:`ServeConfig.queue_size` waiting; one more is a 429 with ``Retry-After``) for
-at most :attr:`ServeConfig.queue_timeout_s`, then decodes through :meth:`LLM.stream`; its
-pieces go to the client as they are committed. A client that disconnects stops its
+One generation runs at a time (the engine's regime: batch 1). A request is checked first —
+its prompt rendered and tokenized once, off the event loop, and every argument checked by
+:meth:`LLM.stream` — so a bad request is a 400 at once, never after a wait in the queue.
+It then waits in a bounded queue (:attr:`ServeConfig.queue_size` waiting behind the one
+decoding; one more is a 429 with ``Retry-After``) for at most
+:attr:`ServeConfig.queue_timeout_s`, then decodes; its pieces go to the client as they
+are committed. A client that disconnects stops its
 decode at the next step and frees the engine for the next request; so does a generation
 that runs past :attr:`ServeConfig.request_timeout_s` (a 504, or an error event in a
 stream already under way).
 
 Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``: a body that is
 not JSON, an unknown field, a wrong type, a value out of range, an empty ``messages``,
-a prompt past the context → 400; an unknown model → 404; a full queue → 429; no turn
-within the queue timeout → 503; a generation past the request timeout → 504; a decode
-that fails → 500 with its one-line reason. The process keeps serving after every one.
+a prompt past the context → 400; an unknown model or path → 404; a wrong method → 405; a
+full queue → 429; no turn within the queue timeout → 503; a generation past the request
+timeout → 504; a decode that fails → 500 with its one-line reason (in a stream already
+under way: an error event, then the stream ends). The process keeps serving after every
+one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import json
 import math
 import secrets
+import socket
 import threading
 import time
 import uuid
@@ -40,6 +46,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 from dflash.api import LLM, STREAM_THREAD, TextStream
 from dflash.errors import DFlashError, UsageError
@@ -72,7 +79,7 @@ class ServeConfig:
     """How the server admits and sizes requests."""
 
     model_name: str
-    queue_size: int = 16  # requests that may wait while one decodes
+    queue_size: int = 16  # requests that may wait while one decodes (0: none wait)
     queue_timeout_s: float = 600.0  # the longest a request waits for the engine
     request_timeout_s: float = 600.0  # the longest a generation decodes once admitted
     default_max_tokens: int = 512  # a request's budget when it names none
@@ -216,28 +223,35 @@ class Engine:
         self.metrics = Metrics()
         self.waiting = 0
         self.busy = False
+        self._admitted = 0  # the request decoding (if any) and those waiting for it
         self._lock = asyncio.Lock()
 
     async def acquire(self) -> None:
-        """Wait for the engine's turn (refused at once when the queue is full, or after the
-        queue timeout); :meth:`release` ends it."""
-        if self.waiting >= self.config.queue_size:
+        """Wait for the engine's turn (refused at once when ``queue_size`` requests wait
+        behind the one decoding, or after the queue timeout); :meth:`release` ends it.
+        The count is taken before the first ``await``: admission is exact."""
+        if self._admitted > self.config.queue_size:
             raise ServeError(429, f"the queue is full ({self.waiting} requests waiting); "
                              "retry later", "rate_limit_exceeded", code="queue_full",
                              headers={"Retry-After": "1"})
+        self._admitted += 1
         self.waiting += 1
         try:
             await asyncio.wait_for(self._lock.acquire(), self.config.queue_timeout_s)
-        except TimeoutError:
-            raise ServeError(503, f"no turn within {self.config.queue_timeout_s:g} s",
-                             "server_error", code="queue_timeout",
-                             headers={"Retry-After": "5"}) from None
+        except BaseException as exc:
+            self._admitted -= 1
+            if isinstance(exc, TimeoutError):
+                raise ServeError(503, f"no turn within {self.config.queue_timeout_s:g} s",
+                                 "server_error", code="queue_timeout",
+                                 headers={"Retry-After": "5"}) from None
+            raise
         finally:
             self.waiting -= 1
         self.busy = True
 
     def release(self) -> None:
         self.busy = False
+        self._admitted -= 1
         self._lock.release()
 
     @asynccontextmanager
@@ -287,52 +301,53 @@ class _StreamBody:
         self._finish()
 
 
-@dataclass(frozen=True)
-class _Job:
-    prompt: str | list[int]
-    max_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    seed: int
-    stop: list[str]
-    chat: bool = True
-
-
-def _job(body: ChatCompletionRequest | CompletionRequest, prompt: str | list[int],
-         llm: LLM, config: ServeConfig) -> _Job:
+def _prepare(llm: LLM, config: ServeConfig, body: ChatCompletionRequest | CompletionRequest,
+             prompt: str | list[int], where: str) -> TextStream:
+    """The request's checked stream (the decode starts when it is first read): ``prompt``
+    tokenized once, the default budget fitted to what the context leaves, and every
+    argument checked by :meth:`LLM.stream`; a refused one is a 400 naming it (``where``:
+    the field that holds the prompt). Runs in a worker thread: tokenizing a long prompt
+    must not stall the event loop."""
+    try:
+        ids = llm.encode(prompt)
+    except UsageError as exc:
+        raise ServeError(400, str(exc), "invalid_request_error", where) from None
+    budget = body.budget()
+    if budget is None:  # the default, within what the context leaves after the prompt
+        limit = llm.max_context or llm.model.config.max_position_embeddings
+        room = limit - len(ids) - llm.block_size + 2  # the last verify's block included
+        if room < 1:
+            raise ServeError(
+                400, f"the prompt's {len(ids)} tokens leave no room to generate in the "
+                f"context of {limit} positions", "invalid_request_error", where,
+                "context_length_exceeded")
+        budget = min(config.default_max_tokens, room)
     temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
     # OpenAI's rule: without a seed a sampled completion is not reproducible
     seed = body.seed if body.seed is not None else secrets.randbits(62)
-    budget = body.budget()
-    if budget is None:  # the default, within what the context leaves after the prompt
-        budget = max(1, min(config.default_max_tokens, _room(llm, prompt)))
-    return _Job(prompt, budget, temperature, body.top_k or 0,
-                1.0 if body.top_p is None else body.top_p, body.min_p or 0.0, seed,
-                body.stops())
-
-
-def _room(llm: LLM, prompt: str | list[int]) -> int:
-    """Tokens the context leaves after ``prompt`` (the last verify's block included)."""
-    assert llm.tokenizer is not None  # create_app refuses a model without one
-    n = len(prompt) if isinstance(prompt, list) else len(llm.tokenizer.encode(prompt))
-    limit = llm.max_context or llm.model.config.max_position_embeddings
-    return limit - n - llm.block_size + 2
-
-
-def _open_stream(llm: LLM, job: _Job) -> TextStream:
-    """:meth:`LLM.stream` of ``job``; a refused argument becomes a 400 naming it."""
     try:
-        return llm.stream(job.prompt, max_new_tokens=job.max_tokens,
-                          temperature=job.temperature, top_k=job.top_k, top_p=job.top_p,
-                          min_p=job.min_p, seed=job.seed, stop=job.stop or None)
+        return llm.stream(ids, max_new_tokens=budget, temperature=temperature,
+                          top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
+                          min_p=body.min_p or 0.0, seed=seed, stop=body.stops() or None)
     except ContextLengthError as exc:
-        where = "messages" if job.chat else "prompt"
         raise ServeError(400, str(exc).replace("max_new_tokens", "max_tokens"),
                          "invalid_request_error", where, "context_length_exceeded") from None
     except UsageError as exc:
-        raise ServeError(400, str(exc), "invalid_request_error") from None
+        raise ServeError(400, str(exc), "invalid_request_error", _named(exc)) from None
+
+
+#: the request fields a library error can name (its message quotes the argument)
+_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+           "min_p": "min_p", "seed": "seed", "stop": "stop",
+           "max_new_tokens": "max_tokens"}
+
+
+def _named(exc: UsageError) -> str | None:
+    """The request field a library error names first (``'top_k' must …``), if any."""
+    text = str(exc)
+    found = [(text.find(f"'{arg}'"), field) for arg, field in _FIELDS.items()
+             if f"'{arg}'" in text]
+    return min(found)[1] if found else None
 
 
 _END = object()
@@ -388,8 +403,18 @@ def _finish(r: GenerationResult) -> str:
     return "length" if r.stop_reason == "max_new_tokens" else "stop"
 
 
+def _openai(model: BaseModel) -> dict[str, Any]:
+    """``model`` as OpenAI writes it: fields that are None left out, except each choice's
+    ``finish_reason`` and ``logprobs``, which OpenAI always sends (null until the end)."""
+    data = model.model_dump(exclude_none=True)
+    for choice in data.get("choices", ()):
+        choice.setdefault("finish_reason", None)
+        choice.setdefault("logprobs", None)
+    return data
+
+
 def _sse(model: BaseModel) -> str:
-    return f"data: {model.model_dump_json(exclude_none=True)}\n\n"
+    return f"data: {json.dumps(_openai(model), ensure_ascii=False)}\n\n"
 
 
 # -- the app ----------------------------------------------------------------------------------
@@ -416,6 +441,18 @@ def create_app(llm: LLM, config: ServeConfig) -> FastAPI:
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return await _serve_error(request, _validation_error(exc.errors()))
 
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        # Starlette's own answers (no such path, a method the path does not take) in
+        # OpenAI's shape, counted like every other answer
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        message = {404: f"no such endpoint: {request.method} {request.url.path}",
+                   405: f"{request.url.path} does not take {request.method}"}
+        return await _serve_error(request, ServeError(
+            exc.status_code, message.get(exc.status_code, str(exc.detail)),
+            "invalid_request_error", code=codes.get(exc.status_code),
+            headers=dict(exc.headers or {})))
+
     @app.exception_handler(Exception)
     async def _failed(request: Request, exc: Exception) -> JSONResponse:
         first = (str(exc).splitlines() or [""])[0][:300]
@@ -437,6 +474,12 @@ def create_app(llm: LLM, config: ServeConfig) -> FastAPI:
         engine.metrics.request("/v1/models", 200)
         return ModelList(data=[ModelCard(id=config.model_name, created=created)])
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        _check_model(model_id)
+        engine.metrics.request("/v1/models/{model}", 200)
+        return ModelCard(id=config.model_name, created=created)
+
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(engine.metrics.render(engine.waiting, engine.busy),
@@ -447,19 +490,23 @@ def create_app(llm: LLM, config: ServeConfig) -> FastAPI:
         body = await _parse(request, ChatCompletionRequest)
         _check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            prompt = llm.render_chat(messages)
-        except DFlashError as exc:
-            raise ServeError(400, str(exc), "invalid_request_error", "messages") from None
-        job = _job(body, prompt, llm, config)
-        return await _answer(request, engine, job, body, chat=True)
+
+        def prepare() -> TextStream:
+            try:
+                prompt = llm.render_chat(messages)
+            except DFlashError as exc:
+                raise ServeError(400, str(exc), "invalid_request_error", "messages") from None
+            return _prepare(llm, config, body, prompt, "messages")
+
+        stream = await asyncio.to_thread(prepare)
+        return await _answer(request, engine, stream, body, chat=True)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> JSONResponse | StreamingResponse:
         body = await _parse(request, CompletionRequest)
         _check_model(body.model)
-        job = dataclasses.replace(_job(body, body.prompt, llm, config), chat=False)
-        return await _answer(request, engine, job, body, chat=False)
+        stream = await asyncio.to_thread(_prepare, llm, config, body, body.prompt, "prompt")
+        return await _answer(request, engine, stream, body, chat=False)
 
     return app
 
@@ -473,23 +520,32 @@ async def _parse(request: Request, model: type[Any]) -> Any:
 
 
 def _validation_error(errors: Any) -> ServeError:
-    """The first validation error as a 400 naming its field (malformed JSON included)."""
+    """The first validation error as a 400 naming its field and value (malformed JSON
+    included). The schema's own checks (``value_error``) word their message in full."""
     first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     kind = str(first.get("type", ""))
+    msg = str(first.get("msg", "invalid"))
     if kind == "json_invalid":
-        message = f"the body is not valid JSON: {first.get('msg', '')}"
+        message = f"the body is not valid JSON: {msg}"
     elif kind == "extra_forbidden":
         message = f"unknown field {param!r}"
+    elif kind == "value_error":
+        message = msg.removeprefix("Value error, ")
+    elif kind == "missing" or "input" not in first:
+        message = f"{param or 'body'}: {msg}"
     else:
-        message = f"{param or 'body'}: {first.get('msg', 'invalid')}"
+        shown = repr(first["input"])
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        message = f"{param or 'body'}: {msg} (got {shown})"
     return ServeError(400, message, "invalid_request_error", param, kind or None)
 
 
-async def _answer(request: Request, engine: Engine, job: _Job,
+async def _answer(request: Request, engine: Engine, stream: TextStream,
                   body: ChatCompletionRequest | CompletionRequest, *, chat: bool
                   ) -> JSONResponse | StreamingResponse:
+    """Answer with ``stream`` (checked, not started) once the engine's turn comes."""
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     name = engine.config.model_name
@@ -498,11 +554,6 @@ async def _answer(request: Request, engine: Engine, job: _Job,
         # admitted (or refused with a 429) before the response starts
         await engine.acquire()
         finish = _Once(engine.release)
-        try:
-            stream = _open_stream(engine.llm, job)
-        except BaseException:
-            finish()
-            raise
         engine.metrics.request(path, 200)
         events = _events(engine, finish, stream, ident, created, name, chat,
                          body.include_usage())
@@ -512,7 +563,6 @@ async def _answer(request: Request, engine: Engine, job: _Job,
         )
     async with engine.turn():
         start = time.perf_counter()
-        stream = _open_stream(engine.llm, job)
         first: float | None = None
         try:
             async for _ in _pieces(stream, engine):
@@ -539,7 +589,7 @@ async def _answer(request: Request, engine: Engine, job: _Job,
         answer = Completion(id=ident, created=created, model=name, usage=usage,
                             choices=[CompletionChoice(text=text, finish_reason=_finish(r))],  # type: ignore[arg-type]  # a FinishReason literal
                             dflash=_figures(r))
-    return JSONResponse(answer.model_dump(exclude_none=True))
+    return JSONResponse(_openai(answer))
 
 
 async def _events(engine: Engine, finish: _Once, stream: TextStream, ident: str,
@@ -564,8 +614,8 @@ async def _events(engine: Engine, finish: _Once, stream: TextStream, ident: str,
                                                 code=exc.code))
             yield f"data: {error.model_dump_json()}\n\n"
             return
-        except DFlashError as exc:  # the status is sent: the error goes in the stream
-            finished = True
+        except Exception as exc:  # a failed decode: the status is sent, the error goes in
+            finished = True  # the stream (a 500's one-line reason), and the stream ends
             error = ErrorBody(error=ErrorDetail(
                 message=f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}",
                 type="server_error"))
@@ -604,27 +654,55 @@ def _chunk(ident: str, created: int, name: str, chat: bool, piece: str | None,
         CompletionChoice(text=piece or "", finish_reason=finish)])  # type: ignore[arg-type]  # as above
 
 
-def run_server(llm: LLM, config: ServeConfig, host: str, port: int,
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` (port 0: one the system picks), opened before
+    any model is loaded, so an address in use or a host that does not resolve is a
+    :class:`~dflash.errors.UsageError` naming it, at once; connections that arrive while
+    the model loads wait in its backlog."""
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535] (got {port})")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {host}:{port}: {exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def run_server(llm: LLM, config: ServeConfig, sock: socket.socket,
                on_ready: Callable[[str], None] | None = None) -> None:
-    """Serve until SIGTERM / Ctrl-C (uvicorn: new connections refused, requests in flight
-    finished within 30 s, then cancelled). After a SIGTERM the function returns (the
-    process exits 0); after Ctrl-C uvicorn raises KeyboardInterrupt once it has stopped."""
+    """Serve on ``sock`` (from :func:`listen`: already listening, so ``on_ready`` gets
+    its URL first) until SIGTERM / Ctrl-C (uvicorn: new connections refused, requests in
+    flight finished within 30 s, then cancelled). After a SIGTERM the function returns
+    (the process exits 0); after Ctrl-C uvicorn raises KeyboardInterrupt once it has
+    stopped."""
     import signal
 
     import uvicorn
 
     app = create_app(llm, config)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           timeout_graceful_shutdown=30))
+    host, port = sock.getsockname()[:2]
     if on_ready is not None:
-        on_ready(f"http://{host}:{port}")
+        on_ready(f"http://{f'[{host}]' if ':' in host else host}:{port}")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                           timeout_graceful_shutdown=30))
     # uvicorn handles SIGTERM itself, then raises it again under the handler it found: a
     # handler that does nothing makes that a clean return, not death by the signal
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
+        sock.close()
 
 
-__all__ = ["Engine", "Metrics", "ServeConfig", "ServeError", "create_app", "run_server"]
+__all__ = ["Engine", "Metrics", "ServeConfig", "ServeError", "create_app", "listen",
+           "run_server"]

@@ -4,15 +4,20 @@ the field, never a silent default.
 
 Fields OpenAI defines that change nothing here are accepted at their neutral values only
 (``n`` = 1, ``frequency_penalty`` / ``presence_penalty`` = 0, ``logprobs`` off, no
-``tools``): any other value is refused with the field named, rather than ignored. Extra
-sampling fields beyond OpenAI's (``top_k``, ``min_p``) are dflash's seeded rule's.
+``tools``, ``tool_choice`` ``"none"`` or ``"auto"``): any other value is refused with the
+field named, rather than ignored. Extra sampling fields beyond OpenAI's (``top_k``,
+``min_p``) are dflash's seeded rule's. Every check that concerns one field raises on that
+field (pydantic's ``loc``), with a message that names the field and the value; a field
+that takes one of several shapes (a prompt as text or token ids, content as text or
+parts, stops as one string or a list) is checked by hand first, so its error says what
+is wrong instead of which shape did not fit. NaN and infinities are not numbers here.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 #: OpenAI's default ``temperature`` (the rule is then sampled, with a fresh seed unless one
 #: is given)
@@ -20,7 +25,17 @@ DEFAULT_TEMPERATURE = 1.0
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _shape(name: str, value: object, what: str) -> ValueError:
+    return ValueError(f"'{name}' must be {what} (got {_show(value)})")
+
+
+def _show(value: object) -> str:
+    """A value as an error message quotes it: its repr, cut at 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class StreamOptions(_Strict):
@@ -40,6 +55,22 @@ class Message(_Strict):
     content: str | list[TextPart]
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: object) -> object:
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise _shape("content", value, "a string or a list of text parts")
+        for i, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(
+                    f"'content' part {i} must be a text part {{'type': 'text', 'text': ...}}; "
+                    f"only text is supported (got {_show(kind if kind else part)})"
+                )
+        return value
+
     def text(self) -> str:
         """The content as one string (a list's text parts joined)."""
         if isinstance(self.content, str):
@@ -49,7 +80,9 @@ class Message(_Strict):
 
 def _neutral(value: object, neutral: object, name: str) -> None:
     if value is not None and value != neutral:
-        raise ValueError(f"'{name}' other than {neutral!r} is not supported (got {value!r})")
+        raise ValueError(
+            f"'{name}' other than {neutral!r} is not supported (got {_show(value)})"
+        )
 
 
 class _Sampling(_Strict):
@@ -77,22 +110,37 @@ class _Sampling(_Strict):
         # JSON has one number type: 1 and 1.0 are the same temperature
         return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")
     @classmethod
-    def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
-        stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("'stop' must be up to 4 non-empty strings")
+    def _stops(cls, value: object) -> object:
+        stops = [value] if isinstance(value, str) else value
+        if value is not None and (
+            not isinstance(stops, list) or len(stops) > 4
+            or any(not isinstance(s, str) or not s for s in stops)
+        ):
+            raise _shape("stop", value, "a non-empty string or a list of up to 4 of them")
         return value
 
-    @model_validator(mode="after")
-    def _supported(self) -> _Sampling:
-        _neutral(self.n, 1, "n")
-        _neutral(self.frequency_penalty, 0.0, "frequency_penalty")
-        _neutral(self.presence_penalty, 0.0, "presence_penalty")
-        if self.stream_options is not None and not self.stream:
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        _neutral(value, 1, "n")
+        return value
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
+        _neutral(value, 0.0, str(info.field_name))
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_with_stream(cls, value: StreamOptions | None, info: ValidationInfo
+                             ) -> StreamOptions | None:
+        if value is not None and info.data.get("stream") is not True:
             raise ValueError("'stream_options' is only allowed with 'stream': true")
-        return self
+        return value
+
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -100,26 +148,62 @@ class _Sampling(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def budget(self) -> int | None:
+        """The token budget the request names, None when it names none."""
+        return self.max_tokens
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    @model_validator(mode="after")
-    def _chat_supported(self) -> ChatCompletionRequest:
-        _neutral(self.logprobs, False, "logprobs")
-        if self.tools:
-            raise ValueError("'tools' is not supported")
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            raise ValueError("'response_format' other than {'type': 'text'} is not supported")
-        if self.max_tokens is not None and self.max_completion_tokens is not None and (
-            self.max_tokens != self.max_completion_tokens
-        ):
-            raise ValueError("'max_tokens' and 'max_completion_tokens' differ")
-        return self
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _one_budget(cls, value: int | None, info: ValidationInfo) -> int | None:
+        other = info.data.get("max_tokens")
+        if value is not None and other is not None and value != other:
+            raise ValueError(
+                f"'max_tokens' ({other}) and 'max_completion_tokens' ({value}) differ"
+            )
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | None) -> bool | None:
+        _neutral(value, False, "logprobs")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise ValueError("'tools' is not supported (this server does not call tools)")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value: str | dict[str, Any] | None
+                        ) -> str | dict[str, Any] | None:
+        if value not in (None, "none", "auto"):
+            raise ValueError(
+                f"'tool_choice' other than 'none' or 'auto' is not supported (this server "
+                f"does not call tools; got {_show(value)})"
+            )
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value != {"type": "text"}:
+            raise ValueError(
+                f"'response_format' other than {{'type': 'text'}} is not supported "
+                f"(got {_show(value)})"
+            )
+        return value
 
     def budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -131,24 +215,48 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     suffix: str | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _not_empty(cls, value: str | list[int]) -> str | list[int]:
+    def _one_prompt(cls, value: object) -> object:
+        if isinstance(value, str):
+            if not value:
+                raise ValueError("'prompt' must not be empty")
+            return value
+        if not isinstance(value, list):
+            raise _shape("prompt", value, "a string or a list of token ids")
         if not value:
             raise ValueError("'prompt' must not be empty")
+        if all(isinstance(p, str) for p in value) or all(isinstance(p, list) for p in value):
+            raise ValueError(
+                f"'prompt' as a list of prompts is not supported (got {len(value)}): send "
+                "one prompt, a string or a list of token ids, per request"
+            )
+        for i, t in enumerate(value):
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(
+                    f"'prompt' entry {i} must be a token id, an int >= 0 (got {_show(t)})"
+                )
         return value
 
-    @model_validator(mode="after")
-    def _completion_supported(self) -> CompletionRequest:
-        _neutral(self.echo, False, "echo")
-        if self.logprobs is not None:
-            raise ValueError("'logprobs' is not supported")
-        if self.suffix:
-            raise ValueError("'suffix' is not supported")
-        return self
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool | None) -> bool | None:
+        _neutral(value, False, "echo")
+        return value
 
-    def budget(self) -> int | None:
-        return self.max_tokens
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError(f"'logprobs' is not supported (got {_show(value)})")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError(f"'suffix' is not supported (got {_show(value)})")
+        return value
 
 
 # -- responses ------------------------------------------------------------------------------

@@ -116,8 +116,18 @@ def test_a_seed_makes_sampling_reproducible(client: TestClient) -> None:
     ({"temperature": -1}, 400, "temperature", "greater than or equal to 0"),
     ({"max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
     ({"max_tokens": 100000}, 400, "messages", "exceed the model's max_position_embeddings"),
-    ({"n": 2}, 400, None, "'n' other than 1 is not supported"),
-    ({"tools": [{"type": "function"}]}, 400, None, "'tools' is not supported"),
+    ({"n": 2}, 400, "n", "'n' other than 1 is not supported (got 2)"),
+    ({"tools": [{"type": "function"}]}, 400, "tools", "'tools' is not supported"),
+    ({"tool_choice": "required"}, 400, "tool_choice", "not supported"),
+    ({"presence_penalty": 0.5}, 400, "presence_penalty", "(got 0.5)"),
+    ({"stream_options": {"include_usage": True}}, 400, "stream_options", "'stream': true"),
+    ({"max_tokens": 3, "max_completion_tokens": 4}, 400, "max_completion_tokens",
+     "'max_tokens' (3) and 'max_completion_tokens' (4) differ"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "messages.0.content", "only text is supported (got 'image_url')"),
+    ({"temperature": 1e-300}, 400, "temperature", "finite in float32"),
+    ({"top_k": 10**12}, 400, "top_k", "'top_k' must be an int in [0, 2147483647]"),
+    ({"top_p": 2}, 400, "top_p", "(got 2.0)"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "up to 4"),
     ({"frobnicate": 1}, 400, "frobnicate", "unknown field 'frobnicate'"),
     ({"stream": "yes"}, 400, "stream", "valid boolean"),
@@ -133,6 +143,33 @@ def test_bad_requests_are_openai_errors_naming_the_field(
     assert _chat(client).status_code == 200  # still serving
 
 
+@pytest.mark.parametrize(("prompt", "words"), [
+    ([-1], "'prompt' entry 0 must be a token id, an int >= 0 (got -1)"),
+    (["def f():"], "'prompt' as a list of prompts is not supported (got 1)"),
+    ([[1, 2], [3]], "a list of prompts"),
+    ([5, "x"], "'prompt' entry 1 must be a token id"),
+    ([10**6], "'prompt' entry 0 must be a token id in [0, 4096) (got 1000000)"),
+    ("", "'prompt' must not be empty"),
+    ({"text": "x"}, "'prompt' must be a string or a list of token ids (got {'text': 'x'})"),
+])
+def test_a_bad_prompt_is_named(client: TestClient, prompt: object, words: str) -> None:
+    r = client.post("/v1/completions", json={"model": "default", "prompt": prompt,
+                                              "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"] and r.json()["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_not_numbers(client: TestClient, number: str) -> None:
+    raw = ('{"model": "default", "messages": [{"role": "user", "content": "x"}], '
+           f'"temperature": {number}}}')
+    r = client.post("/v1/chat/completions", content=raw,
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "temperature"
+    assert "finite number" in r.json()["error"]["message"]
+
+
 def test_bodies_that_are_not_json_objects(client: TestClient) -> None:
     for raw in (b"{bad", b"[]", b"", b"null", "{\"model\": \"\u00ff\"".encode("latin-1")):
         r = client.post("/v1/chat/completions", content=raw,
@@ -145,12 +182,86 @@ def test_models_health_and_metrics(client: TestClient) -> None:
     assert client.get("/health").json() == {"status": "ok"}
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["default"]
+    assert client.get("/v1/models/default").json()["id"] == "default"
+    missing = client.get("/v1/models/gpt-4")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     _chat(client)
     text = client.get("/metrics").text
     assert 'dflash_requests_total{endpoint="/v1/chat/completions",status="200"}' in text
     assert "dflash_queue_depth 0" in text and "dflash_busy 0" in text
     assert 'dflash_request_seconds_bucket{le="+Inf"}' in text
     assert "dflash_completion_tokens_total" in text
+
+
+def test_unknown_paths_and_methods_are_openai_errors(client: TestClient) -> None:
+    """Starlette's own 404 and 405 in OpenAI's error shape, counted in the metrics."""
+    for method, path, status, code in (("GET", "/v1/chat/completions", 405,
+                                        "method_not_allowed"),
+                                       ("POST", "/v1/embeddings", 404, "not_found")):
+        r = client.request(method, path)
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["code"] == code and path in r.json()["error"]["message"]
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert f'endpoint="{path}",status="{status}"' in client.get("/metrics").text
+
+
+def test_choices_carry_a_null_finish_reason_and_logprobs(client: TestClient) -> None:
+    """As OpenAI sends them: every choice has ``finish_reason`` (null until the last
+    chunk) and ``logprobs`` (null)."""
+    events = _events(client, "/v1/chat/completions", {
+        "model": "default", "messages": MESSAGES, "max_tokens": 4, "temperature": 0,
+        "stream": True})
+    for e in events[:-2]:
+        assert e["choices"][0]["finish_reason"] is None and e["choices"][0]["logprobs"] is None
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert _chat(client).json()["choices"][0]["logprobs"] is None
+
+
+def test_a_bad_request_is_refused_before_it_queues(llm: dflash.LLM) -> None:
+    """While a stream holds the engine, a request the library refuses (its prompt past the
+    context) is a 400 at once, not a 503 after the queue timeout; with ``queue_size=0`` a
+    good one is a 429 while the engine is busy, and served once it is idle."""
+    client = TestClient(create_app(llm, ServeConfig(model_name="default", queue_size=0,
+                                                    queue_timeout_s=30.0)))
+    held = {"model": "default", "messages": MESSAGES, "max_tokens": 8, "temperature": 0,
+            "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=held) as r:
+        assert r.status_code == 200  # admitted: the engine is busy until the body is read
+        bad = client.post("/v1/completions", json={"model": "default", "prompt": [1] * 9000,
+                                                    "max_tokens": 4})
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["code"] == "context_length_exceeded"
+        full = _chat(client)
+        assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+        r.read()
+    assert _chat(client).status_code == 200
+
+
+def test_a_prompt_that_leaves_no_room_names_the_context(client: TestClient) -> None:
+    """Without ``max_tokens`` the budget is what the context leaves; a prompt that leaves
+    nothing is a 400 saying so (not a budget the client never sent)."""
+    r = client.post("/v1/completions", json={"model": "default", "prompt": [1] * 8190})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+    assert "8190 tokens leave no room" in error["message"]
+
+
+def test_listen_names_a_bad_or_taken_port() -> None:
+    from dflash.errors import UsageError
+    from dflash.serve import listen
+
+    with pytest.raises(UsageError, match=r"--port must be in \[0, 65535\] \(got 70000\)"):
+        listen("127.0.0.1", 70000)
+    taken = listen("127.0.0.1", 0)
+    try:
+        port = taken.getsockname()[1]
+        with pytest.raises(UsageError, match=f"cannot listen on 127.0.0.1:{port}"):
+            listen("127.0.0.1", port)
+    finally:
+        taken.close()
+    with pytest.raises(UsageError, match=r"cannot listen on no-such-host\.invalid:80"):
+        listen("no-such-host.invalid", 80)
 
 
 JSON = st.recursive(
@@ -273,6 +384,8 @@ def test_a_generation_past_the_request_timeout_is_stopped(llm: dflash.LLM) -> No
     metrics = client.get("/metrics").text
     assert "dflash_timed_out_requests_total 2" in metrics
     assert "dflash_busy 0" in metrics
+    # the same engine serves the next request (with room for it on a loaded machine)
+    app.state.engine.config = ServeConfig(model_name="default", request_timeout_s=120.0)
     ok = _chat(client, max_tokens=3)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
 

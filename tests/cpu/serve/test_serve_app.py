@@ -237,6 +237,26 @@ def test_a_bad_request_is_refused_before_it_queues(llm: dflash.LLM) -> None:
     assert _chat(client).status_code == 200
 
 
+def test_a_decode_that_fails_mid_stream_ends_with_an_error_event(
+    llm: dflash.LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any exception from the decode (here a RuntimeError, as a CUDA failure would be)
+    after the status went out: an error event with its one-line reason, no ``[DONE]``,
+    and the next request is served."""
+    client = TestClient(create_app(llm, ServeConfig(model_name="default")))
+
+    def failing(*args: object) -> None:
+        raise RuntimeError("the device fell off the bus\nsecond line")
+
+    with monkeypatch.context() as m:
+        m.setattr(llm, "_run", failing)
+        events = _events(client, "/v1/chat/completions", {
+            "model": "default", "messages": MESSAGES, "max_tokens": 4, "stream": True})
+    assert events[-1]["error"]["message"] == "RuntimeError: the device fell off the bus"
+    assert events[-1]["error"]["type"] == "server_error" and "[DONE]" not in events
+    assert _chat(client).status_code == 200
+
+
 def test_a_prompt_that_leaves_no_room_names_the_context(client: TestClient) -> None:
     """Without ``max_tokens`` the budget is what the context leaves; a prompt that leaves
     nothing is a 400 saying so (not a budget the client never sent)."""

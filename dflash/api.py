@@ -44,6 +44,7 @@ one ``"{role}: {content}\\n"`` line per message, then ``"assistant: "``.
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import queue
 import threading
@@ -129,16 +130,21 @@ def _int(name: str, value: object, low: int, high: int | None = None) -> int:
     return value
 
 
-def _dtype_name(name: str, value: object) -> str | None:
-    """A dtype argument as a name of :data:`DTYPES` (a ``torch.dtype`` is accepted too)."""
+def _dtype_name(name: str, value: object,
+                choices: Mapping[str, torch.dtype] = DTYPES) -> str | None:
+    """A dtype argument as a name of ``choices`` (a ``torch.dtype`` is accepted too)."""
     if value is None:
         return None
-    for key, dtype in DTYPES.items():
+    for key, dtype in choices.items():
         if value == key or value is dtype:
             return key
     raise ArgumentError(
-        f"{param(name)} must be one of {', '.join(DTYPES)} or None (got {value!r})"
+        f"{param(name)} must be one of {', '.join(choices)} or None (got {value!r})"
     )
+
+
+#: the drafter's product dtypes (``draft_dtype``): the model's, and float64
+DRAFT_DTYPES = {**DTYPES, "float64": torch.float64}
 
 
 def _reworded(exc: UsageError, names: Mapping[str, str]) -> UsageError:
@@ -151,14 +157,14 @@ def _reworded(exc: UsageError, names: Mapping[str, str]) -> UsageError:
 
 
 def load(
-    model: str = "default",
+    model: str | os.PathLike[str] = "default",
     draft: str | None = "dflash+lookup",
     device: str | Sequence[str] = "cpu",
     dtype: str | torch.dtype | None = None,
     rollback: str | None = None,
     block_size: int = 16,
     tree_budget: int | None = None,
-    layer_split: str | Sequence[int] | None = None,
+    layer_split: str | Sequence[int] | int | None = None,
     verify_window: str = "auto",
     draft_dtype: str | torch.dtype | None = None,
     seed: int = 0,
@@ -171,7 +177,8 @@ def load(
     """Build a target model and a drafter, ready to generate.
 
     Args:
-        model: a checkpoint directory, or ``"default"`` (the embedded trained pair's
+        model: a checkpoint directory (a str or a path), or ``"default"`` (the embedded
+            trained pair's
             target), ``"tiny"``, ``"nine-b-shape"``, ``"twenty-seven-b-shape"`` (seeded).
         draft: a DFlash drafter directory, ``"dflash"`` (with the default model the
             shipped drafter, else a seeded one), either followed by ``"+lookup"``
@@ -190,10 +197,13 @@ def load(
             drafter's per-slot candidates (a DFlash drafter; with ``+lookup`` prompt
             lookup's copy is one branch; a DFlash2 drafter's selector paths), each
             validated before any kernel runs; the output is unchanged. None: chains.
-        layer_split: layers per shard (``"16,16"`` or a list); None: an even split.
+        layer_split: layers per shard (``"16,16"``, a list, or one int for one shard);
+            None: an even split.
         verify_window: ``"auto"`` (on the CPU the part of each draft that pays) or
             ``"full"`` (every draft whole).
-        draft_dtype: the DFlash drafter's parameter dtype (None: the target's).
+        draft_dtype: the dtype of the DFlash drafter's products: ``"float32"``,
+            ``"bfloat16"``, ``"float16"``, ``"float64"`` (or the ``torch.dtype``); None:
+            its weights'. Only guesses come out of the drafter: the output is unchanged.
         seed: seed of seeded models and drafters.
         prefill_chunk: prompt tokens per prefill forward (None: a whole prompt in one);
             a long prompt needs the caches plus one chunk's activations.
@@ -215,8 +225,12 @@ def load(
     Raises :class:`dflash.errors.UsageError` subclasses naming the bad argument, and
     checkpoint / config errors naming the file.
     """
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
     if not isinstance(model, str) or not model:
-        raise ArgumentError(f"{param('model')} must be a non-empty str (got {model!r})")
+        raise ArgumentError(
+            f"{param('model')} must be a non-empty str or a path (got {model!r})"
+        )
     if draft is not None and (not isinstance(draft, str) or not draft):
         raise ArgumentError(f"{param('draft')} must be a non-empty str or None (got {draft!r})")
     if draft == "synthetic":
@@ -276,7 +290,7 @@ def load(
         raise _reworded(exc, {"devices": "device"}) from None
     first = plan.devices[0]
     torch_dtype = parse_dtype(_dtype_name("dtype", dtype), model, first)
-    drafter_dtype_name = _dtype_name("draft_dtype", draft_dtype)
+    drafter_dtype_name = _dtype_name("draft_dtype", draft_dtype, DRAFT_DTYPES)
     target = build_model(model, seed=seed, dtype=torch_dtype, device=first)
     if quantize is not None:
         if target.quantization is not None:
@@ -299,7 +313,8 @@ def load(
             max_new_tokens=1,
             block_size=block_size,
             model_spec=model,
-            draft_dtype=None if drafter_dtype_name is None else DTYPES[drafter_dtype_name],
+            draft_dtype=(None if drafter_dtype_name is None
+                         else DRAFT_DTYPES[drafter_dtype_name]),
             draft_window=draft_window,
         )
         if tree_budget is not None and not isinstance(drafter, (TreeDrafter, CandidateDrafter)):
@@ -441,7 +456,7 @@ class LLM:
 
     def _request(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | torch.Tensor,
         max_new_tokens: int,
         temperature: float,
         top_k: int,
@@ -459,6 +474,10 @@ class LLM:
         n = _int("max_new_tokens", max_new_tokens, 1)
         stops: tuple[str, ...] = ()
         if stop is not None:
+            if not isinstance(stop, str | list | tuple):
+                raise ArgumentError(
+                    f"{param('stop')} must be a non-empty str or a list of them (got {stop!r})"
+                )
             stops = (stop,) if isinstance(stop, str) else tuple(stop)
             if not stops or any(not isinstance(s, str) or not s for s in stops):
                 raise ArgumentError(
@@ -468,8 +487,25 @@ class LLM:
                 require_utf8(s, "stop")
             self._need_tokenizer("stop")
         ids = self.encode(prompt)
-        check_positions(self.model, len(ids), n, self.slots, self.max_context)
+        check_positions(self.model, len(ids), n, self._verify_slots, self.max_context)
         return _Request(ids, n, stops, sampling)
+
+    @property
+    def _verify_slots(self) -> int:
+        """Positions past the committed ones a step may write: a verify's slots, or 1 for
+        plain decoding (its last token is never fed back)."""
+        return 1 if self.drafter is None else self.slots
+
+    def room(self, prompt_len: int) -> int:
+        """The most new tokens a prompt of ``prompt_len`` tokens may ask for: what
+        ``max_context`` (or the model's ``max_position_embeddings``) leaves after it and
+        after the last verify's slots (0 or less: the prompt leaves no room)."""
+        n = _int("prompt_len", prompt_len, 0)
+        limit = self.model.config.max_position_embeddings
+        room = limit - n - self._verify_slots + 2
+        if self.max_context is not None:
+            room = min(room, self.max_context - n)
+        return room
 
     def _need_tokenizer(self, what: str) -> TextTokenizer:
         if self.tokenizer is None:
@@ -479,9 +515,10 @@ class LLM:
             )
         return self.tokenizer
 
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+    def encode(self, prompt: str | Sequence[int] | torch.Tensor) -> list[int]:
         """The token ids a generation of ``prompt`` starts from: text tokenized by the
-        model's tokenizer (it needs one), or token ids checked against the vocabulary.
+        model's tokenizer (it needs one), or token ids (a sequence of ints, numpy integers
+        included, or a 1-D integer tensor) checked against the vocabulary.
         Passing the ids back as the prompt gives the same generation.
 
         Raises:
@@ -489,15 +526,29 @@ class LLM:
                 UTF-8 or encodes to nothing, an entry that is not a token id of the model.
         """
         vocab = self.model.config.vocab_size
+        ids: list[object]
         if isinstance(prompt, str):
             if not prompt:
                 raise ArgumentError(f"{param('prompt')} must not be empty")
             require_utf8(prompt, "prompt")
-            ids = self._need_tokenizer("prompt").encode(prompt)
+            ids = [*self._need_tokenizer("prompt").encode(prompt)]
             if not ids:
                 raise ArgumentError(f"{param('prompt')} {prompt!r} encodes to no tokens")
+        elif isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.is_complex() or (
+                prompt.dtype == torch.bool
+            ):
+                raise ArgumentError(
+                    f"{param('prompt')} as a tensor must be 1-D of integer token ids (got "
+                    f"{prompt.dtype} of shape {tuple(prompt.shape)})"
+                )
+            ids = prompt.tolist()
+            if not ids:
+                raise ArgumentError(f"{param('prompt')} must hold at least one token id")
         elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes | bytearray):
-            ids = [*prompt]  # checked below: token ids
+            # numpy's and other integer scalars count as ints (numbers.Integral)
+            ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                   else t for t in prompt]  # checked below: token ids
             if not ids:
                 raise ArgumentError(f"{param('prompt')} must hold at least one token id")
         else:
@@ -505,12 +556,14 @@ class LLM:
                 f"{param('prompt')} must be a str or a sequence of token ids "
                 f"(got {type(prompt).__name__})"
             )
+        out: list[int] = []
         for i, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ArgumentError(
                     f"{param('prompt')} entry {i} must be a token id in [0, {vocab}) (got {t!r})"
                 )
-        return ids
+            out.append(t)
+        return out
 
     # -- decoding ---------------------------------------------------------------------------
 
@@ -646,7 +699,7 @@ class LLM:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | torch.Tensor,
         max_new_tokens: int = 128,
         temperature: float = 0.0,
         top_k: int = 0,
@@ -675,7 +728,7 @@ class LLM:
 
     def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | torch.Tensor,
         max_new_tokens: int = 128,
         temperature: float = 0.0,
         top_k: int = 0,
@@ -743,12 +796,16 @@ class LLM:
         """Render chats with the jinja template in the file ``path`` instead of the
         checkpoint's (``dflash serve --chat-template FILE``); the checkpoint's special
         tokens stay available to it. A file that cannot be read, or is not valid UTF-8, is
-        a :class:`ChatTemplateError` naming it."""
+        a :class:`ChatTemplateError` naming it, and so is one that is not a jinja template
+        (checked here, not at the next chat); the template in use is then unchanged."""
+        if not isinstance(path, str | os.PathLike):
+            raise ArgumentError(f"{param('path')} must be a str or a path (got {path!r})")
         file = Path(path)
         try:
             text = file.read_text(encoding="utf-8")
         except (OSError, ValueError) as exc:
             raise ChatTemplateError(f"cannot read the chat template {str(file)!r}: {exc}") from None
+        _compile(text, repr(str(file)))
         _, tokens, _ = _read_chat_template(self.directory)
         self._chat = (text, tokens, str(file))
 
@@ -911,6 +968,21 @@ def _render(
 ) -> str:
     """Render a chat template as ``transformers``' ``apply_chat_template`` does."""
     import jinja2
+
+    compiled = _compile(template, source)
+    variables = {**tokens, "messages": [dict(m) for m in messages],
+                 "add_generation_prompt": add_generation_prompt}
+    try:
+        return str(compiled.render(**variables))
+    except jinja2.TemplateError as exc:
+        raise ChatTemplateError(f"the chat template of {source} failed: {exc}") from None
+
+
+def _compile(template: str, source: str) -> Any:
+    """``template`` compiled in the sandbox ``transformers`` renders chat templates in
+    (its ``tojson``, ``raise_exception`` and ``strftime_now``); a syntax error is a
+    :class:`ChatTemplateError` naming ``source``."""
+    import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -926,13 +998,7 @@ def _render(
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
     try:
-        compiled = env.from_string(template)
+        return env.from_string(template)
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"the chat template of {source} is not valid: {exc}") from None
-    variables = {**tokens, "messages": [dict(m) for m in messages],
-                 "add_generation_prompt": add_generation_prompt}
-    try:
-        return compiled.render(**variables)
-    except jinja2.TemplateError as exc:
-        raise ChatTemplateError(f"the chat template of {source} failed: {exc}") from None
 

@@ -38,6 +38,11 @@ from dflash.kernels.filter import filter_floors as kernel_filter_floors
 from dflash.kernels.sample import gumbel_argmax
 from dflash.kernels.sample_reference import gumbel_noise, philox
 
+#: the smallest temperature above 0: logits scaled by ``1 / temperature`` stay finite in
+#: float32 for every logit of magnitude under 3e33 (a smaller temperature would turn a
+#: row's largest logits into ties at +inf, and the draw into the first of them)
+MIN_TEMPERATURE = 1e-5
+
 
 class SamplingError(UsageError):
     """A sampling parameter outside its range (names the parameter and the value)."""
@@ -45,7 +50,8 @@ class SamplingError(UsageError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are drawn: ``temperature`` (0 = greedy), ``top_k`` (0 = off), ``top_p``
+    """How tokens are drawn: ``temperature`` (0 = greedy, else in
+    ``[MIN_TEMPERATURE, 100]``), ``top_k`` (0 = off), ``top_p``
     (1 = off), ``min_p`` (0 = off) and the ``seed`` of the noise (an int in ``[0, 2**63)``).
     Every value is checked at construction (:class:`SamplingError`)."""
 
@@ -69,10 +75,10 @@ class SamplingParams:
                 )
 
         number("temperature", self.temperature, 0.0, 100.0, False)
-        if self.temperature > 0 and math.isinf(inverse_temperature(self)):
+        if 0 < self.temperature < MIN_TEMPERATURE:
             raise SamplingError(
-                f"'temperature' must be 0 (greedy) or large enough that 1 / temperature is "
-                f"finite in float32, about 2.95e-39 or more (got {self.temperature!r})"
+                f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE:g}: below it "
+                f"the scaled logits overflow float32 (got {self.temperature!r})"
             )
         number("top_p", self.top_p, 0.0, 1.0, True)
         number("min_p", self.min_p, 0.0, 1.0, False)
@@ -150,6 +156,7 @@ def filter_floors(
 
 __all__ = [
     "GREEDY",
+    "MIN_TEMPERATURE",
     "SamplingError",
     "SamplingParams",
     "filter_floors",

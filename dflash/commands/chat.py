@@ -4,7 +4,10 @@ dflash serve's /v1/chat/completions.
 Each line read from stdin is a user message; the reply streams to stdout as it is
 committed, then a one-line summary (tokens, tokens/s, acceptance) goes to stderr. The
 whole conversation is the next prompt. ``/reset`` forgets it, ``/exit`` (or end of input)
-ends the session.
+ends the session. The flags are checked before the model loads (exit 2). A turn the model
+cannot take (the conversation grown past the context, a template that fails on it) is
+reported on stderr and dropped: the conversation before it goes on, and the session ends
+with exit 1 instead of 0.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ from typing import Any
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("chat", help="chat on the terminal",
-                              description=__doc__.splitlines()[0])
+    p = subparsers.add_parser(
+        "chat", help="chat on the terminal",
+        description=" ".join(__doc__.split("\n\n")[0].split()).removeprefix("dflash chat: "),
+    )
     p.add_argument("--model", default="default")
     p.add_argument("--draft", default="dflash+lookup",
                    help="the drafter (as dflash generate --draft), or 'none'")
@@ -39,7 +44,14 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import dflash
+    from dflash.commands.generate import sampling_params
+    from dflash.errors import DFlashError, UsageError
 
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1 (got {args.max_tokens})")
+    sampling_params(args)  # --temperature, --top-k, --top-p, --min-p, --seed, named
+    if args.stop is not None and not all(args.stop):
+        raise UsageError(f"--stop must not be empty (got {args.stop!r})")
     devices = args.devices or _default_device()
     llm = dflash.load(model=args.model, draft=None if args.draft == "none" else args.draft,
                       device=devices, dtype=args.dtype)
@@ -48,12 +60,13 @@ def run(args: argparse.Namespace) -> int:
     start = [] if args.system is None else [{"role": "system", "content": args.system}]
     messages: list[dict[str, str]] = list(start)
     tty = sys.stdin.isatty()
+    failed = 0
     while True:
         if tty:
             print("> ", end="", file=sys.stderr, flush=True)
         line = sys.stdin.readline()
         if not line or line.strip() == "/exit":
-            return 0
+            return 1 if failed else 0
         text = line.rstrip("\n")
         if text.strip() == "/reset":
             messages = list(start)
@@ -62,12 +75,20 @@ def run(args: argparse.Namespace) -> int:
         if not text.strip():
             continue
         messages.append({"role": "user", "content": text})
-        stream = llm.stream(llm.render_chat(messages), max_new_tokens=args.max_tokens,
-                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            min_p=args.min_p, seed=args.seed, stop=args.stop)
-        for piece in stream:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        try:
+            stream = llm.stream(llm.render_chat(messages), max_new_tokens=args.max_tokens,
+                                temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                                stop=args.stop)
+            for piece in stream:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except DFlashError as exc:  # this turn only: the conversation before it goes on
+            messages.pop()
+            failed += 1
+            print(f"dflash chat: {str(exc).replace('max_new_tokens', '--max-tokens')} "
+                  "(the message is dropped; /reset starts over)", file=sys.stderr)
+            continue
         r = stream.result
         sys.stdout.write("\n")
         sys.stdout.flush()

@@ -38,7 +38,9 @@ def register(subparsers: Any) -> None:
         description="Fuzz both geometry validators with the specification as the oracle; "
                     "writes a JSON report. Exit 1 if any crash was found, 2 if it could not run.")
     parser.add_argument("--seconds", type=float, required=True, help="time budget")
-    parser.add_argument("--runs", type=int, default=0, help="stop after this many executions")
+    parser.add_argument("--runs", type=int, default=0,
+                        help="stop after this many executions (0, the default: no limit; "
+                        "--seconds still ends the campaign)")
     parser.add_argument("--engine", choices=("auto", "atheris", "hypothesis"), default="auto",
                         help="auto (default): atheris when installed, else hypothesis")
     parser.add_argument("--report", type=Path, default=Path("fuzz-report.json"),

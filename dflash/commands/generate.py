@@ -153,8 +153,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prompt-seed",
         type=seed_value,
-        default=0,
-        help="seed of --prompt-len's random ids, in [0, 2**63 - 1]",
+        default=None,
+        help="seed of --prompt-len's random ids, in [0, 2**63 - 1] (default 0)",
     )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
@@ -584,6 +584,11 @@ def prepare(args: argparse.Namespace) -> Prepared:
         raise UsageError(f"--tree-budget must be in [2, {MAX_SLOTS}] (got {tree_budget})")
     acceptance = synthetic_acceptance(args)
     sampling = sampling_params(args)
+    if args.prompt_seed is not None and args.prompt_len is None:
+        raise UsageError(
+            f"--prompt-seed {args.prompt_seed} seeds --prompt-len's random ids: give "
+            "--prompt-len, or drop --prompt-seed"
+        )
     if args.draft_window is not None and args.draft_window < 1:
         raise UsageError(f"--draft-window must be >= 1 (got {args.draft_window})")
     if args.prefill_chunk < 0:
@@ -617,7 +622,7 @@ def prepare(args: argparse.Namespace) -> Prepared:
         text=DEFAULT_PROMPT if default_text else args.prompt,
         ids=args.prompt_ids,
         length=args.prompt_len,
-        seed=args.prompt_seed,
+        seed=args.prompt_seed or 0,
         allow_bytes=byte_prompt,
     )
     if tokenizer is None and default_text and not args.bytes:
@@ -686,13 +691,23 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     from dflash.sampling import SamplingError, SamplingParams
 
     try:
-        return SamplingParams(
+        params = SamplingParams(
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             min_p=args.min_p, seed=args.seed,
         )
     except SamplingError as exc:
         flag = str(exc).split("'")[1].replace("_", "-")
         raise UsageError(f"--{flag}: {exc}") from None
+    if params.greedy:  # every filter keeps the argmax: at temperature 0 one changes nothing
+        for flag, value, off in (("--top-k", params.top_k, 0), ("--top-p", params.top_p, 1.0),
+                                 ("--min-p", params.min_p, 0.0)):
+            if value != off:
+                raise UsageError(
+                    f"{flag} {value} filters sampled tokens: give --temperature > 0 (at "
+                    "temperature 0, greedy, every filter keeps the argmax and changes "
+                    "nothing)"
+                )
+    return params
 
 
 def build_model_checked(

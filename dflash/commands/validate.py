@@ -36,6 +36,10 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(run=run)
 
 
+def _not_json(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def read_document(source: str) -> tuple[object, object]:
     """``(parents, n_actual)`` from a file path or ``-`` (stdin)."""
     try:
@@ -43,9 +47,16 @@ def read_document(source: str) -> tuple[object, object]:
     except (OSError, UnicodeDecodeError) as err:
         raise UnusableInput(f"cannot read {source!r}: {err}") from None
     try:
-        document = json.loads(text)
+        document = json.loads(text, parse_constant=_not_json)
     except json.JSONDecodeError as err:
         raise UnusableInput(f"{source!r} is not valid JSON: {err}") from None
+    except ValueError as err:  # NaN / Infinity, which JSON does not have
+        raise UnusableInput(f"{source!r} is not valid JSON: {err}") from None
+    except RecursionError:
+        raise UnusableInput(
+            f"{source!r} nests its JSON deeper than this reader follows "
+            f"({sys.getrecursionlimit()} levels); a parents list is flat"
+        ) from None
     if isinstance(document, list):
         return document, None
     if isinstance(document, dict):

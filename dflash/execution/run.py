@@ -145,7 +145,8 @@ def verify_slots(block_size: int, tree_budget: int | None) -> int:
 
 def positions_needed(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
     """Positions a run may write: the last verify starts at most at position
-    ``prompt_len + max_new_tokens - 2`` and covers ``block_size`` of them."""
+    ``prompt_len + max_new_tokens - 2`` and covers ``block_size`` of them (plain decoding:
+    ``block_size`` 1, the last token is never fed back)."""
     return prompt_len + max_new_tokens + block_size - 2
 
 
@@ -171,11 +172,17 @@ def check_positions(
                 f"{prompt_len + max_new_tokens} tokens exceed max_context={max_context}"
             )
     if need > limit:
+        verify = (f" - 1 = {need} positions" if block_size == 1 else
+                  f" + a last verify of {block_size} slots - 2 = {need} positions")
         raise ContextLengthError(
-            f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} + "
-            f"block_size={block_size} - 2 = {need} positions exceed the model's "
-            f"max_position_embeddings={limit}"
+            f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens}{verify} "
+            f"exceed the model's max_position_embeddings={limit}"
+            + _fit(limit - prompt_len - block_size + 2)
         )
+
+
+def _fit(room: int) -> str:
+    return " (the prompt leaves no room)" if room < 1 else f" (at most {room} new tokens fit)"
 
 
 def _speculative_run(

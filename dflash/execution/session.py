@@ -243,8 +243,19 @@ def build_drafter(
                                block_size=block_size, model_spec=model_spec,
                                draft_dtype=draft_dtype, tree_budget=tree_budget,
                                sampling=sampling, prefill_chunk=prefill_chunk)
+    if draft_dtype is not None and not isinstance(_dflash_of(drafter), DFlashDrafter):
+        raise SessionError(
+            f"{param('draft_dtype')}={str(draft_dtype).removeprefix('torch.')} applies to "
+            f"DFlash drafters (the drafter is {drafter.label!r}): it sets the dtype of "
+            "their products"
+        )
     set_draft_window(drafter, draft_window)
     return drafter, oracle
+
+
+def _dflash_of(drafter: Drafter) -> object:
+    """The DFlash drafter inside ``drafter`` (itself, or the one prompt lookup assists)."""
+    return drafter.dflash if isinstance(drafter, LookupAssistedDrafter) else drafter
 
 
 def set_draft_window(drafter: Drafter, window: int | None) -> None:
@@ -253,7 +264,7 @@ def set_draft_window(drafter: Drafter, window: int | None) -> None:
     :class:`SessionError` naming it."""
     if window is None:
         return
-    inner = drafter.dflash if isinstance(drafter, LookupAssistedDrafter) else drafter
+    inner = _dflash_of(drafter)
     if not isinstance(inner, DFlashDrafter):
         raise SessionError(
             f"{param('draft_window')}={window} applies to DFlash drafters (the drafter is "

@@ -79,7 +79,13 @@ class ShardPlan:
         return tuple(out)
 
 
-def _parse_list(value: str | Sequence[str] | Sequence[int], name: str) -> list[str]:
+def _parse_list(value: str | Sequence[str] | Sequence[int] | int, name: str) -> list[str]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]  # one shard's count
+    if not isinstance(value, str | Sequence):
+        raise LayerSplitError(
+            f"{param(name)} must be a comma-separated str or a list (got {value!r})"
+        )
     items = value.split(",") if isinstance(value, str) else [str(v) for v in value]
     items = [i.strip() for i in items]
     if not items or any(not i for i in items):
@@ -93,7 +99,7 @@ def _parse_list(value: str | Sequence[str] | Sequence[int], name: str) -> list[s
 def plan_shards(
     num_layers: int,
     devices: str | Sequence[str] = "cpu",
-    split: str | Sequence[int] | None = None,
+    split: str | Sequence[int] | int | None = None,
 ) -> ShardPlan:
     """Validate a layer split; every refusal names the rule and the value.
 

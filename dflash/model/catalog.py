@@ -43,11 +43,13 @@ def model_directory(spec: str) -> Path | None:
             return require_default("target")
         except DefaultDataMissingError as exc:
             raise SessionError(f"{param('model')} default: {exc}") from None
-    if Path(spec).is_dir():
+    if spec and Path(spec).is_dir():
         return Path(spec)
+    why = ("empty" if not spec else "a file, not a directory" if Path(spec).exists()
+           else "no such directory")
     raise SessionError(
         f"{param('model')} must be one of {', '.join(BUILTIN_MODELS)} or a checkpoint "
-        f"directory (got {spec!r}: no such directory)"
+        f"directory (got {spec!r}: {why})"
     )
 
 

@@ -314,9 +314,9 @@ def _prepare(llm: LLM, config: ServeConfig, body: ChatCompletionRequest | Comple
         raise ServeError(400, str(exc), "invalid_request_error", where) from None
     budget = body.budget()
     if budget is None:  # the default, within what the context leaves after the prompt
-        limit = llm.max_context or llm.model.config.max_position_embeddings
-        room = limit - len(ids) - llm.block_size + 2  # the last verify's block included
+        room = llm.room(len(ids))
         if room < 1:
+            limit = llm.max_context or llm.model.config.max_position_embeddings
             raise ServeError(
                 400, f"the prompt's {len(ids)} tokens leave no room to generate in the "
                 f"context of {limit} positions", "invalid_request_error", where,

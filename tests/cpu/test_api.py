@@ -304,3 +304,72 @@ def test_trees_in_the_library_are_plain_decoding(first: dflash.GenerationResult)
                                             seed=3).tokens
     streamed = trees.stream(PROMPT, max_new_tokens=N)
     assert "".join(streamed) == first.text and streamed.result.tokens == first.tokens
+
+
+def test_prompts_as_numpy_ints_and_tensors_are_the_same_ids(llm: LLM) -> None:
+    import numpy as np
+    import torch
+
+    ids = llm.encode(PROMPT)
+    want = llm.generate(ids, max_new_tokens=4).tokens
+    assert llm.generate([np.int64(t) for t in ids], max_new_tokens=4).tokens == want  # type: ignore[misc]  # numpy ints: accepted at run time, not in the annotation
+    assert llm.generate(torch.tensor(ids), max_new_tokens=4).tokens == want
+    with pytest.raises(ArgumentError, match="as a tensor must be 1-D of integer token ids"):
+        llm.generate(torch.tensor([ids]), max_new_tokens=2)
+    with pytest.raises(ArgumentError, match=r"\(got torch.float32 of shape \(2,\)\)"):
+        llm.generate(torch.tensor([1.0, 2.0]), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("stop", [5, {"a": 1}, b"ab"])
+def test_a_stop_that_is_not_strings_is_named(llm: LLM, stop: object) -> None:
+    with pytest.raises(ArgumentError, match=r"'stop' must be a non-empty str or a list"):
+        llm.generate(PROMPT, max_new_tokens=2, stop=stop)  # type: ignore[arg-type]  # bad on purpose
+
+
+def test_a_temperature_too_small_for_float32_is_refused(llm: LLM) -> None:
+    """Below 1e-05 the scaled logits overflow float32 (ties at +inf, drawn as the first):
+    refused, not decoded into the lowest token id."""
+    for t in (1e-38, 1e-300, 5e-324):
+        with pytest.raises(ArgumentError, match=r"'temperature' must be 0 \(greedy\) or at "
+                                                r"least 1e-05"):
+            llm.generate(PROMPT, max_new_tokens=2, temperature=t)
+    assert llm.generate(PROMPT, max_new_tokens=2, temperature=1e-5, seed=1).tokens
+
+
+def test_load_takes_paths_an_int_split_and_a_float64_drafter() -> None:
+    by_path = dflash.load(model=default_dir("target"), draft=None)
+    assert by_path.generate(PROMPT, max_new_tokens=3).tokens == dflash.load(
+        draft=None).generate(PROMPT, max_new_tokens=3).tokens
+    assert dflash.load(draft=None, layer_split=8).plan.split == (8,)
+    assert dflash.load(draft_dtype="float64").generate(PROMPT, max_new_tokens=3).tokens
+    with pytest.raises(UsageError, match="'draft_dtype'=float64 applies to DFlash drafters"):
+        dflash.load(draft="prompt-lookup", draft_dtype="float64")
+    with pytest.raises(UsageError, match="'layer_split' must be a comma-separated str"):
+        dflash.load(draft=None, layer_split=8.0)  # type: ignore[arg-type]  # bad on purpose
+
+
+def test_plain_decoding_may_fill_the_model_window(llm: LLM) -> None:
+    """Plain decoding writes no verify past the committed tokens: a prompt may ask for
+    every position the model has (``room``); speculative decoding keeps a verify's slots."""
+    plain = dflash.load(draft=None)
+    limit = plain.model.config.max_position_embeddings
+    prompt = [5] * (limit - 20)
+    assert plain.room(len(prompt)) == 21 and llm.room(len(prompt)) == 6
+    assert len(plain.generate(prompt, max_new_tokens=21).tokens) >= 1
+    with pytest.raises(UsageError, match=r"\+ max_new_tokens=22 - 1 = 8193 positions exceed "
+                                         r".* \(at most 21 new tokens fit\)"):
+        plain.generate(prompt, max_new_tokens=22)
+    with pytest.raises(UsageError, match=r"a last verify of 16 slots - 2 = 8206 positions .* "
+                                         r"\(at most 6 new tokens fit\)"):
+        llm.generate(prompt, max_new_tokens=20)
+
+
+def test_a_chat_template_is_checked_when_it_is_set(llm: LLM, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m.content }", encoding="utf-8")
+    before = llm.render_chat([{"role": "user", "content": "x"}])
+    with pytest.raises(dflash.api.ChatTemplateError, match=r"bad\.jinja' is not valid"):
+        llm.use_chat_template(bad)
+    with pytest.raises(ArgumentError, match=r"'path' must be a str or a path \(got None\)"):
+        llm.use_chat_template(None)  # type: ignore[arg-type]  # bad on purpose
+    assert llm.render_chat([{"role": "user", "content": "x"}]) == before

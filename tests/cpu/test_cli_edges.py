@@ -355,3 +355,24 @@ def test_run_sh_installs_what_fuzz_and_the_plot_need() -> None:
     installed = " ".join(dep for name in extras for dep in optional[name])
     for package in ("matplotlib", "atheris", "hypothesis"):
         assert package in installed
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--top-k", "5"], "--top-k 5 filters sampled tokens: give --temperature > 0"),
+    (["--top-p", "0.9"], "--top-p 0.9 filters sampled tokens"),
+    (["--min-p", "0.1"], "--min-p 0.1 filters sampled tokens"),
+    (["--temperature", "1e-38"], "--temperature: 'temperature' must be 0 (greedy) or at least "
+                                 "1e-05"),
+    (["--prompt-seed", "5"], "--prompt-seed 5 seeds --prompt-len's random ids"),
+    (["--draft", "prompt-lookup", "--draft-dtype", "float64"],
+     "--draft-dtype=float64 applies to DFlash drafters (the drafter is 'prompt-lookup')"),
+    (["--model", ""], "(got '': empty)"),
+    (["--model", "README.md"], "(got 'README.md': a file, not a directory)"),
+    (["--draft", ""], "--draft must be a non-empty string (got '')"),
+])
+def test_flags_that_would_change_nothing_or_name_nothing_are_refused(
+    args: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["generate", *FAST, *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and words in err and "Traceback" not in err

@@ -60,6 +60,9 @@ def test_human_output_names_reason_slot_and_message() -> None:
     ('"just a string"', "expected a JSON list"),
     ('{"n_actual": 3}', "'parents' key"),
     ('{"parents": [-1], "extra": 1}', "unknown keys"),
+    ("[-1, NaN]", "NaN is not a JSON value"),
+    ('{"parents": [-1, Infinity]}', "Infinity is not a JSON value"),
+    ("[" * 100_000 + "]" * 100_000, "nests its JSON deeper than this reader follows"),
 ])
 def test_unusable_input_exits_2_without_traceback(document: str, needle: str) -> None:
     proc = dflash("validate", "--json", stdin=document)

@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from dflash.errors import param
 from dflash.model.drafters.base import Drafter
 from dflash.model.drafters.dflash_config import DFlashConfig
 from dflash.model.drafters.dflash_drafter import DFlashDrafter, check_draft_dtype
@@ -78,7 +79,9 @@ def make_drafter(
             ``DRAFT_DTYPES`` (checked for every spec).
     """
     if not isinstance(spec, str) or not spec:
-        raise UnknownDrafterSpecError(f"'spec' must be a non-empty string (got {spec!r})")
+        raise UnknownDrafterSpecError(
+            f"{param('draft')} must be a non-empty string (got {spec!r})"
+        )
     check_draft_dtype(draft_dtype)
     if spec.endswith(LOOKUP_SUFFIX):
         inner = spec[: -len(LOOKUP_SUFFIX)]

@@ -107,7 +107,7 @@ def test_unknown_spec_is_named(target: StandInTarget, spec: str) -> None:
 
 def test_non_string_spec(target: StandInTarget) -> None:
     with pytest.raises(
-        UnknownDrafterSpecError, match=r"'spec' must be a non-empty string \(got 3\)"
+        UnknownDrafterSpecError, match=r"'draft' must be a non-empty string \(got 3\)"
     ):
         make_drafter(3, target)  # type: ignore[arg-type]  # deliberately bad
 

@@ -125,7 +125,7 @@ def test_a_seed_makes_sampling_reproducible(client: TestClient) -> None:
      "'max_tokens' (3) and 'max_completion_tokens' (4) differ"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, "messages.0.content", "only text is supported (got 'image_url')"),
-    ({"temperature": 1e-300}, 400, "temperature", "finite in float32"),
+    ({"temperature": 1e-300}, 400, "temperature", "must be 0 (greedy) or at least 1e-05"),
     ({"top_k": 10**12}, 400, "top_k", "'top_k' must be an int in [0, 2147483647]"),
     ({"top_p": 2}, 400, "top_p", "(got 2.0)"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "up to 4"),

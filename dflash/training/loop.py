@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash.errors import param as named
 from dflash.model import TargetModel
 
 if TYPE_CHECKING:
@@ -136,7 +137,7 @@ def _check(cfg: TrainConfig) -> None:
     }
     for name, value in positive.items():
         if value < 1:
-            raise DataError(f"'{name}' must be >= 1 (got {value})")
+            raise DataError(f"{named(name)} must be >= 1 (got {value})")
     for name, value in (
         ("warmup", cfg.warmup),
         ("eval_every", cfg.eval_every),
@@ -145,23 +146,27 @@ def _check(cfg: TrainConfig) -> None:
         ("prompt_len", cfg.prompt_len),
     ):
         if value < 0:
-            raise DataError(f"'{name}' must be >= 0 (got {value})")
+            raise DataError(f"{named(name)} must be >= 0 (got {value})")
     if cfg.block_size < 2:
-        raise DataError(f"'block_size' must be >= 2 (got {cfg.block_size})")
+        raise DataError(f"{named('block_size')} must be >= 2 (got {cfg.block_size})")
     if not cfg.lr > 0:
-        raise DataError(f"'lr' must be > 0 (got {cfg.lr})")
+        raise DataError(f"{named('lr')} must be > 0 (got {cfg.lr})")
     if cfg.gamma is not None and not cfg.gamma > 0:
-        raise DataError(f"'gamma' must be > 0 (got {cfg.gamma})")
+        raise DataError(f"{named('gamma')} must be > 0 (got {cfg.gamma})")
     if cfg.format not in DRAFTER_FORMATS:
-        raise DataError(f"'format' must be one of {list(DRAFTER_FORMATS)} (got {cfg.format!r})")
+        raise DataError(
+            f"{named('format')} must be one of {list(DRAFTER_FORMATS)} (got {cfg.format!r})"
+        )
     if cfg.teacher not in TEACHER_MODES:
-        raise DataError(f"'teacher' must be one of {list(TEACHER_MODES)} (got {cfg.teacher!r})")
+        raise DataError(
+            f"{named('teacher')} must be one of {list(TEACHER_MODES)} (got {cfg.teacher!r})"
+        )
     if cfg.dtype not in ("bfloat16", "float32"):
-        raise DataError(f"'dtype' must be bfloat16 or float32 (got {cfg.dtype!r})")
+        raise DataError(f"{named('dtype')} must be bfloat16 or float32 (got {cfg.dtype!r})")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise DataError(f"'device' {cfg.device!r} is not available (no CUDA)")
+        raise DataError(f"{named('device')} {cfg.device!r} is not available (no CUDA)")
     if not (cfg.device == "cpu" or cfg.device.startswith("cuda")):
-        raise DataError(f"'device' must be cpu or cuda[:N] (got {cfg.device!r})")
+        raise DataError(f"{named('device')} must be cpu or cuda[:N] (got {cfg.device!r})")
     if not cfg.data:
         raise DataError("'data' must name at least one file or directory")
 

@@ -254,3 +254,19 @@ def test_math_attention_selects_only_the_math_backend(monkeypatch: pytest.Monkey
     seen.clear()
     drafter.propose_uncached(features, 7, drafter.config.block_size)
     assert seen and all(SDPBackend.EFFICIENT_ATTENTION in b for b in seen)
+
+
+@pytest.mark.parametrize(("flag", "value", "words"), [
+    ("--steps", "0", "--steps must be >= 1 (got 0)"),
+    ("--batch-size", "0", "--batch-size must be >= 1 (got 0)"),
+    ("--warmup", "-1", "--warmup must be >= 0 (got -1)"),
+    ("--lr", "0", "--lr must be > 0 (got 0.0)"),
+])
+def test_a_bad_value_names_its_flag(
+    tokens: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str,
+    words: str,
+) -> None:
+    code = main(["train-drafter", "--model", "tiny", "--data", str(tokens), "--out",
+                 str(tmp_path / "o"), *SMALL, flag, value])
+    assert code == 2
+    assert words in capsys.readouterr().err

@@ -934,10 +934,17 @@ def _read_chat_template(directory: Path | None) -> tuple[str, dict[str, str], st
         k: text for k, v in config.items()
         if k.endswith("_token") and (text := _token_text(v)) is not None
     }
+    # transformers' order: the chat_template.jinja file first, then tokenizer_config.json's
+    jinja_path = directory / "chat_template.jinja"
+    if jinja_path.is_file():
+        try:
+            return jinja_path.read_text(encoding="utf-8"), tokens, str(jinja_path)
+        except (OSError, ValueError) as exc:
+            raise ChatTemplateError(f"cannot read {str(jinja_path)!r}: {exc}") from None
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
+        template = named.get("default", ...)  # no default: refused below
     if template is not None:
         if not isinstance(template, str):
             raise ChatTemplateError(
@@ -945,12 +952,6 @@ def _read_chat_template(directory: Path | None) -> tuple[str, dict[str, str], st
                 "{'name', 'template'} with a 'default' one"
             )
         return template, tokens, str(config_path)
-    jinja_path = directory / "chat_template.jinja"
-    if jinja_path.is_file():
-        try:
-            return jinja_path.read_text(encoding="utf-8"), tokens, str(jinja_path)
-        except (OSError, ValueError) as exc:
-            raise ChatTemplateError(f"cannot read {str(jinja_path)!r}: {exc}") from None
     return PLAIN_CHAT_TEMPLATE, tokens, "the plain template"
 
 

@@ -266,7 +266,9 @@ class HybridConfig(BaseModel):
                 )
             text = dict(text)
             text.setdefault("model_type", "qwen3_5_text")
-            if "tie_word_embeddings" in raw and "tie_word_embeddings" not in text:
+            # the wrapper's own flag decides, as in transformers' ForConditionalGeneration
+            # (its save_pretrained writes the top-level flag and leaves text_config's False)
+            if "tie_word_embeddings" in raw:
                 text["tie_word_embeddings"] = raw["tie_word_embeddings"]
             return cls.from_hf_config(text)
         fields = _fields_from_hf(raw, model_type)
@@ -290,6 +292,8 @@ def _read_json(source: str | Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text: {exc}") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -346,7 +350,18 @@ def _fields_from_hf(raw: Mapping[str, Any], model_type: str) -> dict[str, Any]:
                 f"config field 'layer_types' must have num_hidden_layers={num_layers} entries "
                 f"(got {len(layer_types)})"
             )
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    scaling = raw.get("rope_scaling")
+    if raw.get("rope_parameters") and scaling:
+        # transformers folds rope_scaling into rope_parameters: a scaling beside them is
+        # not dropped silently, it is refused unless it changes nothing
+        kind = scaling.get("rope_type", scaling.get("type")) if isinstance(
+            scaling, Mapping) else scaling
+        if kind not in ("default", "mrope", None):
+            raise ConfigError(
+                f"config field 'rope_scaling' ({scaling!r}) beside 'rope_parameters': only "
+                f"the default rotary is supported (got rope_type {kind!r})"
+            )
+    rope = raw.get("rope_parameters") or scaling or {}
     if not isinstance(rope, Mapping):
         raise ConfigError(f"config field 'rope_parameters' must be an object (got {rope!r})")
     # Multimodal rotary sections (mrope_section / mrope_interleaved) split the rotary

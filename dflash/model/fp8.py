@@ -87,6 +87,8 @@ def _names(pattern: str, full: str) -> bool:
     """Whether a ``modules_to_not_convert`` entry names the module ``full``
     (``model.layers.3.mlp.up_proj``): a glob matching it (with or without ``model.``), or
     a run of whole name components in it (``mlp``, ``layers.3.mlp``, the full name)."""
+    # a multimodal checkpoint names the text model's modules model.language_model.*
+    pattern = pattern.replace("model.language_model.", "model.")
     if any(ch in pattern for ch in "*?["):
         return fnmatch.fnmatchcase(full, pattern) or fnmatch.fnmatchcase(
             full.removeprefix("model."), pattern)
@@ -117,11 +119,23 @@ def parse_fp8_config(raw: object, source: str) -> Fp8Spec | None:
     want("weight_block_size", isinstance(block, list) and len(block) == 2 and all(
         isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block),
         "a list of two positive ints, e.g. [128, 128]")
-    skip = raw.get("modules_to_not_convert") or []
-    want("modules_to_not_convert", isinstance(skip, list) and all(
+    # ``ignored_layers``: transformers' alias of the skip list (when the list is absent)
+    skip_field = ("modules_to_not_convert" if raw.get("modules_to_not_convert") is not None
+                  or "ignored_layers" not in raw else "ignored_layers")
+    skip = raw.get(skip_field) or []
+    want(skip_field, isinstance(skip, list) and all(
         isinstance(m, str) for m in skip), "a list of module names")
+    # what transformers' FineGrainedFP8Config writes beside them, at the values that
+    # describe the format above (anything else is a different format, refused)
+    want("dequantize", raw.get("dequantize", False) is False,
+         "false (dflash runs the FP8 weights)")
+    want("modules_to_convert", raw.get("modules_to_convert") is None,
+         "null (every linear of the format, less modules_to_not_convert)")
+    want("scale_fmt", raw.get("scale_fmt", "float") == "float", "'float' (float32 scales)")
+    want("expert_dtype", raw.get("expert_dtype", "fp8") == "fp8", "'fp8'")
     known = {"quant_method", "fmt", "activation_scheme", "weight_block_size",
-             "modules_to_not_convert", "ignored_layers"}
+             "modules_to_not_convert", "ignored_layers", "dequantize", "modules_to_convert",
+             "scale_fmt", "expert_dtype"}
     extra = sorted(set(raw) - known)
     if extra:
         raise CheckpointError(

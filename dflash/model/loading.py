@@ -63,10 +63,12 @@ class LoadReport:
 def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
     single = directory / "model.safetensors"
     index = directory / "model.safetensors.index.json"
+    if single.is_file():  # transformers' order: the single file first, an index beside it
+        return [single], None  # unread (it may be left over from an earlier save)
     if index.is_file():
         try:
             data = json.loads(index.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError) as exc:  # ValueError: JSON, and text that is not UTF-8
             raise CheckpointError(f"index {str(index)!r} is not readable JSON: {exc}") from exc
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not all(
@@ -85,8 +87,6 @@ def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
                 )
             files.append(path)
         return files, weight_map
-    if single.is_file():
-        return [single], None
     pickled = sorted(p.name for p in directory.iterdir() if p.suffix in _PICKLE_SUFFIXES)
     if pickled:
         raise CheckpointError(

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from dflash.geometry import ChainGeometry, TreeGeometry
 from dflash.model.caches import CacheError, CaptureKind, ShardCaches
 from dflash.model.config import HybridConfig
-from dflash.model.fp8 import Fp8Spec, replace_linears_
+from dflash.model.fp8 import Fp8Linear, Fp8Spec, replace_linears_
 from dflash.model.layers import (
     AttentionLayer,
     DecoderLayer,
@@ -347,6 +347,16 @@ class TargetModel(nn.Module):
         prefill)."""
         ops = self.ops(mode, hidden.device, start, offsets)
         return ops.linear(self.lm_head, ops.each_token(self.norm, hidden))
+
+    def head_weight(self) -> Tensor:
+        """The LM head's weight as a dense ``[vocab, H]`` tensor, what a drafter that
+        shares the head multiplies by: the parameter itself, or for an FP8 head a
+        dequantized copy in the model's dtype (``vocab × H`` more memory while a drafter
+        holds it; only guesses come out of a drafter, so the output is unchanged)."""
+        head = self.lm_head
+        if isinstance(head, Fp8Linear):
+            return head.dequantized().detach()
+        return head.weight
 
     def backend_for(self, device: torch.device) -> KernelBackend:
         """The kernels of this model's forwards on ``device`` (the torch references on CPU

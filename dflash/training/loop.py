@@ -329,7 +329,7 @@ def heldout_loss(
 
 def _eval_drafter(trained: DFlashDrafter, model: TargetModel) -> DFlashDrafter:
     """A copy in the target's dtype, rounded through bf16 as the saved checkpoint is."""
-    embed, head = model.embed_tokens.weight, model.lm_head.weight
+    embed, head = model.embed_tokens.weight, model.head_weight()
     copy = DFlashDrafter.random(trained.config, embed, head, seed=0)
     with torch.no_grad():
         for name, param in copy.state_dict().items():
@@ -522,7 +522,7 @@ def train_drafter(cfg: TrainConfig, *, stream: TextIO | None = None) -> TrainRes
         for w in windows(eval_docs, _prompt_len(cfg), cfg.eval_prompts, cfg.seed + 1)
     ]
     config = drafter_config(cfg, model)
-    embed, head = model.embed_tokens.weight, model.lm_head.weight
+    embed, head = model.embed_tokens.weight, model.head_weight()
     drafter = DFlashDrafter.random(config, embed, head, cfg.seed, dtype=torch.float32)
     drafter.train().requires_grad_(True)
     opt = torch.optim.AdamW(

@@ -195,6 +195,18 @@ def test_chat_renders_the_checkpoint_template(templated: Path) -> None:
     assert jinja.render_chat([{"role": "user", "content": "x = 1"}]) == "x = 1!"
     result = jinja.chat([{"role": "user", "content": "x = 1"}], max_new_tokens=3)
     assert result.prompt_len == len(chatty.tokenizer.encode("x = 1!"))  # type: ignore[union-attr]
+    # as transformers reads them: the .jinja file first, even beside tokenizer_config's
+    config["chat_template"] = "CFG {{ messages[0]['content'] }}"
+    (templated / "tokenizer_config.json").write_text(json.dumps(config))
+    both = dflash.load(model=str(templated), draft=None)
+    assert both.render_chat([{"role": "user", "content": "x"}]) == "x!"
+    # named templates without a 'default' one: refused, not the plain template
+    (templated / "chat_template.jinja").unlink()
+    config["chat_template"] = [{"name": "tool_use", "template": "T"}]
+    (templated / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(dflash.api.ChatTemplateError, match="with a 'default' one"):
+        dflash.load(model=str(templated), draft=None).render_chat(
+            [{"role": "user", "content": "x"}])
 
 
 def test_text_that_is_not_utf8_is_a_usage_error(llm: LLM) -> None:

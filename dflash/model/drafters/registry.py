@@ -43,8 +43,9 @@ class DraftTarget(Protocol):
     @property
     def embed_tokens(self) -> _HasWeight: ...
 
-    @property
-    def lm_head(self) -> _HasWeight: ...
+    def head_weight(self) -> Tensor:
+        """The LM head's weight, dense (an FP8 head dequantized)."""
+        ...
 
     @property
     def layers(self) -> Sized: ...
@@ -97,7 +98,7 @@ def make_drafter(
         assert isinstance(dflash, DFlashDrafter)  # the inner spec names a DFlash drafter
         return LookupAssistedDrafter(dflash)
     embed = target.embed_tokens.weight  # [V, H]
-    lm_head = target.lm_head.weight  # [V, H]
+    lm_head = target.head_weight()  # [V, H] (an FP8 head: dequantized)
     if spec == "prompt-lookup":
         return PromptLookupDrafter()
     if spec == "synthetic":

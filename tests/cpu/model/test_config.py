@@ -64,6 +64,31 @@ def test_qwen3_5_wrapper_reads_text_config(tmp_path: Path) -> None:
     assert cfg.hidden_size == 32
 
 
+@pytest.mark.parametrize(("top", "inner"), [(True, False), (False, True), (True, True),
+                                            (False, False)])
+def test_the_wrappers_tie_flag_decides(tmp_path: Path, top: bool, inner: bool) -> None:
+    """As transformers' Qwen3_5ForConditionalGeneration reads it: the top-level flag (its
+    save_pretrained writes ``true`` there and leaves text_config's ``false``)."""
+    text = {**_text(), "tie_word_embeddings": inner}
+    text.pop("model_type")
+    wrapper = {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": top}
+    (tmp_path / "config.json").write_text(json.dumps(wrapper))
+    assert HybridConfig.from_hf_config(tmp_path).tie_word_embeddings is top
+
+
+def test_a_rope_scaling_beside_rope_parameters_is_not_dropped() -> None:
+    """transformers folds ``rope_scaling`` into the rotary: beside ``rope_parameters`` a
+    scaling that changes the rotary is refused (it used to be ignored), a default one
+    passes."""
+    params = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    for scaling in ({"rope_type": "yarn", "factor": 4.0}, {"type": "linear", "factor": 8.0}):
+        with pytest.raises(ConfigError, match=r"'rope_scaling' .* beside 'rope_parameters'"):
+            HybridConfig.from_hf_config(_text(rope_parameters=params, rope_scaling=scaling))
+    cfg = HybridConfig.from_hf_config(_text(rope_parameters=params,
+                                            rope_scaling={"rope_type": "default"}))
+    assert cfg.rope_theta == 10000.0
+
+
 def test_qwen3_next_dense_and_sparse_layers() -> None:
     dense = HybridConfig.from_hf_config(_text(model_type="qwen3_next", num_experts=0))
     assert dense.model_type == "qwen3_next" and dense.sparse_layer_ids == ()
@@ -153,3 +178,9 @@ def test_transformers_defaults_match_nine_b_shape() -> None:
     )
     for name in names:
         assert getattr(cfg, name) == getattr(nine, name), name
+
+
+def test_a_config_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_bytes(json.dumps(_text()).encode("utf-16"))
+    with pytest.raises(ConfigError, match=r"config.json' is not UTF-8 text"):
+        HybridConfig.from_hf_config(tmp_path)

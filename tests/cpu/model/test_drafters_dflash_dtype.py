@@ -179,6 +179,9 @@ class _StandInTarget(nn.Module):
             self.lm_head.weight.copy_(torch.randn(40, 16, generator=gen))
         self.layers = nn.ModuleList(nn.Identity() for _ in range(8))
 
+    def head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
+
 
 def test_make_drafter_passes_draft_dtype_through(tmp_path: Path) -> None:
     target = _StandInTarget()

@@ -38,6 +38,9 @@ class StandInTarget(nn.Module):
             self.lm_head.weight.copy_(torch.randn(V, H, generator=gen))
         self.layers = nn.ModuleList(nn.Identity() for _ in range(LAYERS))
 
+    def head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
+
 
 @pytest.fixture(scope="module")
 def target() -> StandInTarget:

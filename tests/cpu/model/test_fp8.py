@@ -367,3 +367,54 @@ def test_the_memory_estimate_counts_an_fp8_lm_head() -> None:
     head = config.vocab_size * config.hidden_size
     scales = -(-config.vocab_size // 128) * (config.hidden_size // 128) * 4
     assert projections - with_head == head - scales
+
+
+@pytest.mark.parametrize("draft", ["dflash", "dflash+lookup"])
+def test_a_dflash_drafter_shares_an_fp8_lm_head_dequantized(
+    draft: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A DFlash drafter multiplies by the target's LM head: with the head in FP8 it reads a
+    dequantized copy (it used to multiply by the raw e4m3 bytes and fail); the output is
+    plain decoding of the same FP8 model."""
+    import dflash
+    from dflash.cli import main
+
+    args = ["generate", "--model", "tiny", "--max-new-tokens", "8", "--block-size", "4",
+            "--devices", "cpu", "--no-progress", "--draft", draft, "--json"]
+    assert main([*args, "--quantize", "fp8-lm-head", "--check-parity", "--no-baseline"]) == 0
+    assert json.loads(capsys.readouterr().out)["parity"] is True
+    llm = dflash.load(model="tiny", draft=draft, quantize="fp8-lm-head")
+    head = llm.model.lm_head
+    assert isinstance(head, Fp8Linear)
+    assert torch.equal(llm.model.head_weight(), head.dequantized())
+    plain = dflash.load(model="tiny", draft=None, quantize="fp8-lm-head")
+    assert llm.generate([1, 2, 3], max_new_tokens=8).tokens == plain.generate(
+        [1, 2, 3], max_new_tokens=8).tokens
+
+
+def test_the_quantization_config_transformers_writes_is_read() -> None:
+    """transformers' FineGrainedFP8Config writes ``dequantize``, ``modules_to_convert``,
+    ``scale_fmt`` and ``expert_dtype`` beside the format's fields: read at the values
+    that describe this format, refused naming the field otherwise; ``ignored_layers`` is
+    its alias of the skip list; a multimodal checkpoint's ``model.language_model.*``
+    names the text model's modules."""
+    from dflash.model.fp8 import parse_fp8_config
+
+    written = {"quant_method": "fp8", "modules_to_not_convert": None,
+               "modules_to_convert": None, "activation_scheme": "dynamic",
+               "weight_block_size": [128, 128], "dequantize": False, "scale_fmt": "float",
+               "expert_dtype": "fp8"}
+    assert parse_fp8_config(written, "c") == Fp8Spec()
+    for field, value in (("dequantize", True), ("scale_fmt", "ue8m0"),
+                         ("modules_to_convert", ["layers.0.mlp.up_proj"]),
+                         ("expert_dtype", "bf16")):
+        with pytest.raises(CheckpointError, match=rf"field '{field}' must be"):
+            parse_fp8_config({**written, field: value}, "c")
+    alias = parse_fp8_config({"quant_method": "fp8", "ignored_layers": ["mlp.down_proj"]}, "c")
+    assert alias is not None and not alias.converts("layers.0.mlp.down_proj")
+    assert alias.converts("layers.0.mlp.up_proj")
+    mm = Fp8Spec(modules_to_not_convert=("model.language_model.layers.0.linear_attn.in_proj_a",
+                                         "model.language_model.layers.*.mlp.gate_proj"))
+    assert not mm.converts("layers.0.linear_attn.in_proj_a")
+    assert mm.converts("layers.1.linear_attn.in_proj_a")
+    assert not mm.converts("layers.3.mlp.gate_proj")

@@ -192,18 +192,35 @@ def _index(ckpt: Path, weight_map: dict[str, str]) -> None:
 
 def test_index_errors(ckpt: Path) -> None:
     names = sorted(_tensors(ckpt))
+    shard = "model-00001-of-00001.safetensors"
+    (ckpt / "model.safetensors").rename(ckpt / shard)  # an index is read without the file
     _index(ckpt, dict.fromkeys(names, "model-00009.safetensors"))
     with pytest.raises(CheckpointError, match=r"names shard 'model-00009.safetensors', which is "
                        r"not a file"):
         TargetModel.from_pretrained(ckpt)
-    _index(ckpt, {**dict.fromkeys(names, "model.safetensors"), "model.extra": "model.safetensors"})
+    _index(ckpt, {**dict.fromkeys(names, shard), "model.extra": shard})
     with pytest.raises(CheckpointError, match=r"tensor 'model.extra' is listed in the index "
-                       r"\(shard 'model.safetensors'\) but absent"):
+                       rf"\(shard '{shard}'\) but absent"):
         TargetModel.from_pretrained(ckpt)
     save_file({"model.norm.weight": torch.zeros(64)}, str(ckpt / "other.safetensors"))
-    _index(ckpt, {**dict.fromkeys(names, "model.safetensors"), "x": "other.safetensors"})
+    _index(ckpt, {**dict.fromkeys(names, shard), "x": "other.safetensors"})
     with pytest.raises(CheckpointError, match=r"tensor 'model.norm.weight' appears in both"):
         TargetModel.from_pretrained(ckpt)
     (ckpt / "model.safetensors.index.json").write_text("[1, 2]")
     with pytest.raises(CheckpointError, match=r"must hold a 'weight_map' object"):
         TargetModel.from_pretrained(ckpt)
+    (ckpt / "model.safetensors.index.json").write_bytes("{}".encode("utf-16"))
+    with pytest.raises(CheckpointError, match=r"is not readable JSON"):
+        TargetModel.from_pretrained(ckpt)
+
+
+def test_a_single_file_wins_over_an_index_beside_it(ckpt: Path) -> None:
+    """As transformers reads it: ``model.safetensors`` first; an index left beside it (an
+    earlier sharded save) and its shards are not read."""
+    want = TargetModel.from_pretrained(ckpt)
+    _index(ckpt, dict.fromkeys(sorted(_tensors(ckpt)), "model-00009.safetensors"))
+    got = TargetModel.from_pretrained(ckpt)
+    assert got.load_report is not None and list(got.load_report.files) == [
+        "model.safetensors"]
+    assert all(torch.equal(a, b) for a, b in zip(want.state_dict().values(),
+                                                 got.state_dict().values(), strict=True))

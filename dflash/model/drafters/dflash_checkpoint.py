@@ -346,12 +346,24 @@ def read_weights(
             f"{shown}: unreadable safetensors file ({type(exc).__name__}: {exc})"
         ) from exc
     for key, tensor in tensors.items():
-        if not tensor.is_floating_point():
+        if not tensor.is_floating_point() or tensor.dtype in _FP8_DTYPES:
             raise DrafterCheckpointError(
                 f"{shown}: tensor {key!r} has dtype {tensor.dtype}, "
-                f"a floating-point dtype is required"
+                f"a floating-point dtype of 16 bits or more is required (a drafter's "
+                "weights are not quantized)"
+            )
+        if not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise DrafterCheckpointError(
+                f"{shown}: tensor {key!r} holds {bad} NaN or infinite value(s)"
             )
     return tensors
+
+
+#: float8 dtypes: floating point to torch, but not weights a drafter multiplies by
+_FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2",
+                                                "float8_e4m3fnuz", "float8_e5m2fnuz")
+                    if hasattr(torch, n))
 
 
 def write_checkpoint(

@@ -18,6 +18,7 @@ from dflash.model.drafters import (
     ConfigFieldError,
     DFlashConfig,
     DFlashDrafter,
+    DrafterCheckpointError,
     DrafterError,
     MaskTokenRangeError,
     MissingKeysError,
@@ -204,6 +205,24 @@ BAD: list[tuple[str, Callable[[Path], object], type[Exception], str]] = [
         edit_tensors(lambda t: t.update({"layers.0.self_attn.k_norm.weight": torch.ones(3)})),
         TensorShapeError,
         r"'layers\.0\.self_attn\.k_norm\.weight' has shape \[3\], the config implies",
+    ),
+    (
+        "NaN weight",
+        edit_tensors(lambda t: t["fc.weight"].view(-1)[7:8].fill_(float("nan"))),
+        DrafterCheckpointError,
+        r"tensor 'fc\.weight' holds 1 NaN or infinite value\(s\)",
+    ),
+    (
+        "infinite weight",
+        edit_tensors(lambda t: t["norm.weight"].fill_(float("inf"))),
+        DrafterCheckpointError,
+        r"tensor 'norm\.weight' holds \d+ NaN or infinite",
+    ),
+    (
+        "FP8 weight",
+        edit_tensors(lambda t: t.update({"fc.weight": t["fc.weight"].to(torch.float8_e4m3fn)})),
+        DrafterCheckpointError,
+        r"tensor 'fc\.weight' has dtype torch\.float8_e4m3fn",
     ),
 ]
 

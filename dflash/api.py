@@ -692,6 +692,13 @@ class LLM:
             if self.drafter is None:
                 return self._plain(req, on_tokens, until)
             return self._speculative(req, self.drafter, on_tokens, until)
+        except _Cancelled:  # a closed stream: raised between steps, the target is clean
+            raise
+        except BaseException:
+            # a step cut short (Ctrl-C, a device error) may leave the kept target mid-step:
+            # the next call builds a fresh one instead of refusing every call after this
+            self.target = self.engine = None
+            raise
         finally:
             self._busy.release()
 
@@ -860,10 +867,13 @@ class TextStream:
             except BaseException as exc:  # handed to the reading thread, raised there
                 self._queue.put(("error", exc))
                 return
-        piece = self._text.push(result.tokens, final=True)
-        if piece:
-            self._queue.put(("piece", piece))
-        self._queue.put(("done", self._text.result(result)))
+        try:
+            piece = self._text.push(result.tokens, final=True)
+            if piece:
+                self._queue.put(("piece", piece))
+            self._queue.put(("done", self._text.result(result)))
+        except BaseException as exc:  # the reader must hear of it, never wait forever
+            self._queue.put(("error", exc))
 
     def __iter__(self) -> Iterator[str]:
         return self
@@ -894,7 +904,8 @@ class TextStream:
         """Stop reading: the decode stops at its next step (no result then)."""
         if self._thread is not None and not self._done:
             self._cancel.set()
-            self._thread.join()
+            if self._thread is not threading.current_thread():  # the worker's last reference
+                self._thread.join()
         self._done = True
 
     def __del__(self) -> None:

@@ -385,3 +385,32 @@ def test_a_chat_template_is_checked_when_it_is_set(llm: LLM, tmp_path: Path) -> 
     with pytest.raises(ArgumentError, match=r"'path' must be a str or a path \(got None\)"):
         llm.use_chat_template(None)  # type: ignore[arg-type]  # bad on purpose
     assert llm.render_chat([{"role": "user", "content": "x"}]) == before
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_a_step_cut_short_leaves_the_llm_usable(error: type[BaseException]) -> None:
+    """Ctrl-C or a device error inside a verify forward leaves the kept target mid-step:
+    the next calls build a fresh one and give a fresh LLM's tokens (they used to be
+    refused for good: "needs a clean target")."""
+    llm = dflash.load()
+    llm.generate(PROMPT, max_new_tokens=4)
+    target = llm.target
+    assert target is not None
+    real = target._forward
+    seen = [0]
+
+    def failing(ids: object, mode: str, *args: object) -> object:
+        if mode == "verify":
+            seen[0] += 1
+            if seen[0] == 3:
+                raise error("cut short")
+        return real(ids, mode, *args)  # type: ignore[arg-type]  # passed through as given
+
+    target._forward = failing  # type: ignore[method-assign,assignment]  # the fault
+    with pytest.raises(error, match="cut short"):
+        llm.generate(PROMPT, max_new_tokens=40)
+    assert seen[0] == 3 and llm.target is None and llm.engine is None
+    fresh = dflash.load()
+    for rule in ({}, {"temperature": 0.8, "seed": 2}):
+        assert llm.generate("import os\n", max_new_tokens=12, **rule).tokens == (  # type: ignore[arg-type]  # the rule's keywords
+            fresh.generate("import os\n", max_new_tokens=12, **rule).tokens)  # type: ignore[arg-type]  # as above

@@ -751,8 +751,10 @@ class LLM:
         decided. Their concatenation equals the final result's ``text``; the result is
         the returned stream's :attr:`TextStream.result` once the iteration has ended.
         Arguments are checked when ``stream`` is called; the decode runs (in a worker
-        thread) as the pieces are read. Closing the stream early (``break`` out of a
-        ``for`` loop, :meth:`TextStream.close`) stops the decode at its next step.
+        thread) as the pieces are read. Closing the stream early
+        (:meth:`TextStream.close`) stops the decode at its next step. A stream left by
+        ``break`` is not closed: its decode runs on to its end in the background and holds
+        this LLM until then, so close it (or read it out) before the next call.
         """
         req = self._request(prompt, max_new_tokens, temperature, top_k, top_p, min_p, seed,
                             stop)

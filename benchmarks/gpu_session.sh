@@ -33,7 +33,7 @@
 #   bash benchmarks/gpu_session.sh fp8     # the FP8 linear's GPU tests, then dflash bench A/B/A with
 #                                          # --quantize fp8 (9B and 27B shapes, synthetic drafter;
 #                                          # FP8_TESTS=0, FP8_SHAPES="nine-b-shape",
-#                                          # FP8_FORMS="default x_major x_major,bits", FP8_RUNS,
+#                                          # FP8_FORMS="default none x_major", FP8_RUNS,
 #                                          # FP8_QUANT=fp8-lm-head: the LM head in FP8 too)
 #   bash benchmarks/gpu_session.sh hot     # benchmarks/hot_kernels.py: decode attention, FP8 linear
 #                                          # and GDN prefill against their floors (HOT_PARTS=...;
@@ -79,8 +79,8 @@ for phase in "$@"; do
     fp8)
       [ "${FP8_TESTS:-1}" = 1 ] && python3 -m pytest tests/gpu/test_fp8_linear_gpu.py -q -s \
         -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_fp8.log" | tail -8
-      # FP8_FORMS: the kernel forms to bench ("default", "x_major", "x_major,bits"; each
-      # run sets DFLASH_FP8_FORM)
+      # FP8_FORMS: the kernel forms to bench ("default" = x_major,bits, "none", "x_major",
+      # "bits"; each run sets DFLASH_FP8_FORM)
       for form in ${FP8_FORMS:-default}; do
         for shape in ${FP8_SHAPES:-nine-b-shape twenty-seven-b-shape}; do
           name=bench_${FP8_QUANT:-fp8}_${shape}_${form/,/_}

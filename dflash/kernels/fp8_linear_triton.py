@@ -73,6 +73,16 @@ from dflash.kernels.linear_triton import (
 MAX_BLOCK_K = 128
 #: scale blocks along K must be a multiple of this (the smallest MMA depth)
 MIN_BLOCK_K = 16
+#: the N tile: 128 weight rows, a whole scale block of the checkpoints' 128 × 128 blocks.
+#: Measured on the H200 (``benchmarks/hot_kernels.py --part fp8``, bf16 x, M = 1), the
+#: sweep's best at both 9B shapes it reached was a 128-row tile with 2 × 264 programs:
+#: 12288 × 4096 19.2 µs (split 4) against 25.7 with 64 rows and 192 programs (split 1);
+#: 4096 × 4096 8.6 µs (split 8) against 8.8 (64 rows, split 4)
+BLOCK_N = 128
+#: split-K doubles while the doubled grid stays within this many programs (4 per SM of
+#: the H200's 132); bf16's :data:`TARGET_PROGRAMS` is half: the FP8 tile streams half the
+#: bytes per element, so more programs are in flight to cover the same latency
+FP8_TARGET_PROGRAMS = 2 * TARGET_PROGRAMS
 
 
 @dataclass(frozen=True)
@@ -89,30 +99,37 @@ class Fp8LinearConfig:
     #: (triton 3.6) the e4m3 tile then reaches the registers in 8-byte shared loads, where
     #: the default ``w_tile @ x_tile.T`` (the weight the first operand, converted in the
     #: MMA's register layout) takes 2-byte ones. The same row tiles, K steps, scales and
-    #: split order: rows stay independent of M. Off until timed on a GPU
-    x_major: bool = False
+    #: split order: rows stay independent of M. On by default (:data:`FORM`): measured on
+    #: the H200 it is the faster form at every 9B shape
+    x_major: bool = True
     #: bfloat16 x: each e4m3 byte widened to bfloat16 by integer operations and one bf16x2
     #: multiply by 2^120 (:data:`E4M3_TO_BF16`) instead of the three conversion
     #: instructions per pair that ``.to`` emits (``cvt.rn.f16x2.e4m3x2``, then
     #: ``cvt.bf16.f16`` twice): the same value for every finite byte. A NaN byte becomes
     #: ±480, not NaN: checkpoints holding one are refused at load and the quantizer never
     #: writes one, but a direct caller's weight is not scanned. Compiled kernels only; the
-    #: interpreter uses ``.to``. Off until timed on a GPU
-    bit_convert: bool = False
+    #: interpreter uses ``.to``. On by default (:data:`FORM`), as ``x_major``
+    bit_convert: bool = True
 
 
 def form_from_env() -> tuple[bool, bool]:
-    """``(x_major, bit_convert)`` of the default configuration: ``DFLASH_FP8_FORM`` is
-    empty (both off), ``x_major``, ``bits`` or ``x_major,bits``; another value is a
+    """``(x_major, bit_convert)`` of the default configuration, from ``DFLASH_FP8_FORM``:
+    unset or empty, the default (both on: the faster form on the H200, 9B plain greedy
+    162.8 → 183.1 tok/s); ``none`` (both off: the weight as the MMA's first operand,
+    converted by ``.to``), ``x_major``, ``bits`` or ``x_major,bits``; another value is a
     ``ValueError`` naming it. Each form is M-invariant on its own, so a whole run (a
     benchmark, decoding and its parity check) may take one."""
     raw = os.environ.get("DFLASH_FP8_FORM", "")
-    parts = [p for p in raw.split(",") if p]
-    if len(set(parts)) != len(parts) or any(p not in ("x_major", "bits") for p in parts):
-        raise ValueError(
-            f"DFLASH_FP8_FORM must be empty, 'x_major', 'bits' or 'x_major,bits' (got {raw!r})"
-        )
-    return "x_major" in parts, "bits" in parts
+    if raw in ("", "x_major,bits", "bits,x_major"):
+        return True, True
+    if raw == "none":
+        return False, False
+    if raw in ("x_major", "bits"):
+        return raw == "x_major", raw == "bits"
+    raise ValueError(
+        "DFLASH_FP8_FORM must be empty (the default: x_major,bits), 'none', 'x_major', "
+        f"'bits' or 'x_major,bits' (got {raw!r})"
+    )
 
 
 #: the default configuration's form, read once at import (:func:`form_from_env`)
@@ -144,16 +161,17 @@ def fp8_linear_config(
 
     - ``BLOCK_K``: the scale block ``bk`` rounded up to a power of two (128 for the
       checkpoints' 128 × 128 blocks: 128-byte weight rows per load);
-    - ``BLOCK_N = 64`` (the Hopper warp-group MMA height), smaller only for ``N < 64``;
-    - split-K as :func:`dflash.kernels.linear_triton.linear_config`: it doubles while the
-      doubled grid of one row group stays within ``TARGET_PROGRAMS`` (264) programs and
-      each split keeps at least ``MIN_K_BLOCKS`` (4) K blocks. At the 9B shapes with
-      128 × 128 blocks: split 4 for N = 4096 (K = 4096 or 12288; 256 programs), 1 for
-      N = 12288 (192);
+    - ``BLOCK_N = 128`` (:data:`BLOCK_N`), smaller only for ``N < 128``;
+    - split-K as :func:`dflash.kernels.linear_triton.linear_config` with twice its
+      programs: it doubles while the doubled grid of one row group stays within
+      :data:`FP8_TARGET_PROGRAMS` (528) programs and each split keeps at least
+      ``MIN_K_BLOCKS`` (4) K blocks. At the 9B shapes with 128 × 128 blocks: split 8 for
+      4096 × 4096 (256 programs), 16 for 4096 × 12288 (512), 4 for 12288 × 4096 (384),
+      1 for the LM head (1,940 N tiles);
     - 4 warps; pipeline stages 4 (3 for float32 x), fewer when a stage (one float8
       weight tile plus ``m_tiles`` row tiles) would push the pipeline past
       ``STAGE_BYTES``, never fewer than ``MIN_STAGES``. bf16, 128 × 128 blocks: a stage
-      is 12, 16, 24, 40 KB for 1, 2, 4, 8 tiles, so 4, 4, 4, 2 stages.
+      is 20, 24, 32, 48 KB for 1, 2, 4, 8 tiles, so 4, 4, 3, 2 stages.
     """
     if m_tiles < 1 or m_tiles > MAX_M_TILES or m_tiles & (m_tiles - 1):
         raise ValueError(
@@ -166,11 +184,11 @@ def fp8_linear_config(
             f"{MIN_BLOCK_K} … {MAX_BLOCK_K}) for Triton (got {block})"
         )
     block_k = int(triton.next_power_of_2(bk))
-    block_n = 64 if N >= 64 else max(16, int(triton.next_power_of_2(N)))
+    block_n = BLOCK_N if N >= BLOCK_N else max(16, int(triton.next_power_of_2(N)))
     n_tiles = triton.cdiv(N, block_n)
     k_blocks = triton.cdiv(K, bk)
     split = 1
-    while n_tiles * 2 * split <= TARGET_PROGRAMS and k_blocks // (2 * split) >= MIN_K_BLOCKS:
+    while n_tiles * 2 * split <= FP8_TARGET_PROGRAMS and k_blocks // (2 * split) >= MIN_K_BLOCKS:
         split *= 2
     stage = block_n * block_k + m_tiles * BLOCK_M * block_k * dtype.itemsize
     stages = max(MIN_STAGES, min(3 if dtype == torch.float32 else 4, STAGE_BYTES // stage))

@@ -228,16 +228,20 @@ def test_zero_rows(backend: Backend) -> None:
 
 def test_config_is_a_function_of_the_shape() -> None:
     """Tiles and splits depend on (N, K, block) only; M moves the pipeline depth alone.
-    The 9B shapes: split 4 for N = 4096, 1 for N = 12288."""
+    The 9B shapes: 128-row N tiles; split 8 for 4096 × 4096, 16 for 4096 × 12288, 4 for
+    12288 × 4096 (the H200 sweep's best at the two it timed), 1 for the LM head."""
     assert fp8_linear_config(N, K, torch.bfloat16, (32, 32)).split_k == 2
     assert fp8_linear_config(N, K, torch.bfloat16, (128, 128)).split_k == 1
     assert fp8_linear_config(N, K, torch.bfloat16, (48, 48)).block_k == 64
-    for n, k, split in ((4096, 4096, 4), (4096, 12288, 4), (12288, 4096, 1)):
+    assert fp8_linear_config(96, 4096, torch.bfloat16).block_n == 128   # N < 128: padded
+    assert fp8_linear_config(40, 4096, torch.bfloat16).block_n == 64
+    for n, k, split in ((4096, 4096, 8), (4096, 12288, 16), (12288, 4096, 4),
+                        (248320, 4096, 1)):
         cfgs = [fp8_linear_config(n, k, torch.bfloat16, (128, 128), t) for t in (1, 2, 4, 8)]
-        assert [c.num_stages for c in cfgs] == [4, 4, 4, 2]
-        assert {(c.block_n, c.block_k, c.split_k) for c in cfgs} == {(64, 128, split)}
-    assert fp8_linear_launch(64, 4096, 12288, torch.bfloat16).grid == (1, 64, 4)
-    assert fp8_linear_launch(129, 12288, 4096, torch.bfloat16).grid == (2, 192, 1)
+        assert [c.num_stages for c in cfgs] == [4, 4, 3, 2]
+        assert {(c.block_n, c.block_k, c.split_k) for c in cfgs} == {(128, 128, split)}
+    assert fp8_linear_launch(64, 4096, 12288, torch.bfloat16).grid == (1, 32, 16)
+    assert fp8_linear_launch(129, 12288, 4096, torch.bfloat16).grid == (2, 96, 4)
     with pytest.raises(ValueError, match="'block' must be"):
         fp8_linear_config(64, 64, torch.bfloat16, (128, 40))
     with pytest.raises(ValueError, match="'config' block_k"):
@@ -274,16 +278,17 @@ def test_the_bit_conversion_gives_every_finite_bytes_value() -> None:
 
 
 def test_the_form_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``DFLASH_FP8_FORM``: empty (the default: both off), ``x_major``, ``bits`` or both;
-    anything else is refused by name."""
+    """``DFLASH_FP8_FORM``: unset or empty (the default: both on), ``none``, ``x_major``,
+    ``bits`` or both; anything else is refused by name."""
     from dflash.kernels.fp8_linear_triton import form_from_env
     monkeypatch.delenv("DFLASH_FP8_FORM", raising=False)
-    assert form_from_env() == (False, False)
-    for raw, want in (("", (False, False)), ("x_major", (True, False)), ("bits", (False, True)),
+    assert form_from_env() == (True, True)
+    for raw, want in (("", (True, True)), ("none", (False, False)),
+                      ("x_major", (True, False)), ("bits", (False, True)),
                       ("x_major,bits", (True, True)), ("bits,x_major", (True, True))):
         monkeypatch.setenv("DFLASH_FP8_FORM", raw)
         assert form_from_env() == want
-    for raw in ("words", "x_major,x_major", "x-major", "bits, x_major"):
+    for raw in ("words", "x_major,x_major", "x-major", "bits, x_major", "None", "none,bits"):
         monkeypatch.setenv("DFLASH_FP8_FORM", raw)
         with pytest.raises(ValueError, match=f"DFLASH_FP8_FORM must be .* \\(got {raw!r}\\)"):
             form_from_env()

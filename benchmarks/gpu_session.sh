@@ -106,11 +106,12 @@ for phase in "$@"; do
       [ "${LONG_TESTS:-1}" = 1 ] && python3 -m pytest tests/gpu/test_prefill_attention_gpu.py \
         tests/gpu/test_gdn_chunk_gpu.py tests/gpu/test_long_context_gpu.py -q -s \
         -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_long.log" | tail -15
-      name=long_context_9b_${GDN:-auto}_c${GDN_CHUNK:-64}_${GDN_PRECISION:-ieee}
+      # (unset: the device's, 32 and tf32 on CUDA)
+      name=long_context_9b_${GDN:-auto}_c${GDN_CHUNK:-default}_${GDN_PRECISION:-default}
       timeout "${LONG_TIMEOUT:-420}" python3 benchmarks/long_context.py --model nine-b-shape \
         --devices cuda:0 --lengths "${LENGTHS:-8192,16384,32768,65536,131072,262144}" \
-        --chunk "${CHUNK:-4096}" --gdn "${GDN:-auto}" --gdn-chunk "${GDN_CHUNK:-64}" \
-        --gdn-precision "${GDN_PRECISION:-ieee}" ${PROFILE:+--profile "$PROFILE"} \
+        --chunk "${CHUNK:-4096}" --gdn "${GDN:-auto}" ${GDN_CHUNK:+--gdn-chunk "$GDN_CHUNK"} \
+        ${GDN_PRECISION:+--gdn-precision "$GDN_PRECISION"} ${PROFILE:+--profile "$PROFILE"} \
         --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | grep -v '^ *["{}]\|^ *\]'
       ;;
     bench)

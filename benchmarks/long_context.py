@@ -26,7 +26,7 @@ from dflash.execution.memory import context_memory, size_text
 from dflash.execution.oracle import greedy_target
 from dflash.execution.session import build_model, model_config, parse_dtype
 from dflash.execution.shards import ShardedTarget
-from dflash.model.layers import GdnChunking
+from dflash.model.layers import GdnChunking, default_gdn_chunking
 
 #: decoded tokens left out of the decode timing (the first captures the CUDA graphs)
 WARM_DECODE = 4
@@ -59,10 +59,12 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"greedy tokens after each prefill (the first {WARM_DECODE} untimed)")
     p.add_argument("--gdn", choices=("auto", "chunked", "recurrent"), default="auto",
                    help="the GDN layers' prefill form (auto: the model's default for the device)")
-    p.add_argument("--gdn-chunk", type=int, default=64,
-                   help="tokens per chunk of the chunk-parallel form (a power of two, 16-128)")
-    p.add_argument("--gdn-precision", choices=("ieee", "tf32"), default="ieee",
-                   help="the chunk-parallel form's products: float32 or tf32 tensor cores")
+    p.add_argument("--gdn-chunk", type=int, default=None,
+                   help="tokens per chunk of the chunk-parallel form (a power of two, 16-128; "
+                   "default: the device's, 32 on CUDA, 64 on CPU)")
+    p.add_argument("--gdn-precision", choices=("ieee", "tf32"), default=None,
+                   help="the chunk-parallel form's products: float32 or tf32 tensor cores "
+                   "(default: the device's, tf32 on CUDA, ieee on CPU)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--profile", type=int, default=None, metavar="LENGTH",
                    help="profile this length's prefill again (warm): the top CUDA kernels")
@@ -72,10 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     config = model_config(args.model)
     model = build_model(args.model, seed=0, dtype=dtype, device=device)
     model.chunked_prefill = {"auto": None, "chunked": True, "recurrent": False}[args.gdn]
-    try:
-        model.gdn_chunk = GdnChunking(args.gdn_chunk, args.gdn_precision)
-    except ValueError as exc:
-        p.error(str(exc))
+    if args.gdn_chunk is not None or args.gdn_precision is not None:
+        default = default_gdn_chunking(torch.device(device))
+        try:
+            model.gdn_chunk = GdnChunking(args.gdn_chunk or default.chunk,
+                                          args.gdn_precision or default.precision)
+        except ValueError as exc:
+            p.error(str(exc))
     plan = plan_shards(config.num_hidden_layers, args.devices, None)
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     chunk = args.chunk or None
@@ -134,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile == length:
             _profile(target, prompt, device)
         del target
+    setting = model.gdn_chunk or default_gdn_chunking(torch.device(device))
     report = {
         "model": args.model, "devices": args.devices, "dtype": str(dtype), "chunk": chunk,
-        "gdn": args.gdn, "gdn_chunk": args.gdn_chunk, "gdn_precision": args.gdn_precision,
+        "gdn": args.gdn, "gdn_chunk": setting.chunk, "gdn_precision": setting.precision,
         "weights_bytes": weights, "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name(device) if device.startswith("cuda") else None,
         "rows": rows,

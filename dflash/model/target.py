@@ -39,6 +39,7 @@ from dflash.model.layers import (
     KernelBackend,
     Ops,
     RMSNorm,
+    default_gdn_chunking,
     fuse_linear_groups_,
 )
 
@@ -70,13 +71,15 @@ class TargetModel(nn.Module):
         self.kernel_backend: KernelBackend = kernel_backend
         #: a prefill chunk of at least :data:`dflash.model.layers.CHUNKED_PREFILL_MIN`
         #: tokens runs the gated delta rule in chunk-parallel form
-        #: (:func:`dflash.kernels.gdn_chunk_prefill`) rather than token by token. None:
-        #: on CPU devices only (its torch form is 4-20x faster there on long prompts); the
-        #: Triton form is checked under the interpreter and waits for its measurement on
-        #: a GPU before it becomes the CUDA default
+        #: (:func:`dflash.kernels.gdn_chunk_prefill`) rather than token by token. None: the
+        #: device's default, chunk-parallel on every device (the torch form is 4-20x faster
+        #: on CPU on long prompts; the Triton form with
+        #: :data:`dflash.model.layers.CUDA_GDN_CHUNKING` 1.2-1.5x on the H200); False: the
+        #: token loop
         self.chunked_prefill: bool | None = None
-        #: the chunk-parallel form's chunk and product precision
-        self.gdn_chunk = GdnChunking()
+        #: the chunk-parallel form's chunk and product precision; None: the device's
+        #: (:func:`dflash.model.layers.default_gdn_chunking`)
+        self.gdn_chunk: GdnChunking | None = None
         #: the FP8 format of the decoder layers' projections (None: the model dtype)
         self.quantization: Fp8Spec | None = None
         self.load_report: LoadReport | None = None  # set by from_pretrained
@@ -333,10 +336,11 @@ class TargetModel(nn.Module):
         and, in a tree verify, row ``t`` at ``start + offsets[t]`` (needed by invariant CPU
         forwards): M-invariant unless prefill."""
         invariant = mode != "prefill"
-        chunked = device.type == "cpu" if self.chunked_prefill is None else self.chunked_prefill
+        chunked = True if self.chunked_prefill is None else self.chunked_prefill
+        setting = self.gdn_chunk or default_gdn_chunking(device)
         return Ops(invariant=invariant, backend=self.backend_for(device), device=device,
                    start=start if invariant else None, offsets=offsets if invariant else None,
-                   chunked_prefill=chunked, gdn_chunk=self.gdn_chunk)
+                   chunked_prefill=chunked, gdn_chunk=setting)
 
     def logits(
         self, hidden: Tensor, mode: Mode, start: int | None = None,

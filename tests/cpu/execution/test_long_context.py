@@ -295,7 +295,7 @@ def test_the_chunk_parallel_form_takes_the_models_chunk_and_precision(
         return real(*args, **kwargs)  # type: ignore[arg-type]  # forwarded as given
 
     monkeypatch.setattr(layers, "gdn_chunk_prefill", recording)
-    assert tiny.gdn_chunk == GdnChunking(64, "ieee")
+    assert tiny.gdn_chunk is None   # the device's: 64 and float32 on CPU
     continuations = {}
     tiny.chunked_prefill = True
     try:
@@ -305,9 +305,34 @@ def test_the_chunk_parallel_form_takes_the_models_chunk_and_precision(
                                                             prefill_chunk=None)
     finally:
         tiny.chunked_prefill = None
-        tiny.gdn_chunk = GdnChunking()
+        tiny.gdn_chunk = None
     assert seen == [(16, "tf32")] * 4 + [(64, "ieee")] * 4   # 4 recurrent layers each
     assert continuations[16] == continuations[64]
+
+
+def test_prefills_are_chunk_parallel_by_default_with_each_device_s_settings(
+        tiny: TargetModel) -> None:
+    """Unset (None), a prefill runs the chunk-parallel gated delta rule on every device:
+    chunks of 64 in float32 on CPU, 32 with tf32 products on CUDA (the H200's faster
+    form); a model's own setting wins on both, and ``chunked_prefill = False`` keeps the
+    token loop."""
+    from dflash.model.layers import CUDA_GDN_CHUNKING, GdnChunking
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert tiny.chunked_prefill is None and tiny.gdn_chunk is None
+    assert GdnChunking(32, "tf32") == CUDA_GDN_CHUNKING
+    for device, want in ((cpu, GdnChunking(64, "ieee")), (cuda, GdnChunking(32, "tf32"))):
+        ops = tiny.ops("prefill", device)
+        assert ops.chunked_prefill and ops.gdn_chunk == want
+    try:
+        tiny.gdn_chunk = GdnChunking(128, "ieee")
+        tiny.chunked_prefill = False
+        for device in (cpu, cuda):
+            ops = tiny.ops("prefill", device)
+            assert not ops.chunked_prefill and ops.gdn_chunk == GdnChunking(128, "ieee")
+    finally:
+        tiny.chunked_prefill = None
+        tiny.gdn_chunk = None
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [

@@ -752,9 +752,9 @@ class LLM:
         the returned stream's :attr:`TextStream.result` once the iteration has ended.
         Arguments are checked when ``stream`` is called; the decode runs (in a worker
         thread) as the pieces are read. Closing the stream early
-        (:meth:`TextStream.close`) stops the decode at its next step. A stream left by
-        ``break`` is not closed: its decode runs on to its end in the background and holds
-        this LLM until then, so close it (or read it out) before the next call.
+        (:meth:`TextStream.close`), or dropping it (a ``break`` out of the loop that read
+        it, which leaves it unreferenced), stops the decode at its next step and frees this
+        LLM for the next call.
         """
         req = self._request(prompt, max_new_tokens, temperature, top_k, top_p, min_p, seed,
                             stop)
@@ -828,14 +828,53 @@ class LLM:
 STREAM_THREAD = "dflash-stream"
 
 
-class TextStream:
-    """What :meth:`LLM.stream` returns: an iterator of text pieces; :attr:`result` holds
-    the :class:`GenerationResult` once the iteration has ended."""
+class _StreamWork:
+    """The decode a :class:`TextStream` reads, run in the stream's worker thread. It holds
+    no reference to the stream, so a stream its reader drops (a ``break`` out of the
+    loop, an exception in the reader) is collected, and its ``__del__`` closes it: the
+    decode stops at its next step and the LLM is free again."""
 
     def __init__(self, llm: LLM, req: _Request, text: _Text) -> None:
-        self._llm, self._req, self._text = llm, req, text
-        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._cancel = threading.Event()
+        self.llm, self.req, self.text = llm, req, text
+        self.queue: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.cancel = threading.Event()
+
+    def run(self, grad: bool, inference: bool) -> None:
+        def on_tokens(tokens: list[int]) -> None:
+            if self.cancel.is_set():
+                raise _Cancelled
+            piece = self.text.push(tokens)
+            if piece:
+                self.queue.put(("piece", piece))
+
+        # the caller's autograd modes are per thread: the worker runs under the same ones
+        with torch.set_grad_enabled(grad), torch.inference_mode(inference):
+            try:
+                result = self.llm._run(
+                    self.req, on_tokens, lambda: self.text.stop_at is not None
+                )
+            except _Cancelled:
+                self.queue.put(("cancelled", None))
+                return
+            except BaseException as exc:  # handed to the reading thread, raised there
+                self.queue.put(("error", exc))
+                return
+        try:
+            piece = self.text.push(result.tokens, final=True)
+            if piece:
+                self.queue.put(("piece", piece))
+            self.queue.put(("done", self.text.result(result)))
+        except BaseException as exc:  # the reader must hear of it, never wait forever
+            self.queue.put(("error", exc))
+
+
+class TextStream:
+    """What :meth:`LLM.stream` returns: an iterator of text pieces; :attr:`result` holds
+    the :class:`GenerationResult` once the iteration has ended. Closing it, or dropping
+    it unread (a ``break``), stops its decode at the next step."""
+
+    def __init__(self, llm: LLM, req: _Request, text: _Text) -> None:
+        self._work = _StreamWork(llm, req, text)
         self._thread: threading.Thread | None = None
         self._done = False
         self._result: GenerationResult | None = None
@@ -849,34 +888,6 @@ class TextStream:
             )
         return self._result
 
-    def _work(self, grad: bool, inference: bool) -> None:
-        def on_tokens(tokens: list[int]) -> None:
-            if self._cancel.is_set():
-                raise _Cancelled
-            piece = self._text.push(tokens)
-            if piece:
-                self._queue.put(("piece", piece))
-
-        # the caller's autograd modes are per thread: the worker runs under the same ones
-        with torch.set_grad_enabled(grad), torch.inference_mode(inference):
-            try:
-                result = self._llm._run(
-                    self._req, on_tokens, lambda: self._text.stop_at is not None
-                )
-            except _Cancelled:
-                self._queue.put(("cancelled", None))
-                return
-            except BaseException as exc:  # handed to the reading thread, raised there
-                self._queue.put(("error", exc))
-                return
-        try:
-            piece = self._text.push(result.tokens, final=True)
-            if piece:
-                self._queue.put(("piece", piece))
-            self._queue.put(("done", self._text.result(result)))
-        except BaseException as exc:  # the reader must hear of it, never wait forever
-            self._queue.put(("error", exc))
-
     def __iter__(self) -> Iterator[str]:
         return self
 
@@ -885,13 +896,13 @@ class TextStream:
             raise StopIteration
         if self._thread is None:
             self._thread = threading.Thread(
-                target=self._work,
+                target=self._work.run,
                 args=(torch.is_grad_enabled(), torch.is_inference_mode_enabled()),
                 name=STREAM_THREAD,
                 daemon=True,
             )
             self._thread.start()
-        kind, value = self._queue.get()
+        kind, value = self._work.queue.get()
         if kind == "piece":
             return str(value)
         self._done = True
@@ -905,8 +916,8 @@ class TextStream:
     def close(self) -> None:
         """Stop reading: the decode stops at its next step (no result then)."""
         if self._thread is not None and not self._done:
-            self._cancel.set()
-            if self._thread is not threading.current_thread():  # the worker's last reference
+            self._work.cancel.set()
+            if self._thread is not threading.current_thread():
                 self._thread.join()
         self._done = True
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import dflash
-from dflash.api import LLM, ArgumentError
+from dflash.api import LLM, STREAM_THREAD, ArgumentError
 from dflash.cli import main
 from dflash.data import default_dir, missing_files
 from dflash.errors import UsageError
@@ -146,6 +146,37 @@ def test_closing_a_stream_early_frees_the_llm(llm: LLM, first: dflash.Generation
     with pytest.raises(ArgumentError, match="once its pieces have all been read"):
         stream.result  # noqa: B018 - the property raises
     assert llm.generate(PROMPT, max_new_tokens=N).tokens == first.tokens
+
+
+def test_a_stream_left_by_break_stops_and_frees_the_llm(
+        llm: LLM, first: dflash.GenerationResult) -> None:
+    """Leaving the loop that reads a stream (``break``, or an exception in the reader)
+    drops the stream; it is collected at once and stops its decode at the next step, so
+    the next call runs instead of finding the LLM busy."""
+    import threading
+    import weakref
+
+    pieces = 0
+    for _ in llm.stream(PROMPT, max_new_tokens=N):
+        pieces += 1
+        break
+    assert pieces == 1
+    assert llm.generate(PROMPT, max_new_tokens=N).tokens == first.tokens
+
+    def read_one_then_fail() -> weakref.ref[dflash.TextStream]:
+        stream = llm.stream(PROMPT, max_new_tokens=N)
+        ref = weakref.ref(stream)
+        try:
+            for _ in stream:
+                raise KeyError("the reader failed")
+        except KeyError:
+            pass
+        return ref
+
+    ref = read_one_then_fail()
+    assert ref() is None   # collected by reference counting: no cycle holds a stream
+    assert llm.generate(PROMPT, max_new_tokens=N).tokens == first.tokens
+    assert not [t for t in threading.enumerate() if t.name == STREAM_THREAD]
 
 
 def test_the_default_pair_chats_with_the_plain_template(llm: LLM) -> None:

@@ -58,6 +58,7 @@ import torch
 
 from dflash.errors import CheckpointError, ExecutionError, UsageError, param
 from dflash.execution.engine import SpecDecoder
+from dflash.execution.eos import Eos, cut_at_eos, eos_ids
 from dflash.execution.oracle import next_token
 from dflash.execution.policy import RollbackPolicy, RollbackStatus, parse_mode
 from dflash.execution.prefix import PrefixCache, prefill_through
@@ -364,9 +365,9 @@ class _Text:
     in, and nothing from a stop string on.
     """
 
-    def __init__(self, tokenizer: TextTokenizer, eos_id: int | None, stops: tuple[str, ...]):
+    def __init__(self, tokenizer: TextTokenizer, eos: frozenset[int], stops: tuple[str, ...]):
         self._stream = tokenizer.stream()
-        self._eos, self._stops = eos_id, stops
+        self._eos, self._stops = eos, stops
         self._hold = max((len(s) for s in stops), default=1) - 1
         self.text = ""
         self.ends = [0]  # ends[k]: len(text) once k tokens were decoded
@@ -374,10 +375,8 @@ class _Text:
         self.stop_at: int | None = None
 
     def _visible(self, tokens: Sequence[int]) -> list[int]:
-        tokens = list(tokens)
-        if self._eos is not None and self._eos in tokens:
-            tokens = tokens[: tokens.index(self._eos)]
-        return tokens
+        cut = cut_at_eos(tokens, self._eos)
+        return list(tokens) if cut is None else cut[:-1]
 
     def push(self, tokens: Sequence[int], final: bool = False) -> str:
         """``tokens``: every token generated so far; ``final``: there are no more."""
@@ -431,7 +430,7 @@ class LLM:
         verify_window: str,
         tree_budget: int | None = None,
         tokenizer: TextTokenizer | None,
-        eos_id: int | None,
+        eos_id: Eos,
         directory: Path | None,
         prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
         max_context: int | None = None,
@@ -446,7 +445,11 @@ class LLM:
         self.tree_budget = tree_budget
         #: slots a verify may write: the block, or a tree of ``tree_budget`` nodes
         self.slots = verify_slots(block_size, tree_budget)
-        self.tokenizer, self.eos_id, self.directory = tokenizer, eos_id, directory
+        self.tokenizer, self.directory = tokenizer, directory
+        #: the ids a generation stops at, in the checkpoint's order (Qwen's instruct
+        #: models name two: the turn's end and the text's); empty: none
+        self.eos_ids = eos_ids(eos_id)
+        self._eos = frozenset(self.eos_ids)
         self.target: ShardedTarget | None = None  # kept across calls
         self.engine: SpecDecoder | None = None  # kept with the target (draft given)
         self._busy = threading.Lock()
@@ -616,7 +619,7 @@ class LLM:
 
         return run_generate(
             self.model, drafter, req.prompt, plan=self.plan, max_new_tokens=n,
-            block_size=block, policy=self.policy, eos_id=self.eos_id, on_progress=progress,
+            block_size=block, policy=self.policy, eos_id=self.eos_ids, on_progress=progress,
             target=target, engine=self.engine, stop_when=until, sampling=req.sampling,
             prefill_chunk=self.prefill_chunk, prefix_cache=self.prefix_cache,
             tree_budget=self.tree_budget,
@@ -644,7 +647,7 @@ class LLM:
         on_tokens(out)
         committed = len(req.prompt)
         stopped = until()
-        while len(out) < n and out[-1] != self.eos_id and not stopped:
+        while len(out) < n and out[-1] not in self._eos and not stopped:
             logits, _ = target.forward([out[-1]], "decode", committed)
             committed += 1
             out.append(next_token(target, logits[:1], req.sampling))
@@ -675,9 +678,9 @@ class LLM:
             layer_split=list(self.plan.split),
             drafter="none (plain decoding)",
             stop_reason=(
-                "eos" if out[-1] == self.eos_id else "stop" if stopped else "max_new_tokens"
+                "eos" if out[-1] in self._eos else "stop" if stopped else "max_new_tokens"
             ),
-            target_forwards=1 + decodes,
+            target_forwards=decodes,   # the steps' forwards, the prefill not counted (as spec)
         )
 
     def _run(
@@ -725,7 +728,7 @@ class LLM:
                             stop)
         if self.tokenizer is None:
             return self._run(req, lambda tokens: None, lambda: False)
-        text = _Text(self.tokenizer, self.eos_id, req.stops)
+        text = _Text(self.tokenizer, self._eos, req.stops)
         if req.stops:  # decoded as it commits, so the decode ends at the stop string
             result = self._run(req, text.push, lambda: text.stop_at is not None)
         else:
@@ -759,7 +762,7 @@ class LLM:
         req = self._request(prompt, max_new_tokens, temperature, top_k, top_p, min_p, seed,
                             stop)
         tokenizer = self._need_tokenizer("stream")
-        return TextStream(self, req, _Text(tokenizer, self.eos_id, req.stops))
+        return TextStream(self, req, _Text(tokenizer, self._eos, req.stops))
 
     def chat(
         self,
@@ -817,6 +820,11 @@ class LLM:
         _compile(text, repr(str(file)))
         _, tokens, _ = _read_chat_template(self.directory)
         self._chat = (text, tokens, str(file))
+
+    @property
+    def eos_id(self) -> int | None:
+        """The first of :attr:`eos_ids` (None: the model names no EOS)."""
+        return self.eos_ids[0] if self.eos_ids else None
 
     def _chat_template(self) -> tuple[str, dict[str, str], str]:
         if self._chat is None:

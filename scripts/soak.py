@@ -325,7 +325,7 @@ def run_episode(ep: Episode, log: list[str] | None = None) -> Tally:
         attempts += 1
         if attempts > 4 * ep.max_new_tokens + 16:
             raise Mismatch(f"no progress after {attempts} step attempts")
-        step = len(engine.records)
+        step = engine.steps_run
         # between steps: mode requests, rebuilds (the target is clean here)
         if ev.random() < ep.p_mode:
             mode = ev.choice(MODES)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from dflash.commands.settings import DEFAULT_PROMPT, cli_message, set_cpu_threads
 from dflash.errors import CheckpointError, ConfigError, DFlashError, UsageError
+from dflash.execution.eos import Eos, cut_at_eos, eos_set
 from dflash.execution.errors import ContextLengthError
 from dflash.execution.policy import ENV_VAR, ROLLBACK_MODES, RollbackPolicy
 from dflash.execution.results import GenerationResult
@@ -163,7 +164,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="stop after this token id (default: the model's eos_token_id from "
-        "generation_config.json, else config.json; none for seeded models)",
+        "generation_config.json, else config.json, any of them when it lists several; none "
+        "for seeded models)",
     )
     p.add_argument(
         "--devices",
@@ -493,7 +495,7 @@ class Prepared:
     devices: str
     acceptance: float
     text: TextCodec | None = None  # how generated ids become text (None: ids only)
-    eos_id: int | None = None  # --eos-id, else the model directory's EOS id
+    eos_id: Eos = None  # --eos-id, else the model directory's EOS ids (any of them stops)
     sampling: SamplingParams = field(default_factory=_greedy)
 
 
@@ -603,10 +605,13 @@ def prepare(args: argparse.Namespace) -> Prepared:
             f"--max-context must be in [1, {config.max_position_embeddings}] (the model's "
             f"max_position_embeddings; got {args.max_context})"
         )
-    eos_id = args.eos_id if args.eos_id is not None else eos_for(args.model)
-    if eos_id is not None and not 0 <= eos_id < config.vocab_size:
-        source = "--eos-id" if args.eos_id is not None else f"the EOS id of {args.model!r}"
-        raise UsageError(f"{source} must be a token id in [0, {config.vocab_size}) (got {eos_id})")
+    eos_id = (args.eos_id,) if args.eos_id is not None else eos_for(args.model)
+    for eos in eos_id:
+        if not 0 <= eos < config.vocab_size:
+            source = "--eos-id" if args.eos_id is not None else f"the EOS id of {args.model!r}"
+            raise UsageError(
+                f"{source} must be a token id in [0, {config.vocab_size}) (got {eos})"
+            )
     plan = plan_shards(config.num_hidden_layers, devices, args.layer_split)
     tokenizer = tokenizer_for(args.model)
     if tokenizer is not None and args.bytes:
@@ -769,16 +774,14 @@ class TextPrinter:
     back a character whose UTF-8 bytes are still split across tokens.
     """
 
-    def __init__(self, codec: TextCodec, eos_id: int | None, out: TextIO | None) -> None:
-        self.stream, self.eos_id, self.out = codec.stream(), eos_id, out
+    def __init__(self, codec: TextCodec, eos_id: Eos, out: TextIO | None) -> None:
+        self.stream, self.eos, self.out = codec.stream(), eos_set(eos_id), out
         self.pushed: list[int] = []
         self.parts: list[str] = []
 
     def _visible(self, tokens: Sequence[int]) -> list[int]:
-        tokens = list(tokens)
-        if self.eos_id is not None and self.eos_id in tokens:
-            tokens = tokens[: tokens.index(self.eos_id)]
-        return tokens
+        cut = cut_at_eos(tokens, self.eos)
+        return list(tokens) if cut is None else cut[:-1]
 
     def _emit(self, piece: str) -> None:
         if piece:

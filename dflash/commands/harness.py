@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from dflash.execution import run
 from dflash.execution.engine import SpecDecoder
+from dflash.execution.eos import Eos
 from dflash.execution.oracle import greedy_target
 from dflash.execution.policy import RollbackPolicy
 from dflash.execution.results import GenerationResult, token_sha256
@@ -41,7 +42,7 @@ class Harness:
     plan: ShardPlan
     max_new_tokens: int
     block_size: int
-    eos_id: int | None = None
+    eos_id: Eos = None
     graphs: bool | None = None
     target: ShardedTarget | None = None  # the speculative runs' (run.spec_target)
     greedy_target: ShardedTarget | None = None  # the plain greedy runs' (oracle.greedy_target)
@@ -63,7 +64,7 @@ class Harness:
         *,
         max_new_tokens: int,
         block_size: int,
-        eos_id: int | None = None,
+        eos_id: Eos = None,
         graphs: bool | None = None,
         greedy_tokens: int | None = None,
         verify_window: WindowChoice = "auto",

@@ -237,7 +237,11 @@ class SpecDecoder:
         #: tokens of the last prompt a ``reuse`` prefill found in the caches (not re-read)
         self.reused = 0
         self.last = -1  # the pending token (chosen, not yet in the caches)
+        #: the steps of the current generation (:func:`dflash.execution.generate` clears it
+        #: when one starts, so a kept engine holds one generation's records, not every
+        #: step it ever ran); :attr:`steps_run` counts them all
         self.records: list[StepRecord] = []
+        self.steps_run = 0
         self._paths = {"fast": 0, "replay": 0, "replay_after_failure": 0}
         self.verifies = 0  # verify forwards run
         self.status_at_start = self.status
@@ -387,7 +391,7 @@ class SpecDecoder:
             return self._tree_step(gate=gate)
         if gate:
             return self._gate_step()
-        step = len(self.records)
+        step = self.steps_run
         guesses, confidence = self.drafts.take(list(self.context), self.last)  # [B-1]
         T = self.window.size(self.committed, self.block_size, confidence)  # 1 … B
         draft = self._draft(guesses, T)  # d: [T], validated as a chain of T slots
@@ -412,7 +416,7 @@ class SpecDecoder:
         """The capture gate's step: the whole block verified on poisoned (armed) storage,
         inspected between the shards and judged after; the rollback through replay, then,
         when the evidence held, the one-time self-test of a checkpoint slot against it."""
-        step, B = len(self.records), self.block_size
+        step, B = self.steps_run, self.block_size
         guesses, _ = self.drafts.take(list(self.context), self.last)
         draft = self._draft(guesses, B)
         storages = self.target.storages()
@@ -438,7 +442,7 @@ class SpecDecoder:
         ``gate``: the capture gate's step, on a tree — its verify on poisoned storage,
         judged (every node's slot written), the path replayed, then the one-time
         self-test of the accepted node's slot and the conv window along its path."""
-        step = len(self.records)
+        step = self.steps_run
         assert self.tree_budget is not None
         if isinstance(self.drafter, TreeDrafter):
             tree = self.drafter.draft_tree(
@@ -634,7 +638,7 @@ class SpecDecoder:
         self.context.extend(v.d[: v.commit_n])
         self.committed += v.commit_n
         self.last = v.emitted[-1]
-        step = len(self.records)
+        step = self.steps_run
         forwards = self.target_forwards - self._forwards_before
         self.records.append(
             StepRecord(
@@ -642,6 +646,7 @@ class SpecDecoder:
                 forwards, failure, v.nodes or len(v.d),
             )
         )
+        self.steps_run += 1
         self._paths[path] += 1
         self._pending = None
         return v.emitted
@@ -655,7 +660,7 @@ class SpecDecoder:
         v = self._pending
         if v is None:
             raise ExecutionError("nothing to recover: no step is pending")
-        self.rollback.recover(v.d, self.committed, v.commit_n, len(self.records), failure)
+        self.rollback.recover(v.d, self.committed, v.commit_n, self.steps_run, failure)
 
     def resume(self) -> list[int]:
         """Complete a step whose recovery failed earlier (the target is poisoned)."""

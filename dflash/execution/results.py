@@ -141,6 +141,8 @@ class GenerationResult(_Frozen):
     drafter: str = ""
     # "stop": the library's stop strings (dflash.api) cut the tokens and text
     stop_reason: Literal["max_new_tokens", "eos", "stop"] = "max_new_tokens"
+    # the steps' target forwards (verifies and replays; a plain decode's one per token
+    # after the first), the prefill's not counted
     target_forwards: int = 0
     effective_forwards_per_step: float | None = None  # over steps begun with status effective
     drafted_tokens: int = 0

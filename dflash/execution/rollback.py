@@ -25,6 +25,7 @@ The pools only store: which path runs, and when, is decided here.
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -62,12 +63,18 @@ TRANSITIONS: dict[str, dict[Phase, Phase]] = {
 }
 
 
+#: the transitions a :class:`Lifecycle` keeps in its history
+HISTORY = 1024
+
+
 class Lifecycle:
     """Holds the current :class:`Phase` and refuses every transition not in the table."""
 
     def __init__(self) -> None:
         self.phase = Phase.EMPTY
-        self.history: list[tuple[str, Phase, Phase]] = []
+        #: the last :data:`HISTORY` transitions (event, from, to), newest last: a kept
+        #: engine moves several times a step, so the whole record would grow without end
+        self.history: deque[tuple[str, Phase, Phase]] = deque(maxlen=HISTORY)
 
     def move(self, event: str) -> Phase:
         table = TRANSITIONS[event]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.execution.engine import SpecDecoder, StepRecord
+from dflash.execution.eos import Eos, cut_at_eos, eos_set
 from dflash.execution.errors import ContextLengthError
 from dflash.execution.faults import FaultInjector
 from dflash.execution.oracle import reference_greedy
@@ -190,7 +191,7 @@ def _speculative_run(
     prompt: Sequence[int],
     plan: ShardPlan,
     max_new_tokens: int,
-    eos_id: int | None,
+    eos_id: Eos,
     on_progress: Callable[[int, SpecDecoder], None] | None,
     stop_when: Callable[[], bool] | None = None,
     on_prefill_chunk: Callable[[int, int], None] | None = None,
@@ -207,11 +208,12 @@ def _speculative_run(
     _sync(plan)
     t1 = time.perf_counter()
     stop = "max_new_tokens"
-    saw_eos = eos_id is not None and out[0] == eos_id
+    eos = eos_set(eos_id)
+    saw_eos = out[0] in eos
     while len(out) < max_new_tokens and not saw_eos:
         emitted = engine.step()
         out.extend(emitted)
-        saw_eos = eos_id is not None and eos_id in emitted
+        saw_eos = not eos.isdisjoint(emitted)
         if on_progress is not None:
             on_progress(min(len(out), max_new_tokens), engine)
         if stop_when is not None and stop_when():
@@ -219,8 +221,9 @@ def _speculative_run(
             break
     _sync(plan)
     t2 = time.perf_counter()
-    if eos_id is not None and eos_id in out[:max_new_tokens]:
-        out, stop = out[: out.index(eos_id) + 1], "eos"
+    cut = cut_at_eos(out[:max_new_tokens], eos)
+    if cut is not None:
+        out, stop = cut, "eos"
     return out[:max_new_tokens], stop, (t0, t1, t2)
 
 
@@ -265,7 +268,7 @@ def generate(
     max_new_tokens: int = 64,
     block_size: int = 16,
     policy: RollbackPolicy | None = None,
-    eos_id: int | None = None,
+    eos_id: Eos = None,
     faults: FaultInjector | None = None,
     on_progress: Callable[[int, SpecDecoder], None] | None = None,
     graphs: bool | None = None,
@@ -294,7 +297,9 @@ def generate(
     ``graphs``: CUDA graphs for the decode-time forwards (None: wherever supported;
     False: eager). ``on_progress(tokens so far, engine)``: called after every step;
     ``stop_when()``: asked after it, ends the decode early when true (``stop_reason``
-    ``"stop"``; the caller decides what is cut, e.g. at a stop string).
+    ``"stop"``; the caller decides what is cut, e.g. at a stop string). ``eos_id``: the
+    decode ends at the step that commits any of these ids (one, several, or None), the
+    tokens cut after it (``stop_reason`` ``"eos"``).
     ``verify_window``: how much of each draft a step verifies (:class:`SpecDecoder`).
     ``tree_budget``: tree drafts of at most that many nodes (a :class:`TreeDrafter`;
     :class:`SpecDecoder`); the target then holds ``max(block_size, tree_budget)`` slots.
@@ -360,6 +365,7 @@ def generate(
         engine = SpecDecoder(target, drafter, block_size=block_size, policy=policy, faults=faults,
                              verify_window=verify_window, tree_budget=tree_budget,
                              sampling=sampling)
+    engine.records.clear()   # a kept engine holds this generation's steps only
     before = _Before.of(engine)
     tokens, stop, (t0, t1, t2) = _speculative_run(
         engine, prompt, plan, max_new_tokens, eos_id, on_progress, stop_when, on_prefill_chunk,

@@ -48,7 +48,7 @@ from dflash.model.drafters.trees import SyntheticTreeDrafter
 from dflash.model.tokenizer import (
     TextTokenizer,
     TokenizerError,
-    eos_token_id,
+    eos_token_ids,
     load_tokenizer,
     require_utf8,
 )
@@ -80,13 +80,14 @@ def tokenizer_for(spec: str) -> TextTokenizer | None:
         raise SessionError(str(exc)) from None
 
 
-def eos_for(spec: str) -> int | None:
-    """The EOS id of the model ``spec`` names, from its generation_config.json / config.json."""
+def eos_for(spec: str) -> tuple[int, ...]:
+    """The EOS ids of the model ``spec`` names, from its generation_config.json /
+    config.json (empty: none)."""
     directory = model_directory(spec)
     if directory is None:
-        return None
+        return ()
     try:
-        return eos_token_id(directory)
+        return eos_token_ids(directory)
     except TokenizerError as exc:
         raise SessionError(str(exc)) from None
 

@@ -12,8 +12,9 @@ API::
     stream = tok.stream()                  # incremental decoding for streamed output
     piece = stream.push(new_ids)           # the text the new ids complete ("" while a
     rest = stream.flush()                  #   UTF-8 character is still split)
-    eos = eos_token_id(directory)          # int | None, from generation_config.json,
-                                           #   else config.json
+    eos = eos_token_ids(directory)         # tuple[int, ...], from generation_config.json,
+                                           #   else config.json (() when it names none)
+    first = eos_token_id(directory)        # int | None: the first of them
     require_utf8(text, "prompt")           # TextEncodingError unless text is valid UTF-8
 """
 
@@ -199,40 +200,46 @@ def _json_object(path: Path) -> dict[str, Any]:
     return data
 
 
-def _eos_value(value: Any, path: Path, field: str) -> int | None:
-    """An ``eos_token_id`` entry: an id, a list of ids (the first is used), or null."""
+def _eos_values(value: Any, path: Path, field: str) -> tuple[int, ...]:
+    """An ``eos_token_id`` entry: an id, a list of ids (Qwen's instruct models list two:
+    the turn's end and the text's), or null (none)."""
     if value is None:
-        return None
-    if isinstance(value, list):
-        if not value:
-            return None
-        value = value[0]
-        field += "[0]"
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise TokenizerError(
-            f"{str(path)!r} field {field!r} must be a non-negative token id (got {value!r})"
-        )
-    return value
+        return ()
+    values, fields = ((value, [f"{field}[{i}]" for i in range(len(value))])
+                      if isinstance(value, list) else ([value], [field]))
+    for v, f in zip(values, fields, strict=True):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise TokenizerError(
+                f"{str(path)!r} field {f!r} must be a non-negative token id (got {v!r})"
+            )
+    return tuple(dict.fromkeys(values))   # in order, once each
 
 
-def eos_token_id(directory: str | Path) -> int | None:
-    """The end-of-sequence id of a model directory, or None when it names none.
+def eos_token_ids(directory: str | Path) -> tuple[int, ...]:
+    """The end-of-sequence ids of a model directory, in their order (empty when it names
+    none): generation stops at any of them.
 
     Read from ``generation_config.json`` when it has ``eos_token_id``, else from
-    ``config.json`` (top level, then ``text_config``). A list of ids yields its first.
+    ``config.json`` (top level, then ``text_config``); an id or a list of ids.
     """
     directory = Path(directory)
     gen = directory / "generation_config.json"
     if gen.is_file():
         data = _json_object(gen)
         if data.get("eos_token_id") is not None:
-            return _eos_value(data["eos_token_id"], gen, "eos_token_id")
+            return _eos_values(data["eos_token_id"], gen, "eos_token_id")
     cfg = directory / "config.json"
     if cfg.is_file():
         data = _json_object(cfg)
         if data.get("eos_token_id") is not None:
-            return _eos_value(data["eos_token_id"], cfg, "eos_token_id")
+            return _eos_values(data["eos_token_id"], cfg, "eos_token_id")
         text = data.get("text_config")
         if isinstance(text, dict) and text.get("eos_token_id") is not None:
-            return _eos_value(text["eos_token_id"], cfg, "text_config.eos_token_id")
-    return None
+            return _eos_values(text["eos_token_id"], cfg, "text_config.eos_token_id")
+    return ()
+
+
+def eos_token_id(directory: str | Path) -> int | None:
+    """The first of :func:`eos_token_ids`, or None when the directory names none."""
+    ids = eos_token_ids(directory)
+    return ids[0] if ids else None

@@ -76,7 +76,10 @@ def test_plain_decoding_is_the_parity_oracle(llm: LLM, first: dflash.GenerationR
     result = plain.generate(PROMPT, max_new_tokens=N)
     assert result.tokens == first.tokens  # speculative == plain, token for token
     assert result.tokens == reference_greedy(plain.model, plain.plan, ids, N)
-    assert result.target_forwards == N and result.rollback.status is RollbackStatus.OFF
+    # the steps' forwards, the prefill not counted, as a speculative result counts them
+    assert result.target_forwards == result.steps == N - 1
+    assert first.target_forwards == round(first.steps * first.target_forwards_per_step)
+    assert result.rollback.status is RollbackStatus.OFF
     assert result.text == first.text and result.stop_reason == "max_new_tokens"
 
 
@@ -177,6 +180,33 @@ def test_a_stream_left_by_break_stops_and_frees_the_llm(
     assert ref() is None   # collected by reference counting: no cycle holds a stream
     assert llm.generate(PROMPT, max_new_tokens=N).tokens == first.tokens
     assert not [t for t in threading.enumerate() if t.name == STREAM_THREAD]
+
+
+def test_every_eos_id_of_the_checkpoint_stops_the_generation(
+        tmp_path: Path, first: dflash.GenerationResult,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A ``generation_config.json`` that lists several EOS ids (as Qwen's instruct models
+    do): speculative and plain decoding, the library's streams and the CLI stop at the
+    first token that is any of them, not only at the first id of the list."""
+    directory = tmp_path / "target"
+    shutil.copytree(default_dir("target"), directory)
+    k = next(i for i in range(2, N) if first.tokens[i] not in first.tokens[:i])
+    second = first.tokens[k]
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, second]}))
+    want = first.tokens[: k + 1]
+    for draft in ("dflash", None):
+        llm = dflash.load(model=str(directory), draft=draft)
+        assert llm.eos_ids == (0, second) and llm.eos_id == 0
+        result = llm.generate(PROMPT, max_new_tokens=N)
+        assert result.tokens == want and result.stop_reason == "eos", draft
+        assert llm.tokenizer is not None
+        assert result.text == llm.tokenizer.decode(want[:-1])   # the EOS is not text
+        assert "".join(llm.stream(PROMPT, max_new_tokens=N)) == result.text
+    assert main(["generate", "--model", str(directory), "--draft", str(default_dir("drafter")),
+                 "--prompt", PROMPT, "--max-new-tokens", str(N), "--json",
+                 "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == want and out["stop_reason"] == "eos"
 
 
 def test_the_default_pair_chats_with_the_plain_template(llm: LLM) -> None:

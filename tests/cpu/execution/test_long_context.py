@@ -176,6 +176,30 @@ def test_a_second_turn_prefills_only_its_new_tokens(
     assert second.tokens == fresh  # one whole prefill: other rounding, the same tokens
 
 
+def test_a_kept_engine_holds_one_generation_s_records(tiny: TargetModel) -> None:
+    """A server keeps one engine for every request: its step records are the current
+    generation's only (numbered on from the earlier ones), and its lifecycle keeps the
+    last :data:`dflash.execution.rollback.HISTORY` transitions, so neither grows with
+    the requests served."""
+    from dflash.execution.rollback import HISTORY, Lifecycle
+
+    policy = RollbackPolicy(mode="checkpoint")
+    target = ShardedTarget(tiny, _plan(), max_len=256, max_draft=4)
+    engine = SpecDecoder(target, PromptLookupDrafter(), block_size=4, policy=policy)
+    total = 0
+    for new in (20, 12, 16):
+        result = generate(tiny, engine.drafter, PROMPT, plan=_plan(), max_new_tokens=new,
+                          block_size=4, policy=policy, target=target, engine=engine)
+        assert len(engine.records) == result.steps > 0
+        assert [r.step for r in engine.records] == list(range(total, total + result.steps))
+        total += result.steps
+        assert engine.steps_run == total
+    life = Lifecycle()
+    for _ in range(HISTORY + 5):
+        life.move("rebuild")
+    assert len(life.history) == HISTORY
+
+
 def test_reuse_starts_over_when_the_prompt_does_not_extend_the_caches(tiny: TargetModel) -> None:
     target = ShardedTarget(tiny, _plan(), max_len=256, max_draft=4)
     engine = SpecDecoder(target, PromptLookupDrafter(), block_size=4)

@@ -162,7 +162,7 @@ def test_default_resolves_to_the_installed_pair(stand_in: Path) -> None:
     model = session.build_model("default", seed=0, dtype=torch.float32, device="cpu")
     assert model.config == _STAND_IN
     assert session.model_config("default") == _STAND_IN
-    assert session.eos_for("default") == 0
+    assert session.eos_for("default") == (0,)
     tok = session.tokenizer_for("default")
     assert tok is not None and tok.path == stand_in / "default" / "target" / "tokenizer.json"
     ids = session.encode_prompt("default", 300, text=PY_TEXT, ids=None, length=None, seed=0)
@@ -267,7 +267,7 @@ def test_seeded_shapes_by_name() -> None:
     assert (big.vocab_size, big.tie_word_embeddings, big.rope_theta) == (248320, False, 1e7)
     for name in session.SEEDED_MODELS:
         assert session.model_directory(name) is None
-        assert session.tokenizer_for(name) is None and session.eos_for(name) is None
+        assert session.tokenizer_for(name) is None and session.eos_for(name) == ()
 
 
 def test_unknown_model_lists_the_names(tmp_path: Path) -> None:

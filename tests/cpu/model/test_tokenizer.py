@@ -11,6 +11,7 @@ from dflash.model.tokenizer import (
     TextTokenizer,
     TokenizerError,
     eos_token_id,
+    eos_token_ids,
     find_tokenizer,
     load_tokenizer,
 )
@@ -138,9 +139,17 @@ def test_eos_from_generation_config_first(tmp_path: Path) -> None:
     assert eos_token_id(tmp_path) == 7
 
 
-def test_eos_list_gives_first(tmp_path: Path) -> None:
-    _write(tmp_path, "generation_config.json", {"eos_token_id": [5, 9]})
+def test_eos_list_gives_every_id_in_order(tmp_path: Path) -> None:
+    """Qwen's instruct checkpoints list two EOS ids; generation stops at either."""
+    _write(tmp_path, "generation_config.json", {"eos_token_id": [5, 9, 5]})
+    assert eos_token_ids(tmp_path) == (5, 9)
     assert eos_token_id(tmp_path) == 5
+    _write(tmp_path, "generation_config.json", {"eos_token_id": []})
+    assert eos_token_ids(tmp_path) == () and eos_token_id(tmp_path) is None
+    _write(tmp_path, "generation_config.json", {"eos_token_id": [5, "9"]})
+    with pytest.raises(TokenizerError, match=r"'eos_token_id\[1\]' must be a non-negative "
+                                             r"token id \(got '9'\)"):
+        eos_token_ids(tmp_path)
 
 
 def test_eos_falls_back_to_config(tmp_path: Path) -> None:

@@ -37,7 +37,9 @@ class HybridConfig(BaseModel):
     """
 
     # strict: a JSON string "512" is not an int, 1 is not a bool (an int is a valid float)
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, protected_namespaces=())
+    # NaN and infinities are refused in every float field (a JSON config may spell them)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, protected_namespaces=(),
+                              allow_inf_nan=False)
 
     model_type: ModelFamily = "qwen3_5_text"
     vocab_size: int = Field(gt=0)

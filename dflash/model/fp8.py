@@ -113,7 +113,8 @@ def parse_fp8_config(raw: object, source: str) -> Fp8Spec | None:
 
     want("quant_method", raw.get("quant_method") == "fp8", "'fp8' (the fine-grained format)")
     want("fmt", raw.get("fmt", "e4m3") == "e4m3", "'e4m3'")
-    want("activation_scheme", raw.get("activation_scheme", "dynamic") == "dynamic",
+    scheme = raw.get("activation_scheme", "dynamic")   # transformers lowercases it
+    want("activation_scheme", isinstance(scheme, str) and scheme.lower() == "dynamic",
          "'dynamic' (weights in FP8; dflash keeps the activations in the model dtype)")
     block = raw.get("weight_block_size", [128, 128])
     want("weight_block_size", isinstance(block, list) and len(block) == 2 and all(

@@ -134,6 +134,8 @@ def test_qwen3_next_dense_and_sparse_layers() -> None:
         ({"rope_parameters": {"rope_theta": 1e6, "partial_rotary_factor": 0.3}},
          r"'partial_rotary_factor' × head_dim must be an even integer"),
         ({"num_hidden_layers": True}, r"'num_hidden_layers' must be an integer \(got True\)"),
+        ({"rope_parameters": {"rope_theta": float("inf")}}, r"'rope_theta': .*finite"),
+        ({"rms_norm_eps": float("nan")}, r"'rms_norm_eps': .*finite"),
     ],
 )
 def test_bad_values_are_named(over: dict[str, Any], pattern: str) -> None:

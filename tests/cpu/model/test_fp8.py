@@ -107,6 +107,8 @@ def test_a_malformed_fp8_checkpoint_is_refused_naming_the_tensor(
     ("fmt", "e5m2", "field 'fmt' must be 'e4m3'"),
     ("weight_block_size", [128], "field 'weight_block_size' must be a list of two"),
     ("activation_scheme", "static", "field 'activation_scheme' must be 'dynamic'"),
+    ("activation_scheme", "STATIC", "field 'activation_scheme' must be 'dynamic'"),
+    ("activation_scheme", 1, "field 'activation_scheme' must be 'dynamic'"),
     ("bits", 8, "field 'bits' is not part of the fine-grained FP8 format"),
 ])
 def test_a_quantization_config_dflash_cannot_run_is_refused_naming_the_field(
@@ -405,6 +407,8 @@ def test_the_quantization_config_transformers_writes_is_read() -> None:
                "weight_block_size": [128, 128], "dequantize": False, "scale_fmt": "float",
                "expert_dtype": "fp8"}
     assert parse_fp8_config(written, "c") == Fp8Spec()
+    # the scheme in capitals, as some checkpoints spell it (transformers lowercases it)
+    assert parse_fp8_config({**written, "activation_scheme": "DYNAMIC"}, "c") == Fp8Spec()
     for field, value in (("dequantize", True), ("scale_fmt", "ue8m0"),
                          ("modules_to_convert", ["layers.0.mlp.up_proj"]),
                          ("expert_dtype", "bf16")):

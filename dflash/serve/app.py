@@ -323,12 +323,17 @@ def _prepare(llm: LLM, config: ServeConfig, body: ChatCompletionRequest | Comple
                 "context_length_exceeded")
         budget = min(config.default_max_tokens, room)
     temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
-    # OpenAI's rule: without a seed a sampled completion is not reproducible
-    seed = body.seed if body.seed is not None else secrets.randbits(62)
+    # OpenAI's rule: without a seed a sampled completion is not reproducible; OpenAI's
+    # seeds are int64, dflash's in [0, 2^63): a negative seed s is read as s + 2^63
+    seed = secrets.randbits(62) if body.seed is None else body.seed % 2**63
+    # top_p 0: the smallest nucleus, the most probable token alone (as top_k 1 keeps it)
+    top_k, top_p = body.top_k or 0, 1.0 if body.top_p is None else body.top_p
+    if top_p == 0.0:
+        top_k, top_p = 1, 1.0
     try:
         return llm.stream(ids, max_new_tokens=budget, temperature=temperature,
-                          top_k=body.top_k or 0, top_p=1.0 if body.top_p is None else body.top_p,
-                          min_p=body.min_p or 0.0, seed=seed, stop=body.stops() or None)
+                          top_k=top_k, top_p=top_p, min_p=body.min_p or 0.0, seed=seed,
+                          stop=body.stops() or None)
     except ContextLengthError as exc:
         raise ServeError(400, str(exc).replace("max_new_tokens", "max_tokens"),
                          "invalid_request_error", where, "context_length_exceeded") from None
@@ -489,7 +494,9 @@ def create_app(llm: LLM, config: ServeConfig) -> FastAPI:
     async def chat(request: Request) -> JSONResponse | StreamingResponse:
         body = await _parse(request, ChatCompletionRequest)
         _check_model(body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        # a message's ``name`` reaches the chat template too, as transformers passes it
+        messages = [{"role": m.role, "content": m.text()}
+                    | ({} if m.name is None else {"name": m.name}) for m in body.messages]
 
         def prepare() -> TextStream:
             try:

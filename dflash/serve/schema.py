@@ -91,10 +91,11 @@ class _Sampling(_Strict):
     model: str = Field(min_length=1)
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    # OpenAI's ranges: top_p 0 keeps the most probable token alone, a seed is any int64
+    top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     min_p: Annotated[float, Field(ge=0.0, lt=1.0)] | None = None
-    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

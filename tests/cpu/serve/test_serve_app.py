@@ -107,6 +107,36 @@ def test_a_seed_makes_sampling_reproducible(client: TestClient) -> None:
     assert a == b and a != c
 
 
+def test_a_message_s_name_reaches_the_chat_template(
+        client: TestClient, llm: dflash.LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[dict[str, str]]] = []
+    real = llm.render_chat
+
+    def recording(messages: Any, add_generation_prompt: bool = True) -> str:
+        seen.append([dict(m) for m in messages])
+        return real(messages, add_generation_prompt)
+
+    monkeypatch.setattr(llm, "render_chat", recording)
+    named = [{"role": "system", "content": "be brief"},
+             {"role": "user", "content": "def add(a, b):", "name": "ada"}]
+    assert _chat(client, messages=named).status_code == 200
+    assert seen == [[{"role": "system", "content": "be brief"},
+                     {"role": "user", "content": "def add(a, b):", "name": "ada"}]]
+
+
+def test_openai_s_ranges_of_seed_and_top_p_are_served(client: TestClient) -> None:
+    """OpenAI takes any int64 seed (a negative one is read as seed + 2^63) and top_p 0
+    (the most probable token alone: top_k 1's rule)."""
+    def text(**body: Any) -> str:
+        r = _chat(client, temperature=0.9, **body)
+        assert r.status_code == 200, r.text
+        return str(r.json()["choices"][0]["message"]["content"])
+
+    assert text(seed=-1) == text(seed=2**63 - 1) == text(seed=-1)
+    assert text(seed=-(2**63)) == text(seed=0)
+    assert text(seed=3, top_p=0) == text(seed=4, top_k=1) == text(seed=5, top_p=0.0)
+
+
 @pytest.mark.parametrize(("body", "status", "param", "words"), [
     ({"model": "nope"}, 404, "model", "the model 'nope' does not exist"),
     ({"messages": []}, 400, "messages", "at least 1 item"),
@@ -128,6 +158,8 @@ def test_a_seed_makes_sampling_reproducible(client: TestClient) -> None:
     ({"temperature": 1e-300}, 400, "temperature", "must be 0 (greedy) or at least 1e-05"),
     ({"top_k": 10**12}, 400, "top_k", "'top_k' must be an int in [0, 2147483647]"),
     ({"top_p": 2}, 400, "top_p", "(got 2.0)"),
+    ({"top_p": -0.1}, 400, "top_p", "(got -0.1)"),
+    ({"seed": 2**63}, 400, "seed", "(got 9223372036854775808)"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "up to 4"),
     ({"frobnicate": 1}, 400, "frobnicate", "unknown field 'frobnicate'"),
     ({"stream": "yes"}, 400, "stream", "valid boolean"),

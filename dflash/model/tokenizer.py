@@ -115,18 +115,24 @@ class TextTokenizer:
         return list(self._backend.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """The text of ``ids``; special tokens appear as their text (e.g. ``<|endoftext|>``)."""
+        """The text of ``ids``; special tokens appear as their text (e.g. ``<|endoftext|>``).
+
+        Ids from ``vocab_size`` up have no text and decode as nothing, as transformers'
+        tokenizers decode them: a model's vocabulary may be padded past its tokenizer's
+        (Qwen's to a multiple of 256), and sampling may draw such an id. A negative id is a
+        :class:`TokenizerError`."""
         ids = list(ids)
         bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int)), None)
         if bad is not None:
             raise TokenizerError(f"decode expects integer ids (got {bad!r})")
-        out = [t for t in ids if not 0 <= t < self.vocab_size]
-        if out:
+        negative = [t for t in ids if t < 0]
+        if negative:
             raise TokenizerError(
-                f"token id {out[0]} is outside the vocabulary [0, {self.vocab_size}) of "
+                f"token id {negative[0]} is outside the vocabulary [0, {self.vocab_size}) of "
                 f"{str(self.path)!r}"
             )
-        return str(self._backend.decode(ids, skip_special_tokens=False))
+        size = self.vocab_size
+        return str(self._backend.decode([t for t in ids if t < size], skip_special_tokens=False))
 
     def token_id(self, token: str) -> int | None:
         """The id of the token spelled ``token`` (e.g. ``"<|endoftext|>"``), or None."""

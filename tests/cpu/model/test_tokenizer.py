@@ -102,12 +102,24 @@ def test_stream_flush_releases_an_incomplete_character(tok: TextTokenizer) -> No
 
 
 def test_decode_rejects_bad_ids(tok: TextTokenizer) -> None:
-    with pytest.raises(TokenizerError, match=r"token id 100000 is outside .*tokenizer\.json"):
-        tok.decode([1, 100000])
+    with pytest.raises(TokenizerError, match=r"token id -1 is outside .*tokenizer\.json"):
+        tok.decode([1, -1])
     with pytest.raises(TokenizerError, match="integer ids"):
         tok.decode([1, True])
     with pytest.raises(TokenizerError, match="expects a str"):
         tok.encode(b"bytes")  # type: ignore[arg-type]  # the wrong type on purpose
+
+
+def test_ids_past_the_tokenizer_decode_as_nothing(tok: TextTokenizer) -> None:
+    """A model vocabulary padded past its tokenizer's (Qwen's): an id the tokenizer does
+    not know has no text, in a whole decode and in a stream, instead of failing the
+    generation that drew it."""
+    ids = tok.encode("def f(x):\n    return x")
+    past = [tok.vocab_size, tok.vocab_size + 255, 10**9]
+    mixed = [ids[0], past[0], *ids[1:3], past[1], *ids[3:], past[2]]
+    assert tok.decode(mixed) == tok.decode(ids)
+    stream = tok.stream()
+    assert "".join(stream.push([t]) for t in mixed) + stream.flush() == tok.decode(ids)
 
 
 def test_missing_tokenizer_is_none(tmp_path: Path) -> None:

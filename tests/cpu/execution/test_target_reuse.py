@@ -136,7 +136,9 @@ def test_a_kept_engine_serves_later_generations_and_is_refused_elsewhere(
     assert second.rollback.status_at_start is RollbackStatus.EFFECTIVE
     assert second.rollback.replay == 0 and second.rollback.fast == second.steps
     assert second.target_forwards == second.steps  # one forward a fast step, no gate replay
-    assert first.steps + second.steps == len(engine.records)  # each reports its own steps
+    # each reports its own steps; the engine keeps the last generation's records only
+    assert first.steps + second.steps == engine.steps_run
+    assert second.steps == len(engine.records)
     refusals: list[tuple[dict[str, object], str]] = [
         ({"target": None}, "another target"),
         ({"drafter": PromptLookupDrafter()}, "another drafter"),

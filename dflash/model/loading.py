@@ -152,13 +152,14 @@ def _strip(
 ) -> tuple[dict[str, _Entry], dict[str, int]]:
     out: dict[str, _Entry] = {}
     ignored: dict[str, int] = {}
+    tied_head: _Entry | None = None
     for key, entry in entries.items():
         prefix = next((p for p in _IGNORED_PREFIXES if key.startswith(p)), None)
         if prefix is not None:
             ignored[prefix + "*"] = ignored.get(prefix + "*", 0) + 1
             continue
         if key == "lm_head.weight" and tied:
-            ignored["lm_head.weight (tied to embed_tokens)"] = 1
+            tied_head = entry
             continue
         name = key
         for p in ("model.language_model.", "model."):
@@ -168,6 +169,11 @@ def _strip(
         if name in out:
             raise CheckpointError(f"tensor {key!r} maps to {name!r}, which is already present")
         out[name] = entry
+    if tied_head is not None:
+        if "embed_tokens.weight" in out:
+            ignored["lm_head.weight (tied to embed_tokens)"] = 1
+        else:  # a tied checkpoint that stores the shared matrix as the head, as
+            out["embed_tokens.weight"] = tied_head   # transformers reads it
     return out, ignored
 
 

@@ -81,6 +81,28 @@ def test_multimodal_prefix_and_ignored_heads(ckpt: Path) -> None:
     )
 
 
+def test_a_tied_checkpoint_storing_the_shared_matrix_as_the_head(tmp_path: Path) -> None:
+    """``tie_word_embeddings`` with only ``lm_head.weight`` stored (no embedding): the one
+    matrix is both, as transformers reads it; with both stored the embedding is read and
+    the head is reported ignored."""
+    config = HybridConfig.tiny_default().model_copy(update={"tie_word_embeddings": True})
+    source = TargetModel.seeded(config, seed=3)
+    source.save_pretrained(tmp_path)
+    tensors = _tensors(tmp_path)
+    assert "lm_head.weight" not in tensors
+    tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    _rewrite(tmp_path, tensors)
+    loaded = TargetModel.from_pretrained(tmp_path)
+    assert torch.equal(loaded.embed_tokens.weight, source.embed_tokens.weight)
+    assert loaded.lm_head.weight is loaded.embed_tokens.weight
+    assert greedy_generate(loaded, PROMPT, 8) == greedy_generate(source, PROMPT, 8)
+    tensors["model.embed_tokens.weight"] = tensors["lm_head.weight"].clone()
+    _rewrite(tmp_path, tensors)
+    both = TargetModel.from_pretrained(tmp_path)
+    assert both.load_report is not None
+    assert both.load_report.ignored == {"lm_head.weight (tied to embed_tokens)": 1}
+
+
 def test_missing_tensor(ckpt: Path) -> None:
     tensors = _tensors(ckpt)
     del tensors["model.layers.1.linear_attn.A_log"]

@@ -33,6 +33,7 @@ expected and found values, and nothing half-loaded is used. Nothing is unpickled
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,7 @@ def config_from_hf(raw: Mapping[str, Any], where: str = CONFIG_FILE) -> DFlashCo
     fields["layer_types"] = layer_types
     if layer_types is not None and "sliding_attention" not in layer_types:
         fields["sliding_window"] = None  # no layer uses it
+    _require_types(fields, where)
     kind: type[DFlashConfig] = DFlashConfig
     if v2:
         kind = DFlash2Config
@@ -229,6 +231,33 @@ def _dflash2_fields(fields: dict[str, Any], dflash: Mapping[str, Any], where: st
         if key == "final_logit_softcapping" and value is not None and value <= 0:
             value = None  # z-lab: a cap <= 0 is no cap
         fields[key] = value
+
+
+#: fields whose JSON value must be an integer (null allowed where the field is optional),
+#: and those that must be a finite number: read as transformers reads them, never
+#: converted from strings or fractional numbers
+_INT_FIELDS = ("head_dim", "max_position_embeddings", "block_size", "sliding_window")
+_NUMBER_FIELDS = ("rms_norm_eps", "rope_theta")
+
+
+def _require_types(fields: Mapping[str, Any], where: str) -> None:
+    """Refuse a field of the wrong JSON type by name, before pydantic's lax conversions
+    (``"16"`` or ``16.0`` for an integer, ``"1e6"`` or Infinity for a number)."""
+    for name in _INT_FIELDS:
+        value = fields.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigFieldError(where, name, "an integer", value)
+    for name in _NUMBER_FIELDS:
+        value = fields.get(name)
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or not math.isfinite(value)):
+            raise ConfigFieldError(where, name, "a finite number", value)
+    taps = fields.get("target_layer_ids")
+    if isinstance(taps, list | tuple):
+        for i, t in enumerate(taps):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ConfigFieldError(where, f"dflash_config.target_layer_ids[{i}]",
+                                       "an integer layer id", t)
 
 
 def _rope(raw: Mapping[str, Any], where: str) -> tuple[Any, Any]:

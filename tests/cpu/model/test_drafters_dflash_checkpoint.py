@@ -182,6 +182,30 @@ BAD: list[tuple[str, Callable[[Path], object], type[Exception], str]] = [
         r"num_target_layers is 8 in the drafter config, the target has 6",
     ),
     (
+        "string block size",
+        edit_config(lambda c: c["dflash_config"].update(block_size="16")),
+        ConfigFieldError,
+        r"field 'block_size': expected an integer, found '16'",
+    ),
+    (
+        "fractional window",
+        edit_config(lambda c: c.update(max_position_embeddings=4096.0)),
+        ConfigFieldError,
+        r"field 'max_position_embeddings': expected an integer, found 4096\.0",
+    ),
+    (
+        "infinite rope theta",
+        edit_config(lambda c: c.update(rope_theta=float("inf"))),
+        ConfigFieldError,
+        r"field 'rope_theta': expected a finite number, found inf",
+    ),
+    (
+        "string tap",
+        edit_config(lambda c: c["dflash_config"].update(target_layer_ids=[1, "3"])),
+        ConfigFieldError,
+        r"field 'dflash_config\.target_layer_ids\[1\]': expected an integer layer id",
+    ),
+    (
         "no weights",
         lambda p: (p / "model.safetensors").unlink(),
         CheckpointFileError,

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = parse_dtype(args.dtype, args.model, device)
     config = model_config(args.model)
     model = build_model(args.model, seed=0, dtype=dtype, device=device)
-    model.chunked_prefill = {"auto": None, "chunked": True, "recurrent": False}[args.gdn]
+    model.chunked_prefill = args.gdn != "recurrent"   # auto: the default, chunk-parallel
     if args.gdn_chunk is not None or args.gdn_precision is not None:
         default = default_gdn_chunking(torch.device(device))
         try:

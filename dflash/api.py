@@ -58,7 +58,7 @@ import torch
 
 from dflash.errors import CheckpointError, ExecutionError, UsageError, param
 from dflash.execution.engine import SpecDecoder
-from dflash.execution.eos import Eos, cut_at_eos, eos_ids
+from dflash.execution.eos import Eos, before_eos, eos_ids
 from dflash.execution.oracle import next_token
 from dflash.execution.policy import RollbackPolicy, RollbackStatus, parse_mode
 from dflash.execution.prefix import PrefixCache, prefill_through
@@ -375,8 +375,7 @@ class _Text:
         self.stop_at: int | None = None
 
     def _visible(self, tokens: Sequence[int]) -> list[int]:
-        cut = cut_at_eos(tokens, self._eos)
-        return list(tokens) if cut is None else cut[:-1]
+        return before_eos(tokens, self._eos)
 
     def push(self, tokens: Sequence[int], final: bool = False) -> str:
         """``tokens``: every token generated so far; ``final``: there are no more."""

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from dflash.commands.settings import DEFAULT_PROMPT, cli_message, set_cpu_threads
 from dflash.errors import CheckpointError, ConfigError, DFlashError, UsageError
-from dflash.execution.eos import Eos, cut_at_eos, eos_set
+from dflash.execution.eos import Eos, before_eos, eos_set
 from dflash.execution.errors import ContextLengthError
 from dflash.execution.policy import ENV_VAR, ROLLBACK_MODES, RollbackPolicy
 from dflash.execution.results import GenerationResult
@@ -780,8 +780,7 @@ class TextPrinter:
         self.parts: list[str] = []
 
     def _visible(self, tokens: Sequence[int]) -> list[int]:
-        cut = cut_at_eos(tokens, self.eos)
-        return list(tokens) if cut is None else cut[:-1]
+        return before_eos(tokens, self.eos)
 
     def _emit(self, piece: str) -> None:
         if piece:

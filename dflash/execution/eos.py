@@ -27,6 +27,13 @@ def eos_set(eos: Eos) -> frozenset[int]:
     return frozenset(eos_ids(eos))
 
 
+def before_eos(tokens: Sequence[int], eos: frozenset[int]) -> list[int]:
+    """``tokens`` before the first of ``eos`` (all of them when none is there): the ones
+    that are text."""
+    cut = cut_at_eos(tokens, eos)
+    return list(tokens) if cut is None else cut[:-1]
+
+
 def cut_at_eos(tokens: Sequence[int], eos: frozenset[int]) -> list[int] | None:
     """``tokens`` up to and including the first of ``eos``, or None when none is there."""
     for i, t in enumerate(tokens):

@@ -71,12 +71,11 @@ class TargetModel(nn.Module):
         self.kernel_backend: KernelBackend = kernel_backend
         #: a prefill chunk of at least :data:`dflash.model.layers.CHUNKED_PREFILL_MIN`
         #: tokens runs the gated delta rule in chunk-parallel form
-        #: (:func:`dflash.kernels.gdn_chunk_prefill`) rather than token by token. None: the
-        #: device's default, chunk-parallel on every device (the torch form is 4-20x faster
-        #: on CPU on long prompts; the Triton form with
-        #: :data:`dflash.model.layers.CUDA_GDN_CHUNKING` 1.2-1.5x on the H200); False: the
-        #: token loop
-        self.chunked_prefill: bool | None = None
+        #: (:func:`dflash.kernels.gdn_chunk_prefill`) rather than token by token, on every
+        #: device (the torch form is 4-20x faster on CPU on long prompts; the Triton form
+        #: with :data:`dflash.model.layers.CUDA_GDN_CHUNKING` 1.2-1.5x on the H200); False:
+        #: the token loop
+        self.chunked_prefill = True
         #: the chunk-parallel form's chunk and product precision; None: the device's
         #: (:func:`dflash.model.layers.default_gdn_chunking`)
         self.gdn_chunk: GdnChunking | None = None
@@ -336,11 +335,10 @@ class TargetModel(nn.Module):
         and, in a tree verify, row ``t`` at ``start + offsets[t]`` (needed by invariant CPU
         forwards): M-invariant unless prefill."""
         invariant = mode != "prefill"
-        chunked = True if self.chunked_prefill is None else self.chunked_prefill
         setting = self.gdn_chunk or default_gdn_chunking(device)
         return Ops(invariant=invariant, backend=self.backend_for(device), device=device,
                    start=start if invariant else None, offsets=offsets if invariant else None,
-                   chunked_prefill=chunked, gdn_chunk=setting)
+                   chunked_prefill=self.chunked_prefill, gdn_chunk=setting)
 
     def logits(
         self, hidden: Tensor, mode: Mode, start: int | None = None,

@@ -101,7 +101,7 @@ def test_the_chunk_parallel_recurrence_on_the_device(model: TargetModel) -> None
                 logits, _ = model(ids, caches, "prefill")
                 out[chunked] = (logits[0, -1].float(), caches.pool.state.clone())
         finally:
-            model.chunked_prefill = None
+            model.chunked_prefill = True
     torch.testing.assert_close(out[True][0], out[False][0], rtol=0.05, atol=0.05)
     torch.testing.assert_close(out[True][1], out[False][1], rtol=0.02, atol=0.02)
     assert int(out[True][0].argmax()) == int(out[False][0].argmax())

@@ -293,7 +293,7 @@ def test_a_long_chunk_takes_the_chunk_parallel_recurrence(
             runs[chunked] = (logits[0, -1], caches.pool.state.clone(),
                              reference_greedy(tiny, _plan(), prompt, 8, prefill_chunk=None))
         finally:
-            tiny.chunked_prefill = None
+            tiny.chunked_prefill = True
     assert calls == [300] * 8  # 4 recurrent layers, twice: the oracle's prefill too
     torch.testing.assert_close(runs[True][0], runs[False][0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(runs[True][1], runs[False][1], rtol=1e-4, atol=1e-4)
@@ -328,7 +328,7 @@ def test_the_chunk_parallel_form_takes_the_models_chunk_and_precision(
             continuations[setting.chunk] = reference_greedy(tiny, _plan(), prompt, 8,
                                                             prefill_chunk=None)
     finally:
-        tiny.chunked_prefill = None
+        tiny.chunked_prefill = True
         tiny.gdn_chunk = None
     assert seen == [(16, "tf32")] * 4 + [(64, "ieee")] * 4   # 4 recurrent layers each
     assert continuations[16] == continuations[64]
@@ -336,14 +336,14 @@ def test_the_chunk_parallel_form_takes_the_models_chunk_and_precision(
 
 def test_prefills_are_chunk_parallel_by_default_with_each_device_s_settings(
         tiny: TargetModel) -> None:
-    """Unset (None), a prefill runs the chunk-parallel gated delta rule on every device:
+    """By default a prefill runs the chunk-parallel gated delta rule on every device:
     chunks of 64 in float32 on CPU, 32 with tf32 products on CUDA (the H200's faster
     form); a model's own setting wins on both, and ``chunked_prefill = False`` keeps the
     token loop."""
     from dflash.model.layers import CUDA_GDN_CHUNKING, GdnChunking
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert tiny.chunked_prefill is None and tiny.gdn_chunk is None
+    assert tiny.chunked_prefill is True and tiny.gdn_chunk is None
     assert GdnChunking(32, "tf32") == CUDA_GDN_CHUNKING
     for device, want in ((cpu, GdnChunking(64, "ieee")), (cuda, GdnChunking(32, "tf32"))):
         ops = tiny.ops("prefill", device)
@@ -355,7 +355,7 @@ def test_prefills_are_chunk_parallel_by_default_with_each_device_s_settings(
             ops = tiny.ops("prefill", device)
             assert not ops.chunked_prefill and ops.gdn_chunk == GdnChunking(128, "ieee")
     finally:
-        tiny.chunked_prefill = None
+        tiny.chunked_prefill = True
         tiny.gdn_chunk = None
 
 

@@ -23,8 +23,11 @@ with top-p alone, no memset.
    eighth of 64 buckets of ``s - m`` (integer sums in per-lane accumulators, exact in any
    order), and min-p's lowest kept bin. Level 1 first finds the eighth where the running
    mass reaches ``top_p * Z`` from level 0's partials (:func:`_cut`), then sums that
-   eighth's tokens by bucket. The histogram launch finds the bucket and the mass above it
-   from level 1's partials; only that bucket's tokens are counted.
+   eighth's tokens by bucket. A block of tokens that adds nothing (level 0: every token
+   22.25 or more below the top, where a weight is 0; level 1: none in the eighth) skips
+   the float64 weights, which are most of the pass's time. The histogram launch finds
+   the bucket and the mass above it from level 1's partials; only that bucket's tokens
+   are counted.
 4. ``filter_hist_kernel`` (``[T, chunks]``): each token that can matter adds one to the
    bin of its logit's bits, mapped to an order-preserving index (``-0.0`` counted as
    ``+0.0``). Integer atomics: the counts do not depend on the order they land in.
@@ -223,13 +226,18 @@ def filter_mass_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are u
         u = tl.load(bits16 + i_t * V + o_v, mask=m_v, other=0).to(tl.int32) & 0xFFFF
         b = _bin_of(u)
         sv = _logit_of(b, IS_BF16) * inv_t
-        w = tl.where(m_v, _weight(sv, m), 0)  # int64 in [0, 2**32]
         k = _bucket(sv, m, NB)
-        if LEVEL == 0:  # noqa: SIM108  # a compile-time branch: each level compiles one arm
-            key = k >> 3
+        if LEVEL == 0:  # a compile-time branch: each level compiles one arm
+            # 22.25 below the top or further a token weighs 0: exp(-22.25) * 2**32 < 1
+            d = sv - m
+            key = tl.where(m_v & ((d != d) | (d >= -22.25)), k >> 3, 8)
         else:
-            key = tl.where((k >> 3) == inside, k & 7, 8)
-        acc += tl.where(key[None, :] == o_8[:, None], w[None, :], 0)
+            key = tl.where(m_v & ((k >> 3) == inside), k & 7, 8)
+        # a block whose every token weighs 0 (level 0) or lies outside the coarse eighth
+        # (level 1) adds nothing: its float64 weights are not computed
+        if tl.min(key, 0) < 8:
+            w = _weight(sv, m)  # int64 in [0, 2**32]
+            acc += tl.where(key[None, :] == o_8[:, None], w[None, :], 0)
         if HAS_MIN_P:
             least = tl.minimum(least, tl.min(tl.where(m_v & (sv >= low), b, 65536), 0))
     tl.store(masses + ((i_t * chunks + i_c) * 8) + o_8, tl.sum(acc, 1))

@@ -16,7 +16,10 @@
   recurrent layers of a shard in one launch (``rows_only``: the conv rows alone, for a
   remap whose state stays in its slot).
 - :func:`gdn_gates`: Gated DeltaNet's ``beta`` and ``g`` gates in one launch.
-- :func:`rms_norm`: zero-centred or gated RMSNorm in one launch (batch-invariant rows).
+- :func:`rms_norm`: zero-centred or gated RMSNorm in one launch (batch-invariant rows);
+  :func:`add_rms_norm`: fed by the residual stream's add; :func:`rms_norm_rotary`: a
+  head's norm followed by the rotary embedding.
+- :func:`act_mul`: ``silu(gate) · up`` or ``x · sigmoid(gate)`` in one launch.
 - :func:`linear`: ``x @ weight.T + bias`` whose rows do not depend on the row count M.
 - :func:`fp8_linear`: the same with an FP8 (e4m3) weight scaled per 128 × 128 block inside
   the kernel (weight-only: activations stay in their dtype), M-invariant too;
@@ -53,10 +56,16 @@ from dflash.kernels.gdn_chunk_reference import gdn_chunk_prefill_reference
 from dflash.kernels.gdn_reference import gdn_recompute_reference, gdn_verify_reference
 from dflash.kernels.linear import linear
 from dflash.kernels.linear_reference import linear_reference
+from dflash.kernels.pointwise import act_mul
+from dflash.kernels.pointwise_reference import act_mul_reference
 from dflash.kernels.prefill_attention import prefill_attention
 from dflash.kernels.prefill_attention_reference import prefill_attention_reference
-from dflash.kernels.rmsnorm import rms_norm
-from dflash.kernels.rmsnorm_reference import rms_norm_reference
+from dflash.kernels.rmsnorm import add_rms_norm, rms_norm, rms_norm_rotary
+from dflash.kernels.rmsnorm_reference import (
+    add_rms_norm_reference,
+    rms_norm_reference,
+    rms_norm_rotary_reference,
+)
 from dflash.kernels.rollback import RollbackBoundsError, rollback_restore
 from dflash.kernels.rollback_reference import rollback_restore_reference
 from dflash.kernels.sample import gumbel_argmax
@@ -65,6 +74,10 @@ from dflash.kernels.tree_paths import tree_parents_into, tree_paths, tree_paths_
 
 __all__ = [
     "RollbackBoundsError",
+    "act_mul",
+    "act_mul_reference",
+    "add_rms_norm",
+    "add_rms_norm_reference",
     "causal_conv1d_capture",
     "causal_conv1d_capture_reference",
     "decode_attention",
@@ -91,6 +104,8 @@ __all__ = [
     "quantize_fp8",
     "rms_norm",
     "rms_norm_reference",
+    "rms_norm_rotary",
+    "rms_norm_rotary_reference",
     "rollback_restore",
     "rollback_restore_reference",
     "tree_parents_into",

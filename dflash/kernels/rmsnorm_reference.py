@@ -37,3 +37,46 @@ def rms_norm_reference(
         return y
     out.copy_(y)
     return out
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    zero_centred: bool,
+    out: torch.Tensor | None = None,
+    sum_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = residual + x`` (one add, in x's dtype), then ``(rms_norm(s), s)``."""
+    s = residual + x
+    if sum_out is not None:
+        sum_out.copy_(s)
+        s = sum_out
+    return rms_norm_reference(s, weight, eps, zero_centred=zero_centred, out=out), s
+
+
+def rms_norm_rotary_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The zero-centred norm of ``x: [..., T, H, D]``, then its first ``RD`` channels
+    rotated in rotate-half form by ``cos, sin: [T, RD]`` (each product and the sum one
+    launch, rounded to x's dtype)."""
+    y = rms_norm_reference(x, weight, eps, zero_centred=True)
+    rd = cos.shape[-1]
+    half = rd // 2
+    c, s = cos[:, None, :], sin[:, None, :]  # over the heads
+    rot = y[..., :rd]
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    result = torch.cat((rot * c + rotated * s, y[..., rd:]), dim=-1)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out

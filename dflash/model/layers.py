@@ -29,6 +29,8 @@ from torch import Tensor, nn
 
 from dflash.geometry import ChainGeometry, TreeGeometry
 from dflash.kernels import (
+    act_mul,
+    add_rms_norm,
     causal_conv1d_capture,
     decode_attention,
     gdn_chunk_prefill,
@@ -37,6 +39,7 @@ from dflash.kernels import (
     linear,
     prefill_attention,
     rms_norm,
+    rms_norm_rotary,
 )
 from dflash.kernels.checks import use_triton
 from dflash.kernels.fp8_linear import fp8_linear
@@ -164,6 +167,38 @@ class Ops:
         if self.tiles is not None and not use_triton(self.backend, x.device):
             return self.tiles.apply(_TileLinear(weight, bias, x.dtype), x)
         return linear(x, weight, bias, backend=self.backend)
+
+    def fused(self, x: Tensor) -> bool:
+        """Whether the glue around the kernels runs fused (:meth:`add_norm`,
+        :meth:`norm_rotary`, :meth:`act_mul`): on Triton, on CUDA or where the forward
+        asks for Triton by name (the interpreter on CPU). Each fused kernel computes a
+        row from that row alone, so it needs no position tiles. CPU forwards on the
+        references keep the torch formulation (on position tiles when invariant)."""
+        return (x.is_cuda or self.backend == "triton") and use_triton(self.backend, x.device)
+
+    def add_norm(self, norm: RMSNorm, hidden: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+        """``(hidden + delta, norm(hidden + delta))``: the residual stream's add and the
+        next norm, in one launch when fused (the same bits: the add is rounded once,
+        as its own launch rounds it)."""
+        if self.fused(hidden):
+            normed, summed = add_rms_norm(delta, hidden, norm.weight, norm.eps)
+            return summed, normed
+        hidden = hidden + delta
+        return hidden, self.each_token(norm, hidden)
+
+    def norm_rotary(self, norm: RMSNorm, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """``apply_rotary(norm(x), cos, sin)`` for a head's rows ``x: [B, T, H, D]`` (a
+        strided view is read in place when fused; the same bits for 16-bit models)."""
+        if self.fused(x):
+            return rms_norm_rotary(x, norm.weight, norm.eps, cos, sin)
+        return apply_rotary(self.each_token(norm, x), cos, sin)
+
+    def act_mul(self, gate: Tensor, x: Tensor, act: Literal["silu", "sigmoid"]) -> Tensor:
+        """``act(gate) · x`` (the activation rounded to x's dtype first), in one launch
+        when fused."""
+        if self.fused(x):
+            return act_mul(gate, x, act)
+        return self.each_token(_silu_mul if act == "silu" else _sigmoid_mul, gate, x)
 
     def each_token(self, fn: Callable[..., Tensor], *xs: Tensor) -> Tensor:
         """``fn(*xs)`` for ``xs: [B, T, ...]`` such that a token's result cannot depend on ``T``.
@@ -394,11 +429,15 @@ class MLP(GroupedModule):
             out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
             return out
         gate, up = ops.linear_group(self.gate_up, x)
-        return ops.linear(self.down_proj, ops.each_token(_swiglu, gate, up))
+        return ops.linear(self.down_proj, ops.act_mul(gate, up, "silu"))
 
 
-def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    return F.silu(gate) * up
+def _silu_mul(gate: Tensor, x: Tensor) -> Tensor:
+    return F.silu(gate) * x
+
+
+def _sigmoid_mul(gate: Tensor, x: Tensor) -> Tensor:
+    return torch.sigmoid(gate) * x
 
 
 def rotary_cos_sin(
@@ -497,8 +536,8 @@ class GatedAttention(GroupedModule):
         q_and_gate, k, v = ops.linear_group(self.qkv, x)
         q_and_gate = q_and_gate.view(b, t, self.num_heads, 2 * d)
         q, gate = q_and_gate[..., :d], q_and_gate[..., d:]
-        q = apply_rotary(ops.each_token(self.q_norm, q), cos, sin)  # [B, T, H, D]
-        k = apply_rotary(ops.each_token(self.k_norm, k.view(b, t, self.num_kv_heads, d)), cos, sin)
+        q = ops.norm_rotary(self.q_norm, q, cos, sin)  # [B, T, H, D]
+        k = ops.norm_rotary(self.k_norm, k.view(b, t, self.num_kv_heads, d), cos, sin)
         v = v.view(b, t, self.num_kv_heads, d)
         rows, paths = (positions, None) if tree is None else tree
         k_cache.index_copy_(2, rows, k.transpose(1, 2))  # rows[0..T-1]
@@ -514,13 +553,9 @@ class GatedAttention(GroupedModule):
             out = prefill_attention(
                 q, k_cache, v_cache, prefill_start, scale=d**-0.5, backend=ops.backend
             )
-        out = out.reshape(b, t, self.num_heads * d)
-        gated = ops.each_token(_sigmoid_gate, out, gate.reshape(b, t, self.num_heads * d))
-        return ops.linear(self.o_proj, gated)
-
-
-def _sigmoid_gate(x: Tensor, gate: Tensor) -> Tensor:
-    return x * torch.sigmoid(gate)
+        # the output gate, per head: sigmoid(gate) · out (gate read in place when fused)
+        gated = ops.act_mul(gate, out.reshape(b, t, self.num_heads, d), "sigmoid")
+        return ops.linear(self.o_proj, gated.reshape(b, t, self.num_heads * d))
 
 
 class GatedDeltaNet(GroupedModule):
@@ -595,12 +630,24 @@ class GatedDeltaNet(GroupedModule):
         # whenever B = 1 or the verify fills every slot; copied there otherwise)
         inputs = None if capture is None else capture.inputs
         direct = inputs is not None and inputs[:, :t].is_contiguous()
-        beta, g = ops.each_token_many(  # [B, T, HV]; g float32 (one launch on CUDA)
-            lambda a, b_: gdn_gates(a, b_, self.A_log, self.dt_bias, backend=backend), a_in, b_in
-        )
+        # the gates [B, T, HV] (g float32), one launch on Triton; a verify that captures the
+        # recurrence's inputs keeps them for the recompute rollback (the Triton kernel,
+        # a row's result from that row alone, writes them there directly)
+        g_cap = beta_cap = None
         if capture is not None and capture.g is not None and capture.beta is not None:
-            capture.g[:, :t].copy_(g)  # what a recompute rollback re-runs
-            capture.beta[:, :t].copy_(beta)
+            g_cap, beta_cap = capture.g[:, :t], capture.beta[:, :t]
+        if (g_cap is not None and beta_cap is not None and g_cap.is_contiguous()
+                and beta_cap.is_contiguous() and use_triton(backend, x.device)):
+            beta, g = gdn_gates(a_in, b_in, self.A_log, self.dt_bias, beta_out=beta_cap,
+                                g_out=g_cap, backend=backend)
+        else:
+            beta, g = ops.each_token_many(
+                lambda a, b_: gdn_gates(a, b_, self.A_log, self.dt_bias, backend=backend),
+                a_in, b_in,
+            )
+            if g_cap is not None and beta_cap is not None:
+                g_cap.copy_(g)
+                beta_cap.copy_(beta)
         weight = self.conv1d.weight.squeeze(1)  # [C, Kc]
         if capture is None:  # in place: conv inputs go to scratch, the new window is its tail
             captured = mixed.new_empty(b, kc1 + t, mixed.shape[-1])

@@ -281,9 +281,15 @@ class TargetModel(nn.Module):
         prefill_start = caches.length if mode == "prefill" else None
         wanted = set(taps)
         tapped: dict[int, Tensor] = {}
+        # the last MLP's output while its add waits for the next layer's input norm (one
+        # fused launch, Ops.add_norm); added here after a tapped layer and the last one
+        pending: Tensor | None = None
         for layer_id in ids:
             layer = cast(DecoderLayer, self.layers[layer_id])
-            x = ops.each_token(layer.input_layernorm, hidden)
+            if pending is None:
+                x = ops.each_token(layer.input_layernorm, hidden)
+            else:
+                hidden, x = ops.add_norm(layer.input_layernorm, hidden, pending)
             if isinstance(layer, AttentionLayer):
                 k_cache, v_cache = kv.views(layer_id)
                 x = layer.self_attn(
@@ -305,8 +311,10 @@ class TargetModel(nn.Module):
             else:  # the live state is home (begin_layers moved it there)
                 state, conv_rows = pool.live_views(layer_id)
                 x = layer.linear_attn(x, state, conv_rows, None, None, ops)
-            hidden = hidden + x
-            hidden = hidden + layer.mlp(ops.each_token(layer.post_attention_layernorm, hidden), ops)
+            hidden, x = ops.add_norm(layer.post_attention_layernorm, hidden, x)
+            pending = layer.mlp(x, ops)
+            if layer_id in wanted or layer_id == ids[-1]:
+                hidden, pending = hidden + pending, None
             if layer_id in wanted:
                 tapped[layer_id] = hidden
         if mode != "verify":

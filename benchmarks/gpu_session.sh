@@ -35,6 +35,10 @@
 #                                          # FP8_TESTS=0, FP8_SHAPES="nine-b-shape",
 #                                          # FP8_FORMS="default none x_major", FP8_RUNS,
 #                                          # FP8_QUANT=fp8-lm-head: the LM head in FP8 too)
+#   bash benchmarks/gpu_session.sh glue    # the fused glue: tests/gpu/test_fused_glue_gpu.py, then
+#                                          # benchmarks/forward_kernels.py (a graphed forward's GPU
+#                                          # time by part, bf16 and FP8, T = 1, 16, 64); then
+#                                          # BEFORE=DIR ... glue bench-ab: against the unfused code
 #   bash benchmarks/gpu_session.sh hot     # benchmarks/hot_kernels.py: decode attention, FP8 linear
 #                                          # and GDN prefill against their floors (HOT_PARTS=...;
 #                                          # also "tiles", and "prefill": the prefill attention's
@@ -249,6 +253,13 @@ for phase in "$@"; do
           --out "$OUT/$name.json" --plot '' > "$OUT/$name.log" 2>&1
         echo "$name rc=$?"; tail -6 "$OUT/$name.log"
       done
+      ;;
+    glue)
+      python3 -m pytest tests/gpu/test_fused_glue_gpu.py -q -p no:cacheprovider 2>&1 \
+        | tee "$OUT/gpu_tests_glue.log" | tail -3
+      timeout "${GLUE_TIMEOUT:-200}" python3 benchmarks/forward_kernels.py --rows 1 16 64 \
+        --json "$OUT/forward_kernels.json" > "$OUT/forward_kernels.log" 2>&1
+      echo "forward_kernels rc=$?"; grep -v Warn "$OUT/forward_kernels.log" | head -90
       ;;
     hot)
       # decode attention, FP8 linear and GDN prefill against their floors, with sweeps

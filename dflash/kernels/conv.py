@@ -19,6 +19,7 @@ def causal_conv1d_capture(
     activation: str | None = "silu",
     out: torch.Tensor | None = None,
     paths: torch.Tensor | None = None,
+    advance_rows: bool = False,
     backend: checks.Backend = "auto",
 ) -> torch.Tensor:
     """Causal depthwise conv1d over ``T`` tokens, capturing ``concat(conv_rows, x)``.
@@ -47,6 +48,10 @@ def causal_conv1d_capture(
             ``B == 1``). Triton never reads it on the host (CUDA-graph capturable; a
             malformed table gives unspecified rows but every read stays in bounds); the
             reference validates its contents. ``captured`` is filled by slot either way.
+        advance_rows: ``True`` to leave in ``conv_rows`` the window after all ``T``
+            tokens (``captured[:, T : T+Kc-1]``) as the same call's last step — what a
+            decode or prefill that keeps its tokens does next, without a launch of its own.
+            A chain only; ``conv_rows`` must then share no memory with ``captured``.
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see ``gdn_verify``).
 
     Returns:
@@ -89,6 +94,14 @@ def causal_conv1d_capture(
         raise KernelBoundsError(f"'activation' must be 'silu' or None (got {activation!r})")
     if paths is not None:
         paths = _checked_paths(paths, B, T)
+    if not isinstance(advance_rows, bool):
+        raise TypeError(f"'advance_rows' must be a bool (got {advance_rows!r})")
+    if advance_rows and paths is not None:
+        raise KernelBoundsError(
+            "'advance_rows' needs a chain: a tree's window follows the path it accepts"
+        )
+    if advance_rows:
+        checks.disjoint("conv_rows", conv_rows, {"captured": captured})
     inputs: dict[str, torch.Tensor | None] = {
         "x": x, "conv_rows": conv_rows, "weight": weight, "bias": bias, "captured": captured,
         "paths": paths,
@@ -102,12 +115,14 @@ def causal_conv1d_capture(
 
     if not checks.use_triton(backend, device):
         return causal_conv1d_capture_reference(
-            x, conv_rows, weight, bias, captured, activation=activation, out=out, paths=paths
+            x, conv_rows, weight, bias, captured, activation=activation, out=out, paths=paths,
+            advance_rows=advance_rows,
         )
     from dflash.kernels.conv_triton import launch_causal_conv1d_capture
 
     return launch_causal_conv1d_capture(
-        x, conv_rows, weight, bias, captured, activation=activation, out=out, paths=paths
+        x, conv_rows, weight, bias, captured, activation=activation, out=out, paths=paths,
+        advance_rows=advance_rows,
     )
 
 

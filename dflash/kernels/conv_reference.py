@@ -30,6 +30,7 @@ def causal_conv1d_capture_reference(
     activation: str | None = "silu",
     out: torch.Tensor | None = None,  # [B, T, C] in x's dtype
     paths: torch.Tensor | None = None,  # [T, T] int32, B == 1
+    advance_rows: bool = False,
 ) -> torch.Tensor:
     """Reference twin of :func:`dflash.kernels.causal_conv1d_capture`.
 
@@ -57,6 +58,8 @@ def causal_conv1d_capture_reference(
         for t in range(T):  # the activation token by token: a [B, C] call whatever T is
             a = y[:, t]
             a.mul_(torch.sigmoid(a))
+    if advance_rows:  # the window after all T tokens
+        conv_rows.copy_(xin[:, T : T + Kc - 1])
     if out is None:
         return y.to(x.dtype)
     out.copy_(y)

@@ -4,7 +4,9 @@ One program per (batch, channel block) covers all ``T`` tokens, in three phases:
 
 1. load the ``Kc - 1`` previous rows (``conv_rows``, any strides), then a CTA barrier;
 2. write ``captured[:, : Kc-1+T] = concat(conv_rows, x)``, then a CTA barrier;
-3. compute ``y`` from ``captured``, which now holds the whole input window.
+3. compute ``y`` from ``captured``, which now holds the whole input window;
+4. with ``ADVANCE`` (a decode or prefill that keeps its tokens), copy the window after the
+   ``T`` tokens (``captured`` rows ``T .. T+Kc-2``) into ``conv_rows``: one launch fewer.
 
 With a tree's path table (``HAS_PATHS``, ``B == 1``), phase 3 gathers token ``t``'s window
 through the table instead of reading rows ``t .. t+Kc-1``: tap ``j`` reads entry
@@ -33,6 +35,7 @@ def causal_conv1d_capture_kernel(  # type: ignore[no-untyped-def]  # Triton poin
     s_x_b, s_x_t, s_r_b, s_r_t, s_r_c, s_w_c, s_w_k, s_c_b, s_c_t, s_y_b, s_y_t, s_p_t, s_p_d,
     KC: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BD: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HAS_PATHS: tl.constexpr,
+    ADVANCE: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1).to(tl.int64)
@@ -99,16 +102,25 @@ def causal_conv1d_capture_kernel(  # type: ignore[no-untyped-def]  # Triton poin
         tl.store(p_y, acc.to(y.dtype.element_ty), mask=m_xt)
         t0 += BT
 
+    # 4. (ADVANCE) the window after all T tokens into conv_rows: captured rows T..T+Kc-2,
+    #    this program's channels (written in phase 2, visible after its barrier)
+    if ADVANCE:
+        b_win = tl.load(p_cap + (T + o_w)[:, None] * s_c_t, mask=m_w)
+        tl.store(rows + i_b * s_r_b + o_w[:, None] * s_r_t + o_c[None, :] * s_r_c,
+                 b_win.to(rows.dtype.element_ty), mask=m_w)
+
 
 def launch_causal_conv1d_capture(
     x: torch.Tensor, conv_rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     captured: torch.Tensor, *, activation: str | None, out: torch.Tensor | None = None,
-    paths: torch.Tensor | None = None, block_c: int = 128,
+    paths: torch.Tensor | None = None, advance_rows: bool = False, block_c: int = 128,
 ) -> torch.Tensor:
     """Launch :func:`causal_conv1d_capture_kernel` on validated inputs; returns ``y``.
 
     ``out`` (validated: contiguous ``[B, T, C]`` in x's dtype) receives ``y``; ``None``
-    allocates it. ``paths`` (validated: int32 ``[T, T]``, ``B == 1``) makes it a tree call.
+    allocates it. ``paths`` (validated: int32 ``[T, T]``, ``B == 1``) makes it a tree call;
+    ``advance_rows`` (a chain, ``conv_rows`` apart from ``captured``) leaves the window after
+    the ``T`` tokens in ``conv_rows``.
     """
     B, T, C = x.shape
     Kc = weight.shape[1]
@@ -124,6 +136,6 @@ def launch_causal_conv1d_capture(
         *(paths.stride() if paths is not None else (0, 0)),
         KC=Kc, BW=triton.next_power_of_2(max(Kc - 1, 1)), BT=16, BC=BC, BD=32,
         HAS_BIAS=bias is not None, SILU=activation == "silu", HAS_PATHS=paths is not None,
-        num_warps=4,
+        ADVANCE=advance_rows, num_warps=4,
     )
     return y

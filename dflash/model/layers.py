@@ -653,10 +653,10 @@ class GatedDeltaNet(GroupedModule):
             captured = mixed.new_empty(b, kc1 + t, mixed.shape[-1])
         else:
             captured = capture.captured
-        mixed = causal_conv1d_capture(
+        mixed = causal_conv1d_capture(  # in place (no capture): conv_rows <- the new window
             mixed, conv_rows, weight, None, captured,
             out=inputs[:, :t] if inputs is not None and direct else None, paths=paths,
-            backend=backend,
+            advance_rows=capture is None, backend=backend,
         )
         if inputs is not None and not direct:
             inputs[:, :t].copy_(mixed)
@@ -665,7 +665,6 @@ class GatedDeltaNet(GroupedModule):
         k = k.reshape(b, t, self.num_k_heads, self.head_k_dim)
         v = v.reshape(b, t, self.num_v_heads, self.head_v_dim)
         if capture is None:
-            conv_rows.copy_(captured[:, t : t + kc1])
             if ops.chunked_prefill and t >= CHUNKED_PREFILL_MIN and bank is None:
                 o = gdn_chunk_prefill(q, k, v, g, beta, state, chunk=ops.gdn_chunk.chunk,
                                       precision=ops.gdn_chunk.precision, backend=backend)

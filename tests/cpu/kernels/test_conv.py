@@ -106,6 +106,44 @@ def test_remap_in_place_equals_out_of_place(backend: Backend) -> None:
 
 
 @needs_interpreter
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize(("T", "Kc", "C", "strided"), [(1, 4, 24, False), (2, 4, 200, True),
+                                                       (5, 3, 16, False), (1, 2, 8, True)])
+def test_advance_rows_leaves_the_next_window(
+    backend: Backend, T: int, Kc: int, C: int, strided: bool
+) -> None:
+    """``advance_rows``: the call's ``y`` and capture unchanged, and ``conv_rows`` (also a
+    strided view) holds the window after the ``T`` tokens, ``captured[:, T : T+Kc-1]``,
+    also when ``T < Kc - 1`` (part of the old window stays)."""
+    i = conv_inputs(1, T, C, Kc, torch.bfloat16, True, seed=T * 7 + Kc)
+    rows = i["conv_rows"]
+    assert rows is not None
+    if strided:
+        rows = rows.transpose(1, 2).contiguous().transpose(1, 2)
+    kept = torch.full((1, Kc - 1 + T, C), NAN, dtype=torch.bfloat16)
+    y_kept = run({**i, "conv_rows": rows.clone()}, kept, backend=backend)
+    cap = torch.full((1, Kc - 1 + T, C), NAN, dtype=torch.bfloat16)
+    y = run({**i, "conv_rows": rows}, cap, advance_rows=True, backend=backend)
+    assert torch.equal(y, y_kept) and torch.equal(cap, kept)
+    assert torch.equal(rows, kept[:, T : T + Kc - 1])
+
+
+def test_advance_rows_is_refused_where_it_cannot_hold() -> None:
+    """A tree (its window follows the accepted path), ``conv_rows`` inside ``captured``
+    (the window would overwrite the capture), a non-bool: refused, nothing written."""
+    i = conv_inputs(1, 2, 16, 4, torch.float32, True, seed=3)
+    cap = torch.full((1, 6, 16), NAN)
+    with pytest.raises(KernelBoundsError, match="'advance_rows' needs a chain"):
+        run(i, cap, advance_rows=True,
+            paths=tree_paths(require_tree([-1, 0]), "cpu"), backend="reference")
+    with pytest.raises(KernelBoundsError, match="'conv_rows' must not share memory"):
+        run({**i, "conv_rows": cap[:, :3]}, cap, advance_rows=True, backend="reference")
+    with pytest.raises(TypeError, match="'advance_rows' must be a bool"):
+        run(i, cap, advance_rows=1, backend="reference")
+    assert cap.isnan().all()
+
+
+@needs_interpreter
 def test_strided_conv_rows() -> None:
     B, T, C, Kc = 1, 3, 16, 4
     i = conv_inputs(B, T, C, Kc, torch.float32, False, seed=4)

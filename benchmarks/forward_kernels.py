@@ -13,10 +13,14 @@ then groups the kernels into parts:
 
 Prints per forward: each part's µs and share, the launches per part, the weight-read
 floor of the forward at ``--bandwidth`` GB/s (the bytes of every weight the forward reads
-once) and the top kernels. ``--json`` writes the rows. GPU only; about a minute.
+once), the host's time to issue the forward (median, the GPU idle before each call: Python,
+staging and the graph launch, which the GPU waits for whenever the host issues the next
+forward after reading the last) and the top kernels. ``--json`` writes the rows. GPU only;
+about a minute. ``--tree``: verifies of more than one row are trees of that many nodes (a
+binary heap: node ``i``'s parent is ``(i - 1) // 2``) on a target built for trees.
 
     python benchmarks/forward_kernels.py [--rows 1 16] [--quantize none fp8] [--calls 8]
-        [--bandwidth 4200] [--json FILE]
+        [--bandwidth 4200] [--tree] [--json FILE]
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
+import time
 from collections import defaultdict
 
 import torch
@@ -31,6 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from dflash.execution import ShardedTarget, plan_shards
 from dflash.execution.engine import chain_of
+from dflash.geometry import require_tree
 from dflash.model import HybridConfig, TargetModel
 from dflash.model.fp8 import quantize_spec
 
@@ -67,8 +74,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def profile_forward(target: ShardedTarget, prompt_len: int, tok: int, rows: int,
-                    calls: int) -> dict[str, float]:
-    """Each kernel's GPU µs per forward over ``calls`` graphed forwards of ``rows`` rows."""
+                    calls: int, tree: bool = False) -> dict[str, float]:
+    """Each kernel's GPU µs per forward over ``calls`` graphed forwards of ``rows`` rows
+    (a chain, or with ``tree`` a binary-heap tree of ``rows`` nodes)."""
+    geometry = (require_tree([-1, *((i - 1) // 2 for i in range(1, rows))]) if tree
+                else chain_of(rows))
     pos = [prompt_len]
 
     def once() -> None:
@@ -76,7 +86,7 @@ def profile_forward(target: ShardedTarget, prompt_len: int, tok: int, rows: int,
             target.forward([tok], "decode", pos[0])
             pos[0] += 1
             return
-        target.forward([tok] * rows, "verify", prompt_len, geometry=chain_of(rows))
+        target.forward([tok] * rows, "verify", prompt_len, geometry=geometry)
         for shard in target.shards:  # back to the prompt: every call sees the same cache
             shard.caches.pool.restore_pre_verify()
             shard.truncate_kv(prompt_len)
@@ -84,6 +94,15 @@ def profile_forward(target: ShardedTarget, prompt_len: int, tok: int, rows: int,
     for _ in range(4):  # warm-up: the graphs are captured
         once()
     torch.cuda.synchronize()
+    # the host's time to issue one forward (Python, table staging, the graph launch),
+    # measured with the GPU idle before each call and before any profile (the profiler's
+    # hooks stay installed once it has run, and slow every later CUDA call)
+    issue = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        once()
+        issue.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             once()
@@ -96,7 +115,8 @@ def profile_forward(target: ShardedTarget, prompt_len: int, tok: int, rows: int,
         per[e.key] += e.self_device_time_total / calls
         launches[e.key] += e.count / calls
     return {**{f"us:{k}": v for k, v in per.items()},
-            **{f"n:{k}": v for k, v in launches.items()}}
+            **{f"n:{k}": v for k, v in launches.items()},
+            "host_us": statistics.median(issue) * 1e6}
 
 
 def main() -> None:
@@ -107,6 +127,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--bandwidth", type=float, default=4200.0, help="GB/s of the floor")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--tree", action="store_true", help="verifies are trees, not chains")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     config = HybridConfig.nine_b_shape()
@@ -122,20 +143,24 @@ def main() -> None:
         with torch.inference_mode():
             max_len = args.prompt_len + 4 * (args.calls + 4) + 256
             target = ShardedTarget(model, plan, max_len=max_len, max_draft=max(args.rows),
-                                   graphs=True)
+                                   graphs=True, trees=args.tree)
             logits, _ = target.forward(prompt, "prefill", 0)
             tok = int(logits[-1].argmax())
             for rows in args.rows:
-                got = profile_forward(target, args.prompt_len, tok, rows, args.calls)
+                got = profile_forward(target, args.prompt_len, tok, rows, args.calls,
+                                      args.tree and rows > 1)
                 by_part: dict[str, float] = defaultdict(float)
                 n_part: dict[str, float] = defaultdict(float)
+                host_us = got.pop("host_us")
                 for key, v in got.items():
                     kind, _, name = key.partition(":")
                     (by_part if kind == "us" else n_part)[part_of(name)] += v
                 total = sum(by_part.values())
-                print(f"== {quantize}, T={rows}: GPU {total:8.1f} µs per forward, weight "
+                kind = "tree" if args.tree and rows > 1 else "T"
+                print(f"== {quantize}, {kind}={rows}: GPU {total:8.1f} µs per forward, weight "
                       f"floor {floor_us:8.1f} µs ({floor_us / total:5.1%}); "
-                      f"{sum(n_part.values()):.0f} launches")
+                      f"{sum(n_part.values()):.0f} launches; the host issues it in "
+                      f"{host_us:7.1f} µs")
                 for part in sorted(by_part, key=lambda p: -by_part[p]):
                     print(f"   {part:<10} {by_part[part]:8.1f} µs  {by_part[part] / total:6.1%}"
                           f"  {n_part[part]:6.0f} launches")
@@ -143,7 +168,9 @@ def main() -> None:
                                  reverse=True)
                 for v, name in kernels[: args.top]:
                     print(f"      {v:8.1f}  {got['n:' + name]:5.0f}x  {name[:80]}")
-                table.append({"quantize": quantize, "rows": rows, "gpu_us": total,
+                table.append({"quantize": quantize, "rows": rows, "tree": kind == "tree",
+                              "gpu_us": total,
+                              "host_us": host_us,
                               "floor_us": floor_us, "parts_us": dict(by_part),
                               "parts_launches": dict(n_part)})
         del target, model

@@ -37,7 +37,8 @@
 #                                          # FP8_QUANT=fp8-lm-head: the LM head in FP8 too)
 #   bash benchmarks/gpu_session.sh glue    # the fused glue: tests/gpu/test_fused_glue_gpu.py, then
 #                                          # benchmarks/forward_kernels.py (a graphed forward's GPU
-#                                          # time by part, bf16 and FP8, T = 1, 16, 64); then
+#                                          # time by part and the host's time to issue it, bf16
+#                                          # and FP8, T = 1, 16, 64; trees of 16 and 64); then
 #                                          # BEFORE=DIR ... glue bench-ab: against the unfused code
 #   bash benchmarks/gpu_session.sh hot     # benchmarks/hot_kernels.py: decode attention, FP8 linear
 #                                          # and GDN prefill against their floors (HOT_PARTS=...;
@@ -260,6 +261,11 @@ for phase in "$@"; do
       timeout "${GLUE_TIMEOUT:-200}" python3 benchmarks/forward_kernels.py --rows 1 16 64 \
         --json "$OUT/forward_kernels.json" > "$OUT/forward_kernels.log" 2>&1
       echo "forward_kernels rc=$?"; grep -v Warn "$OUT/forward_kernels.log" | head -90
+      # a tree verify of 64 nodes: its GPU parts and the host's time to issue it
+      timeout "${GLUE_TIMEOUT:-200}" python3 benchmarks/forward_kernels.py --rows 16 64 \
+        --quantize none --tree --json "$OUT/forward_kernels_tree.json" \
+        > "$OUT/forward_kernels_tree.log" 2>&1
+      echo "forward_kernels --tree rc=$?"; grep "==" "$OUT/forward_kernels_tree.log"
       ;;
     hot)
       # decode attention, FP8 linear and GDN prefill against their floors, with sweeps

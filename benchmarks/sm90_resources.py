@@ -30,9 +30,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from dflash.kernels import attention_triton as attn
+from dflash.kernels import conv_triton as conv
 from dflash.kernels import filter_triton as filt
 from dflash.kernels import fp8_linear_triton as fp8
 from dflash.kernels import gdn_chunk_triton as chunk
+from dflash.kernels import pointwise_triton as pointwise
+from dflash.kernels import rmsnorm_triton as norm
 
 #: arguments whose values are multiples of 16 at the 9B shapes (Triton's run-time hint)
 ALIGNED_INTS = {"N", "K", "s_xm", "s_wn", "s_ym"}
@@ -127,6 +130,40 @@ def _filter(part: str, level: int = 0, coarse: bool = True) -> Case:
                 sig, cst, 4)
 
 
+def _norm(form: str) -> Case:
+    """The fused glue's norms at the 9B widths: a block norm (4096; ``residual``: fed by
+    the residual add), a head's norm followed by the rotation (256, rotary 64), the
+    recurrent output norm gated by a strided gate (128)."""
+    sig = {n: "*bf16" for n in ("x", "w", "z", "y", "r", "s", "cs", "sn")}
+    sig.update({n: "i32" for n in ("sx", "sz", "D", "H", "T", "RD")}, eps="fp32")
+    D = {"rotary": 256, "gated": 128}.get(form, 4096)
+    cst = dict(ZERO_CENTRED=form != "gated", HAS_GATE=form == "gated",
+               HAS_RES=form == "residual", HAS_ROT=form == "rotary",
+               BD=triton.next_power_of_2(D))
+    return Case(f"rms_norm {form} D={D}", norm.rms_norm_kernel, sig, cst,
+                4 if D <= 1024 else 8)
+
+
+def _act_mul(silu: bool) -> Case:
+    sig = {"gate": "*bf16", "x": "*bf16", "y": "*bf16", "stride_g": "i32", "stride_x": "i32",
+           "N": "i32"}
+    return Case(f"act_mul {'silu' if silu else 'sigmoid'}", pointwise.act_mul_kernel, sig,
+                dict(SILU=silu, BN=pointwise.BLOCK), 4)
+
+
+def _conv(advance: bool) -> Case:
+    """The recurrent layers' conv at the 9B's 8,192 channels, kernel 4, a chain."""
+    sig = {"x": "*bf16", "rows": "*bf16", "w": "*bf16", "bias": "*bf16", "cap": "*bf16",
+           "y": "*bf16", "paths": "*i32", "T": "i32", "C": "i32"}
+    sig.update({n: "i32" for n in ("s_x_b", "s_x_t", "s_r_b", "s_r_t", "s_r_c", "s_w_c",
+                                   "s_w_k", "s_c_b", "s_c_t", "s_y_b", "s_y_t", "s_p_t",
+                                   "s_p_d")})
+    cst = dict(KC=4, BW=4, BT=16, BC=128, BD=32, HAS_BIAS=False, SILU=True, HAS_PATHS=False,
+               ADVANCE=advance)
+    return Case(f"conv chain{' (advance_rows)' if advance else ''}",
+                conv.causal_conv1d_capture_kernel, sig, cst, 4)
+
+
 def cases() -> list[Case]:
     out = [_attention(False, t, 4) for t in (1, 2, 4)]
     out += [_attention(False, t, 8) for t in (1, 4)]
@@ -137,6 +174,8 @@ def cases() -> list[Case]:
             _fp8(True, True, 8)]
     out += [_filter("maxima"), _filter("mass", 0), _filter("mass", 1), _filter("hist"),
             _filter("hist", coarse=False)]
+    out += [_norm(f) for f in ("plain", "residual", "rotary", "gated")]
+    out += [_act_mul(True), _act_mul(False), _conv(False), _conv(True)]
     return out
 
 

@@ -36,6 +36,7 @@ from dflash.kernels import fp8_linear_triton as fp8
 from dflash.kernels import gdn_chunk_triton as chunk
 from dflash.kernels import pointwise_triton as pointwise
 from dflash.kernels import rmsnorm_triton as norm
+from dflash.kernels import sample_triton as sample
 
 #: arguments whose values are multiples of 16 at the 9B shapes (Triton's run-time hint)
 ALIGNED_INTS = {"N", "K", "s_xm", "s_wn", "s_ym"}
@@ -164,6 +165,16 @@ def _conv(advance: bool) -> Case:
                 conv.causal_conv1d_capture_kernel, sig, cst, 4)
 
 
+def _gumbel(floor: bool) -> Case:
+    """The sampling rule's draw over Qwen3.5's vocabulary: a chunk's noise and maximum."""
+    sig = {"logits": "*bf16", "positions": "*i64", "floor": "*fp32", "floor_id": "*i64",
+           "best": "*fp32", "best_id": "*i64", "seed": "i64", "inv_t": "fp32", "V": "i32",
+           "chunks": "i32"}
+    return Case(f"gumbel draw{' under a floor' if floor else ''}",
+                sample.gumbel_argmax_chunk_kernel, sig, dict(HAS_FLOOR=floor, BV=sample.CHUNK),
+                4)
+
+
 def cases() -> list[Case]:
     out = [_attention(False, t, 4) for t in (1, 2, 4)]
     out += [_attention(False, t, 8) for t in (1, 4)]
@@ -176,6 +187,7 @@ def cases() -> list[Case]:
             _filter("hist", coarse=False)]
     out += [_norm(f) for f in ("plain", "residual", "rotary", "gated")]
     out += [_act_mul(True), _act_mul(False), _conv(False), _conv(True)]
+    out += [_gumbel(False), _gumbel(True)]
     return out
 
 

@@ -5,7 +5,8 @@ draw over a vocabulary, in two launches.
 one row's logits, adds the Gumbel noise Philox derives from ``(seed, position, token)``
 (``tl.philox``: the bits of the torch reference), drops the tokens under the row's floor
 (a floor on the logits: :mod:`dflash.kernels.filter`) and keeps the chunk's maximum and
-its first index. ``gumbel_argmax_reduce_kernel``: one program per row picks the largest
+its first index; a chunk the floor keeps no token of skips the noise (its maximum is
+``-inf``). ``gumbel_argmax_reduce_kernel``: one program per row picks the largest
 chunk maximum, the lowest index among equals. A maximum is exact whatever the order it is
 taken in, so a row's token depends on that row alone — the same in a one-row decode and
 in any row of a verify (M-invariance).
@@ -33,21 +34,28 @@ def gumbel_argmax_chunk_kernel(  # type: ignore[no-untyped-def]  # Triton pointe
     o_v = i_c * BV + tl.arange(0, BV)
     m_v = o_v < V
     l = tl.load(logits + i_t * V + o_v, mask=m_v, other=0).to(tl.float32)
-    s = l * inv_t
-    p = tl.load(positions + i_t)
-    zero = tl.zeros([BV], dtype=tl.uint32)
-    bits, _, _, _ = tl.philox(seed, o_v.to(tl.uint32), (zero + p).to(tl.uint32), zero, zero)
-    u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-    x = s + -tl.log(-tl.log(u))
+    keep = m_v
     if HAS_FLOOR:
         f = tl.load(floor + i_t)
         fid = tl.load(floor_id + i_t)
-        keep = (l > f) | ((l == f) & (o_v.to(tl.int64) <= fid))
-        x = tl.where(keep, x, float("-inf"))
-    x = tl.where(x != x, float("inf"), x)  # NaN ranks as +inf
-    x = tl.where(m_v, x, float("-inf"))
-    top = tl.max(x, 0)
-    first = tl.min(tl.where(x == top, o_v, V), 0)  # an in-row lane always holds the max
+        keep = m_v & ((l > f) | ((l == f) & (o_v.to(tl.int64) <= fid)))
+    # a chunk the floor keeps nothing of (most of them under top-k, or a small nucleus)
+    # draws no noise: its maximum is -inf at its first token, as the draw would find it
+    top = tl.zeros([], dtype=tl.float32) + float("-inf")
+    first = i_c * BV
+    if tl.max(keep.to(tl.int32), 0) > 0:
+        s = l * inv_t
+        p = tl.load(positions + i_t)
+        zero = tl.zeros([BV], dtype=tl.uint32)
+        bits, _, _, _ = tl.philox(seed, o_v.to(tl.uint32), (zero + p).to(tl.uint32), zero, zero)
+        u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+        x = s + -tl.log(-tl.log(u))
+        if HAS_FLOOR:
+            x = tl.where(keep, x, float("-inf"))
+        x = tl.where(x != x, float("inf"), x)  # NaN ranks as +inf
+        x = tl.where(m_v, x, float("-inf"))
+        top = tl.max(x, 0)
+        first = tl.min(tl.where(x == top, o_v, V), 0)  # an in-row lane always holds the max
     tl.store(best + i_t * chunks + i_c, top)
     tl.store(best_id + i_t * chunks + i_c, first.to(tl.int64))
 

@@ -3,7 +3,7 @@ add fed into the norm and a head's norm followed by the rotary embedding give th
 the launches they replace (bfloat16); the activation product is within a last-bit
 difference of the activation's launch then the product's, and every row is the same bits
 whatever the row count. A model forward on the fused glue keeps its verify rows bitwise
-its decode rows. No timing.
+its decode rows, and the conv that advances its own window leaves the next one. No timing.
 
 Run: ``python -m pytest tests/gpu/test_fused_glue_gpu.py -q``
 """
@@ -87,3 +87,20 @@ def test_a_fused_forward_verifies_its_decode_rows() -> None:
     logits, _ = model(draft, caches, "verify", geometry=chain_of(16))
     for i in range(16):
         assert torch.equal(logits[0, i], rows[i]), f"row {i}"
+
+
+def test_conv_advance_rows_leaves_the_next_window() -> None:
+    """The 9B's recurrent conv (8,192 channels, kernel 4) on one token, as a decode runs
+    it: the call's output and capture as without ``advance_rows``, and the live window
+    (a strided view) becomes the capture's rows 1 … 3."""
+    from dflash.kernels import causal_conv1d_capture
+
+    x = rnd(1, 1, 8192, seed=8)
+    rows = rnd(1, 8192, 3, seed=9).transpose(1, 2)  # strided, as a pool view may be
+    weight = rnd(8192, 4, scale=0.5, seed=10)
+    kept_cap = torch.full((1, 4, 8192), NAN, dtype=torch.bfloat16, device="cuda")
+    want = causal_conv1d_capture(x, rows.clone(), weight, None, kept_cap)
+    cap = torch.full((1, 4, 8192), NAN, dtype=torch.bfloat16, device="cuda")
+    got = causal_conv1d_capture(x, rows, weight, None, cap, advance_rows=True)
+    assert torch.equal(got, want) and torch.equal(cap, kept_cap)
+    assert torch.equal(rows, kept_cap[:, 1:4])

@@ -16,7 +16,8 @@
 #   bash benchmarks/gpu_session.sh accept  # the rule's GPU tests (graphed acceptance), top-p's mass
 #                                          # pass by launch config (benchmarks/filter_mass.py),
 #                                          # sampling_cost.py (+ --profile)
-#   bash benchmarks/gpu_session.sh filters # the filters' GPU tests, sampling_cost.py (+ --profile),
+#   bash benchmarks/gpu_session.sh filters # the filters' GPU tests, sampling_cost.py (+ --profile;
+#                                          # HEAD_SCALE=4: also on a peaked distribution),
 #                                          # dflash bench with top-k 20, top-p 0.95 (9B; default pair)
 #   bash benchmarks/gpu_session.sh long    # the prefill kernels' GPU tests, then
 #                                          # benchmarks/long_context.py: 9B prefill tok/s and peak
@@ -224,6 +225,12 @@ for phase in "$@"; do
         --json "$OUT/sampling_cost.json" 2>&1 | tee "$OUT/sampling_cost.log" | tail -22
       timeout "${COST_TIMEOUT:-300}" python3 benchmarks/sampling_cost.py --profile \
         > "$OUT/sampling_profile.log" 2>&1; echo "profile rc=$?"
+      # HEAD_SCALE=4: the same on a peaked distribution (a nucleus of a few hundred tokens)
+      if [ -n "${HEAD_SCALE:-}" ]; then
+        timeout "${COST_TIMEOUT:-300}" python3 benchmarks/sampling_cost.py \
+          --head-scale "$HEAD_SCALE" --json "$OUT/sampling_cost_peaked.json" 2>&1 \
+          | tee "$OUT/sampling_cost_peaked.log" | tail -12
+      fi
       name=bench_filters_nine
       timeout "${BENCH_TIMEOUT:-300}" python3 -m dflash.cli bench --model nine-b-shape \
         --draft synthetic --acceptance 0.874 --block-size 16 --prompt-len 1024 \

@@ -14,7 +14,8 @@ logits: over many back-to-back calls (launch gaps included) and inside one CUDA 
 (the kernels alone). The added cost is the sampled wall minus the
 greedy wall, as a share of the greedy step. GPU only; about a minute on an H200.
 
-    python benchmarks/sampling_cost.py [--rows 16] [--calls 32] [--json out.json]
+    python benchmarks/sampling_cost.py [--rows 16] [--calls 32] [--head-scale 4]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -122,6 +123,11 @@ def main() -> None:
                     help="greedy / rule alternations per rule (the added share's median)")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--head-scale", type=float, default=1.0,
+                    help="multiply the seeded LM head by this: the seeded head gives logits "
+                    "close to N(0, 1), whose top-p nucleus is most of the vocabulary (top-p's "
+                    "worst case); 4 gives N(0, 16), a nucleus of a few hundred tokens at "
+                    "T = 1, closer to a trained model's")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true",
                     help="only profile each rule's acceptance on random logits (no model): "
@@ -132,6 +138,9 @@ def main() -> None:
         return
     config = HybridConfig.nine_b_shape()
     model = TargetModel.seeded(config, seed=0, dtype=torch.bfloat16, device="cuda:0")
+    if args.head_scale != 1.0:  # the 9B shape's head is its own (untied)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(args.head_scale)
     rng = random.Random(0)
     prompt = [rng.randrange(config.vocab_size) for _ in range(args.prompt_len)]
     plan = plan_shards(config.num_hidden_layers, "cuda:0")
@@ -238,6 +247,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"prompt_len": args.prompt_len, "calls": args.calls,
+                       "head_scale": args.head_scale,
                        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                        "rows": rows}, f, indent=2)
         print(f"wrote {args.json}")

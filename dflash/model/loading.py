@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -53,11 +54,47 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 @dataclass(frozen=True)
 class LoadReport:
-    """What a load read and what it ignored (and why)."""
+    """What a load read and what it ignored (and why), and where from: ``directory`` and
+    the special token ids its ``config.json`` names (``token_ids``: ``bos_token_id``,
+    ``eos_token_id``, ``pad_token_id`` as written, top level or ``text_config``), which
+    :meth:`TargetModel.save_pretrained` writes back with the files beside the weights."""
 
     files: tuple[str, ...]
     tensors_loaded: int
     ignored: dict[str, int] = field(default_factory=dict)  # prefix/reason -> count
+    directory: Path | None = None
+    token_ids: dict[str, object] = field(default_factory=dict)
+
+
+#: the special token ids a saved ``config.json`` carries over from the loaded one
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+#: the files beside the weights that make a checkpoint usable as an LLM (its tokenizer,
+#: chat template and generation settings); :func:`save_target` copies those the loaded
+#: checkpoint had
+COMPANION_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def _token_ids(raw: Mapping[str, object]) -> dict[str, object]:
+    """The special token ids of a raw ``config.json``: top level first, then
+    ``text_config`` (a Qwen3.5 multimodal checkpoint names them there)."""
+    text = raw.get("text_config")
+    inner: Mapping[str, object] = text if isinstance(text, dict) else {}
+    ids: dict[str, object] = {}
+    for name in TOKEN_ID_FIELDS:
+        value = raw.get(name, inner.get(name))
+        if value is not None:
+            ids[name] = value
+    return ids
 
 
 def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
@@ -291,8 +328,8 @@ def load_target(
         config = HybridConfig.from_hf_config(directory / "config.json")
     except ConfigError as exc:
         raise CheckpointError(f"config.json in {str(directory)!r}: {exc}") from exc
-    spec = parse_fp8_config(_raw_config(directory).get("quantization_config"),
-                            str(directory / "config.json"))
+    raw = _raw_config(directory)
+    spec = parse_fp8_config(raw.get("quantization_config"), str(directory / "config.json"))
     files, weight_map = _weight_files(directory)
     entries, ignored = _strip(_scan_headers(files, weight_map), config.tie_word_embeddings)
     sources = _sources(config, entries)
@@ -360,7 +397,8 @@ def load_target(
                 module.dtype = dtype  # what its dequantized products run in
         model.quantization = spec
     report = LoadReport(
-        files=tuple(p.name for p in files), tensors_loaded=len(fresh), ignored=ignored
+        files=tuple(p.name for p in files), tensors_loaded=len(fresh), ignored=ignored,
+        directory=directory, token_ids=_token_ids(raw),
     )
     for what, count in ignored.items():
         log.info("ignored %d tensor(s) matching %s (not part of the text model)", count, what)
@@ -368,17 +406,39 @@ def load_target(
     return model.eval()
 
 
-def save_target(model: TargetModel, directory: Path) -> None:
+def save_target(model: TargetModel, directory: Path, *, companions: bool = True) -> None:
     """Write ``model`` as a Hugging Face ``qwen3_5_text`` checkpoint (config + safetensors).
 
     Keys get the ``model.`` prefix of ``Qwen3_5ForCausalLM`` (``lm_head.weight`` is left
     out when tied). A Qwen3-Next model is written with the split projections, which is
     the same maths in the Qwen3.5 layout.
+
+    A model read by :func:`load_target` keeps what makes it an LLM rather than weights:
+    ``config.json`` carries the loaded one's special token ids, and with ``companions``
+    the loaded directory's tokenizer, chat template and generation settings
+    (:data:`COMPANION_FILES`, those it has) are copied beside the weights, so the saved
+    directory (FP8-quantized, say) decodes, stops and chats as the loaded one did. A
+    loaded directory that no longer exists is a :class:`CheckpointError` before anything
+    is written (``companions=False`` writes the weights and config alone).
     """
     from safetensors.torch import save_file
 
+    report = model.load_report
+    source = report.directory if report is not None else None
+    copies: list[Path] = []
+    if companions and source is not None:
+        if not source.is_dir():
+            raise CheckpointError(
+                f"the model was loaded from {str(source)!r}, which no longer exists: its "
+                "tokenizer and generation files cannot be copied (save with "
+                "companions=False to write the weights and config alone)"
+            )
+        if source.resolve() != directory.resolve():
+            copies = [source / name for name in COMPANION_FILES if (source / name).is_file()]
     directory.mkdir(parents=True, exist_ok=True)
     hf = model.config.to_hf_config()
+    if report is not None:
+        hf.update(report.token_ids)
     if model.quantization is not None:
         hf["quantization_config"] = model.quantization.to_hf()
     (directory / "config.json").write_text(json.dumps(hf, indent=2), encoding="utf-8")
@@ -390,3 +450,5 @@ def save_target(model: TargetModel, directory: Path) -> None:
         # clone: grouped projections are views of one tensor (safetensors refuses shared memory)
         tensors[key] = tensor.detach().to("cpu").contiguous().clone()
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    for path in copies:
+        shutil.copyfile(path, directory / path.name)

@@ -136,11 +136,14 @@ class TargetModel(nn.Module):
         dtype, device = _checked_placement(dtype, device)
         return load_target(cls, Path(directory), dtype=dtype, device=device)
 
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Write a Hugging Face ``qwen3_5_text`` checkpoint that :meth:`from_pretrained` reads."""
+    def save_pretrained(self, directory: str | Path, *, companions: bool = True) -> None:
+        """Write a Hugging Face ``qwen3_5_text`` checkpoint that :meth:`from_pretrained`
+        reads; a loaded model's special token ids, and with ``companions`` its tokenizer,
+        chat template and generation settings, go with it
+        (:func:`dflash.model.loading.save_target`)."""
         from dflash.model.loading import save_target
 
-        save_target(self, Path(directory))
+        save_target(self, Path(directory), companions=companions)
 
     def quantize_fp8_(self, spec: Fp8Spec | None = None) -> TargetModel:
         """Quantize the decoder layers' projections to FP8 in place (``spec``: the block,

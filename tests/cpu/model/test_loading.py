@@ -246,3 +246,93 @@ def test_a_single_file_wins_over_an_index_beside_it(ckpt: Path) -> None:
         "model.safetensors"]
     assert all(torch.equal(a, b) for a, b in zip(want.state_dict().values(),
                                                  got.state_dict().values(), strict=True))
+
+
+# -- what a save keeps besides the weights ------------------------------------------------
+
+
+def _loaded_default() -> tuple[TargetModel, Path]:
+    from dflash.data import default_dir
+
+    directory = default_dir("target")
+    return TargetModel.from_pretrained(directory), directory
+
+
+def test_save_keeps_the_token_ids_tokenizer_and_generation_files(tmp_path: Path) -> None:
+    """A loaded model saved elsewhere (quantized, say) is still an LLM: its config names
+    the same EOS, and its tokenizer and generation settings are beside it, byte for byte."""
+    from dflash.model.loading import COMPANION_FILES
+    from dflash.model.tokenizer import eos_token_ids, load_tokenizer
+
+    model, source = _loaded_default()
+    assert model.load_report is not None and model.load_report.directory == source
+    model.quantize_fp8_().save_pretrained(tmp_path / "fp8")
+    saved = tmp_path / "fp8"
+    present = [name for name in COMPANION_FILES if (source / name).is_file()]
+    assert {"tokenizer.json", "generation_config.json", "tokenizer_config.json"} <= set(present)
+    for name in present:
+        assert (saved / name).read_bytes() == (source / name).read_bytes(), name
+    assert _config(saved)["eos_token_id"] == json.loads((source / "config.json").read_text())[
+        "eos_token_id"]
+    assert eos_token_ids(saved) == eos_token_ids(source)
+    # the generation file gone, config.json alone still names the EOS
+    (saved / "generation_config.json").unlink()
+    assert eos_token_ids(saved) == eos_token_ids(source)
+    tok, tok_saved = load_tokenizer(source), load_tokenizer(saved)
+    assert tok is not None and tok_saved is not None
+    assert tok_saved.encode("def f(x):\n    return x") == tok.encode("def f(x):\n    return x")
+    again = TargetModel.from_pretrained(saved)
+    assert again.quantization is not None
+    assert greedy_generate(again, PROMPT, 8) == greedy_generate(model, PROMPT, 8)
+
+
+def test_save_reads_text_config_token_ids(tmp_path: Path, source: TargetModel) -> None:
+    """A multimodal checkpoint names its token ids in ``text_config``; the saved text
+    checkpoint names them at the top level."""
+    source.save_pretrained(tmp_path / "a")
+    raw = _config(tmp_path / "a")
+    (tmp_path / "a" / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_5", "text_config": {**raw, "eos_token_id": [7, 9],
+                                                   "pad_token_id": 3},
+         "bos_token_id": 5}))
+    loaded = TargetModel.from_pretrained(tmp_path / "a")
+    assert loaded.load_report is not None
+    assert loaded.load_report.token_ids == {"bos_token_id": 5, "eos_token_id": [7, 9],
+                                            "pad_token_id": 3}
+    loaded.save_pretrained(tmp_path / "b")
+    saved = _config(tmp_path / "b")
+    assert (saved["bos_token_id"], saved["eos_token_id"], saved["pad_token_id"]) == (5, [7, 9], 3)
+
+
+def test_save_without_a_source_writes_weights_and_config(tmp_path: Path,
+                                                          source: TargetModel) -> None:
+    source.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert "eos_token_id" not in _config(tmp_path)
+
+
+def test_save_refuses_when_the_source_is_gone(tmp_path: Path, source: TargetModel) -> None:
+    source.save_pretrained(tmp_path / "a")
+    (tmp_path / "a" / "tokenizer.json").write_text("{}")
+    loaded = TargetModel.from_pretrained(tmp_path / "a")
+    for path in (tmp_path / "a").iterdir():
+        path.unlink()
+    (tmp_path / "a").rmdir()
+    gone = r"loaded from '.*/a', which no longer exists.*companions=False"
+    with pytest.raises(CheckpointError, match=gone):
+        loaded.save_pretrained(tmp_path / "b")
+    assert not (tmp_path / "b").exists()  # refused before anything is written
+    loaded.save_pretrained(tmp_path / "b", companions=False)
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["config.json",
+                                                                  "model.safetensors"]
+
+
+def test_save_over_the_loaded_directory(tmp_path: Path, source: TargetModel) -> None:
+    """Saving back where it was loaded from rewrites weights and config, and leaves the
+    companion files where they are."""
+    source.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text('{"x": 1}')
+    loaded = TargetModel.from_pretrained(tmp_path)
+    loaded.quantize_fp8_().save_pretrained(tmp_path)
+    assert (tmp_path / "tokenizer.json").read_text() == '{"x": 1}'
+    assert TargetModel.from_pretrained(tmp_path).quantization is not None

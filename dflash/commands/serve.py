@@ -53,6 +53,9 @@ def register(subparsers: Any) -> None:
                    "stopped and answered with a 504 (default 600)")
     p.add_argument("--default-max-tokens", type=int, default=512,
                    help="a request's budget when it names none (default 512)")
+    p.add_argument("--max-body-mb", type=int, default=16,
+                   help="the largest request body in MiB; a larger one is answered with a "
+                   "413 before it is read (default 16)")
     p.set_defaults(run=run)
 
 
@@ -70,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     from dflash.serve import ServeConfig, listen, run_server
 
     for flag, value, low in (("--queue-size", args.queue_size, 0),
-                             ("--default-max-tokens", args.default_max_tokens, 1)):
+                             ("--default-max-tokens", args.default_max_tokens, 1),
+                             ("--max-body-mb", args.max_body_mb, 1)):
         if value < low:
             raise UsageError(f"{flag} must be >= {low} (got {value})")
     for flag, seconds in (("--queue-timeout", args.queue_timeout),
@@ -92,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     config = ServeConfig(model_name=name, queue_size=args.queue_size,
                          queue_timeout_s=args.queue_timeout,
                          request_timeout_s=args.request_timeout,
-                         default_max_tokens=args.default_max_tokens)
+                         default_max_tokens=args.default_max_tokens,
+                         max_body_bytes=args.max_body_mb * 2**20)
 
     def ready(url: str) -> None:
         print(f"dflash serve: {name!r} at {url}/v1 (drafter {args.draft}, {devices})",

@@ -20,11 +20,11 @@ stream already under way).
 Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``: a body that is
 not JSON, an unknown field, a wrong type, a value out of range, an empty ``messages``,
 a prompt past the context → 400; an unknown model or path → 404; a wrong method → 405; a
-full queue → 429; no turn within the queue timeout → 503; a generation past the request
-timeout → 504; a decode that fails → 500 with its one-line reason (in a stream already
-under way: an error event, then the stream ends). The process keeps serving after every
-one.
-"""
+body over :attr:`ServeConfig.max_body_bytes` → 413 (refused from its declared length, or
+as soon as a chunked body passes it, never read whole); a full queue → 429; no turn
+within the queue timeout → 503; a generation past the request timeout → 504; a decode
+that fails → 500 with its one-line reason (in a stream already under way: an error
+event, then the stream ends). The process keeps serving after every one."""
 
 from __future__ import annotations
 
@@ -83,6 +83,9 @@ class ServeConfig:
     queue_timeout_s: float = 600.0  # the longest a request waits for the engine
     request_timeout_s: float = 600.0  # the longest a generation decodes once admitted
     default_max_tokens: int = 512  # a request's budget when it names none
+    #: the largest request body read (bytes): a larger one is a 413 before it is held in
+    #: memory (default 16 MiB; a prompt of 262,144 tokens is about 1 MB of text)
+    max_body_bytes: int = 16 * 2**20
 
 
 class ServeError(UsageError):
@@ -492,7 +495,7 @@ def create_app(llm: LLM, config: ServeConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> JSONResponse | StreamingResponse:
-        body = await _parse(request, ChatCompletionRequest)
+        body = await _parse(request, ChatCompletionRequest, config.max_body_bytes)
         _check_model(body.model)
         # a message's ``name`` reaches the chat template too, as transformers passes it
         messages = [{"role": m.role, "content": m.text()}
@@ -510,7 +513,7 @@ def create_app(llm: LLM, config: ServeConfig) -> FastAPI:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> JSONResponse | StreamingResponse:
-        body = await _parse(request, CompletionRequest)
+        body = await _parse(request, CompletionRequest, config.max_body_bytes)
         _check_model(body.model)
         stream = await asyncio.to_thread(_prepare, llm, config, body, body.prompt, "prompt")
         return await _answer(request, engine, stream, body, chat=False)
@@ -518,12 +521,34 @@ def create_app(llm: LLM, config: ServeConfig) -> FastAPI:
     return app
 
 
-async def _parse(request: Request, model: type[Any]) -> Any:
-    raw = await request.body()
+async def _parse(request: Request, model: type[Any], limit: int) -> Any:
+    raw = await _body(request, limit)
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
         raise _validation_error(exc.errors()) from None
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request's body, refused with a 413 when it is over ``limit`` bytes: at once when
+    its ``Content-Length`` says so, else as soon as the bytes received pass it (a chunked
+    body), so an oversized body is never held in memory whole."""
+    def too_large(size: str) -> ServeError:
+        return ServeError(413, f"the request body ({size}) is over this server's limit of "
+                          f"{limit} bytes (dflash serve --max-body-mb)",
+                          "invalid_request_error", code="request_too_large")
+
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(f"{int(declared)} bytes")
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large(f"more than {limit} bytes")
+        parts.append(part)
+    return b"".join(parts)
 
 
 def _validation_error(errors: Any) -> ServeError:

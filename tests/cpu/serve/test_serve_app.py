@@ -299,6 +299,44 @@ def test_a_prompt_that_leaves_no_room_names_the_context(client: TestClient) -> N
     assert "8190 tokens leave no room" in error["message"]
 
 
+def test_a_body_over_the_limit_is_a_413_before_it_is_read(llm: dflash.LLM) -> None:
+    """A declared length over :attr:`ServeConfig.max_body_bytes` and a chunked body that
+    passes it are both a 413 in OpenAI's shape, counted, and the server keeps serving; a
+    body at the limit is read."""
+    body = json.dumps({"model": "default", "prompt": "def add(a, b):", "max_tokens": 2,
+                       "temperature": 0}).encode()
+    client = TestClient(create_app(llm, ServeConfig(model_name="default",
+                                                    max_body_bytes=len(body))))
+    headers = {"content-type": "application/json"}
+    assert client.post("/v1/completions", content=body, headers=headers).status_code == 200
+    over = body[:-1] + b" }"
+    streamed_parts: list[int] = []
+
+    def chunks() -> Any:
+        for i in range(0, len(over), 7):
+            streamed_parts.append(i)
+            yield over[i:i + 7]
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for content, size in ((over, f"{len(over)} bytes"), (chunks(), "more than")):
+            r = client.post(path, content=content, headers=headers)
+            assert r.status_code == 413, r.text
+            error = r.json()["error"]
+            assert error["code"] == "request_too_large"
+            assert set(error) == {"message", "type", "param", "code"}
+            assert size in error["message"] and f"limit of {len(body)} bytes" in error["message"]
+        assert f'endpoint="{path}",status="413"' in client.get("/metrics").text
+    assert streamed_parts  # the chunked body really was sent in pieces
+    assert client.post("/v1/completions", content=body, headers=headers).status_code == 200
+
+
+def test_max_body_mb_is_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    from dflash.cli import main
+
+    assert main(["serve", "--max-body-mb", "0"]) == 2
+    assert "--max-body-mb must be >= 1 (got 0)" in capsys.readouterr().err
+
+
 def test_listen_names_a_bad_or_taken_port() -> None:
     from dflash.errors import UsageError
     from dflash.serve import listen

@@ -65,6 +65,7 @@ from dflash.kernels.rmsnorm_reference import (
     add_rms_norm_reference,
     rms_norm_reference,
     rms_norm_rotary_reference,
+    rotary_reference,
 )
 from dflash.kernels.rollback import RollbackBoundsError, rollback_restore
 from dflash.kernels.rollback_reference import rollback_restore_reference
@@ -108,6 +109,7 @@ __all__ = [
     "rms_norm_rotary_reference",
     "rollback_restore",
     "rollback_restore_reference",
+    "rotary_reference",
     "tree_parents_into",
     "tree_paths",
     "tree_paths_into",

@@ -178,8 +178,7 @@ def rms_norm_rotary(
     if checks.use_triton(backend, device):
         from dflash.kernels.rmsnorm_triton import launch_rms_norm
 
-        if x.stride(-1) != 1:
-            x = x.contiguous()
+        # a strided x is read in place, or copied once when it cannot be (as_rows)
         return launch_rms_norm(x, weight, float(eps), True, None, out=out,
                                rotary=(cos.contiguous(), sin.contiguous(), x.shape[-2]))
     return rms_norm_rotary_reference(x, weight, float(eps), cos, sin, out=out)

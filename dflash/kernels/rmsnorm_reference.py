@@ -57,6 +57,19 @@ def add_rms_norm_reference(
     return rms_norm_reference(s, weight, eps, zero_centred=zero_centred, out=out), s
 
 
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The first ``RD`` channels of ``x: [..., T, H, D]`` rotated in rotate-half form by
+    ``cos, sin: [T, RD]`` (the same angles for every head), the rest kept: each product
+    and the sum one operation, rounded to x's dtype. The model's rotary embedding is this
+    formula (:func:`dflash.model.layers.apply_rotary`)."""
+    rd = cos.shape[-1]
+    half = rd // 2
+    c, s = cos[:, None, :], sin[:, None, :]  # over the heads
+    rot = x[..., :rd]
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    return torch.cat((rot * c + rotated * s, x[..., rd:]), dim=-1)
+
+
 def rms_norm_rotary_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -66,16 +79,8 @@ def rms_norm_rotary_reference(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The zero-centred norm of ``x: [..., T, H, D]``, then its first ``RD`` channels
-    rotated in rotate-half form by ``cos, sin: [T, RD]`` (each product and the sum one
-    launch, rounded to x's dtype)."""
-    y = rms_norm_reference(x, weight, eps, zero_centred=True)
-    rd = cos.shape[-1]
-    half = rd // 2
-    c, s = cos[:, None, :], sin[:, None, :]  # over the heads
-    rot = y[..., :rd]
-    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-    result = torch.cat((rot * c + rotated * s, y[..., rd:]), dim=-1)
+    """The zero-centred norm of ``x: [..., T, H, D]``, then :func:`rotary_reference`."""
+    result = rotary_reference(rms_norm_reference(x, weight, eps, zero_centred=True), cos, sin)
     if out is None:
         return result
     out.copy_(result)

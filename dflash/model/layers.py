@@ -40,6 +40,7 @@ from dflash.kernels import (
     prefill_attention,
     rms_norm,
     rms_norm_rotary,
+    rotary_reference,
 )
 from dflash.kernels.checks import use_triton
 from dflash.kernels.fp8_linear import fp8_linear
@@ -170,8 +171,9 @@ class Ops:
 
     def fused(self, x: Tensor) -> bool:
         """Whether the glue around the kernels runs fused (:meth:`add_norm`,
-        :meth:`norm_rotary`, :meth:`act_mul`): on Triton, on CUDA or where the forward
-        asks for Triton by name (the interpreter on CPU). Each fused kernel computes a
+        :meth:`norm_rotary`, :meth:`act_mul`, and a verify's gates written straight into
+        its capture): on Triton, on CUDA or where the forward asks for Triton by name (the
+        interpreter on CPU). The one predicate for every fused launch. Each fused kernel computes a
         row from that row alone, so it needs no position tiles. CPU forwards on the
         references keep the torch formulation (on position tiles when invariant)."""
         return (x.is_cuda or self.backend == "triton") and use_triton(self.backend, x.device)
@@ -474,13 +476,10 @@ def rotary_table(
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the first ``rotary_dim`` channels of ``x: [B, T, H, D]`` (rotate-half form)."""
-    dim = cos.shape[-1]
-    rot, keep = x[..., :dim], x[..., dim:]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    half = dim // 2
-    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-    return torch.cat((rot * cos + rotated * sin, keep), dim=-1)
+    """Rotate the first ``rotary_dim`` channels of ``x: [B, T, H, D]`` (rotate-half form)
+    by ``cos, sin: [T, rotary_dim]``: the formula the fused norm-and-rotary kernel is
+    checked against (:func:`dflash.kernels.rotary_reference`)."""
+    return rotary_reference(x, cos, sin)
 
 
 class GatedAttention(GroupedModule):
@@ -637,7 +636,7 @@ class GatedDeltaNet(GroupedModule):
         if capture is not None and capture.g is not None and capture.beta is not None:
             g_cap, beta_cap = capture.g[:, :t], capture.beta[:, :t]
         if (g_cap is not None and beta_cap is not None and g_cap.is_contiguous()
-                and beta_cap.is_contiguous() and use_triton(backend, x.device)):
+                and beta_cap.is_contiguous() and ops.fused(x)):
             beta, g = gdn_gates(a_in, b_in, self.A_log, self.dt_bias, beta_out=beta_cap,
                                 g_out=g_cap, backend=backend)
         else:

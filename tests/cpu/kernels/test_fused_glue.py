@@ -21,6 +21,7 @@ from dflash.kernels import (
     rms_norm_reference,
     rms_norm_rotary,
     rms_norm_rotary_reference,
+    rotary_reference,
 )
 from dflash.model.layers import apply_rotary
 
@@ -142,6 +143,36 @@ def test_rms_norm_rotary_is_the_norm_then_the_rotation(
     assert torch.equal(ref, want)
     tol = 1e-6 if dtype == torch.float32 else 2e-2
     assert rel_rms(got, ref) <= tol
+
+
+def test_rotary_reference_rotates_each_channel_pair() -> None:
+    """The rotate-half formula, written out per channel pair (channel ``i`` with
+    ``i + RD/2``, by the angle of each) in float64; channels past ``RD`` untouched."""
+    x = rnd(2, 3, 4, 12, scale=2, seed=5, dtype=torch.float64)
+    angles = rnd(3, 8, scale=3, seed=6, dtype=torch.float64)
+    cos, sin = angles.cos(), angles.sin()
+    got = rotary_reference(x, cos, sin)
+    want = x.clone()
+    for i in range(4):
+        c, s = cos[:, None, :], sin[:, None, :]
+        want[..., i] = x[..., i] * c[..., i] - x[..., i + 4] * s[..., i]
+        want[..., i + 4] = x[..., i + 4] * c[..., i + 4] + x[..., i] * s[..., i + 4]
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    assert torch.equal(got[..., 8:], x[..., 8:])
+    assert torch.equal(apply_rotary(x, cos, sin), got)  # the model's rotation is this one
+
+
+@needs_interpreter
+def test_rms_norm_rotary_copies_a_head_it_cannot_read_in_place() -> None:
+    """An ``x`` whose channels are not contiguous (a transposed view) gives the bits of
+    its contiguous copy."""
+    q, w, cos, sin = _heads(torch.bfloat16, 3, 2, 16, 8, seed=9)
+    strided = q.contiguous().transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert strided.stride(-1) != 1 and torch.equal(strided, q)
+    got = rms_norm_rotary(strided, w, 1e-6, cos, sin, out=poisoned(q.contiguous()),
+                          backend="triton")
+    assert torch.equal(got, rms_norm_rotary(q.contiguous(), w, 1e-6, cos, sin,
+                                            backend="triton"))
 
 
 @needs_interpreter

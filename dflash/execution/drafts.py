@@ -10,6 +10,12 @@ built (:func:`draft_source`) and the step sees only its three calls, in data ord
 - ``committed(taps, commit_n, read_tail)`` → after the read-back: the committed rows'
   features (host) or the guesses the device made (device).
 
+Tree steps draft on the device too, when the drafter can (:func:`draft_source` with
+``tree_candidates``): each device proposal then carries every guess slot's best tokens
+with their log-probabilities, read back with the step's tokens, and the tree grows from
+them on the host (:meth:`DeviceDrafts.candidates`) with no host proposal and no second
+read.
+
 Every guess is checked before it reaches a verify: a list of ``B-1`` token ids in the
 vocabulary, confidences ``None`` or ``B-1`` probabilities; a drafter that breaks either
 rule is an :class:`ExecutionError` naming it, and the step never runs on its draft.
@@ -27,7 +33,9 @@ from dflash.execution.errors import ExecutionError
 from dflash.execution.shards import ShardedTarget
 from dflash.execution.window import is_confidence
 from dflash.model.drafters import (
+    DeviceCandidateDrafter,
     DeviceDrafter,
+    DFlash2Drafter,
     DFlashDrafter,
     Drafter,
     LookupAssistedDrafter,
@@ -35,6 +43,8 @@ from dflash.model.drafters import (
     ScoredDrafter,
     stack_tap_features,
 )
+from dflash.model.drafters.dflash_device import split_candidates
+from dflash.model.drafters.errors import DraftArgumentError
 
 
 class DraftSource(Protocol):
@@ -142,11 +152,21 @@ class DeviceDrafts(_Checked):
     target's tokens never leave it) and reads it back with the step's tokens; a
     :class:`RevisingDrafter` may then replace those guesses on the host."""
 
-    def __init__(self, target: ShardedTarget, drafter: DeviceDrafter, block_size: int) -> None:
+    def __init__(self, target: ShardedTarget, drafter: DeviceDrafter, block_size: int,
+                 tree_candidates: int = 0) -> None:
         super().__init__(target, drafter, block_size)
         self.device_drafter = drafter
         self._revising = drafter if isinstance(drafter, RevisingDrafter) else None
         self._next: list[int] | None = None
+        #: candidates per guess slot each device proposal carries (trees; 0: chains)
+        self.tree_candidates = tree_candidates
+        self._candidates: list[list[tuple[int, float]]] | None = None
+        if isinstance(drafter, DeviceCandidateDrafter):  # a drafter kept from trees: reset
+            drafter.use_device_candidates(tree_candidates)
+        elif tree_candidates:
+            raise ExecutionError(
+                f"drafter {drafter.label!r} cannot give tree candidates on the device"
+            )
 
     def start(self, features: Tensor | None, last: int, at: int = 0, skipped: int = 0) -> None:
         """The first proposal now, from the prompt's features (eager); the rest inside the
@@ -175,9 +195,23 @@ class DeviceDrafts(_Checked):
         if self._next is None:
             raise ExecutionError("the device drafter has no guesses: prefill() first")
         proposal, self._next = self._next, None
+        if self.tree_candidates:
+            try:
+                proposal, self._candidates = split_candidates(
+                    proposal, self.block_size - 1, self.tree_candidates
+                )
+            except DraftArgumentError as exc:
+                raise ExecutionError(f"drafter {self.drafter.label!r}: {exc}") from None
         if self._revising is not None:  # e.g. a copy from the context instead
             proposal = self._revising.revise(context, last, proposal)
         return self.guesses(proposal), None
+
+    def candidates(self) -> list[list[tuple[int, float]]]:
+        """The last :meth:`take`'s ``tree_candidates`` best tokens per guess slot with
+        their log-probabilities, best first (what a tree grows from)."""
+        if self._candidates is None:
+            raise ExecutionError("no device candidates: take() a proposal drafted for trees")
+        return self._candidates
 
     def enqueue_next(self, taps: dict[int, Tensor], count: Tensor, t: Tensor) -> Tensor | None:
         graphs = self.target.graphs
@@ -206,11 +240,24 @@ def drafter_reach(drafter: Drafter) -> int | None:
     return inner.context_reach if isinstance(inner, DFlashDrafter) else None
 
 
-def draft_source(target: ShardedTarget, drafter: Drafter, block_size: int) -> DraftSource:
+def draft_source(target: ShardedTarget, drafter: Drafter, block_size: int,
+                 tree_candidates: int = 0) -> DraftSource:
     """:class:`DeviceDrafts` when the drafter can draft on the device and the target runs
-    CUDA graphs, else :class:`HostDrafts`."""
-    if target.graphs is not None and drafter.tap_layers and isinstance(drafter, DeviceDrafter):
-        return DeviceDrafts(target, drafter, block_size)
+    CUDA graphs, else :class:`HostDrafts`. ``tree_candidates`` (trees): the candidates per
+    slot a tree grows from, drafted on the device only by a drafter whose proposals can
+    carry them (:class:`DeviceCandidateDrafter`; a DFlash2 drafter's trees come from its
+    selector on the host)."""
+    device = (target.graphs is not None and bool(drafter.tap_layers)
+              and isinstance(drafter, DeviceDrafter))
+    if tree_candidates:
+        inner = drafter.dflash if isinstance(drafter, LookupAssistedDrafter) else drafter
+        device = (device and isinstance(drafter, DeviceCandidateDrafter)
+                  and not isinstance(inner, DFlash2Drafter))
+    if device:
+        assert isinstance(drafter, DeviceDrafter)
+        return DeviceDrafts(target, drafter, block_size, tree_candidates)
+    if isinstance(drafter, DeviceCandidateDrafter):  # drafted on the host: guesses alone
+        drafter.use_device_candidates(0)
     return HostDrafts(target, drafter, block_size)
 
 

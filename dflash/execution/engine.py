@@ -218,10 +218,14 @@ class SpecDecoder:
         self.verify_window = verify_window
         self._window_devices = [str(s.device) for s in target.shards]
         self.window: VerifyWindow = make_window(verify_window, self._window_devices)
-        # trees are drafted on the host (a proposal's distributions, or the drafter's tree)
+        # trees grow from a proposal's per-slot candidates, drafted on the device with
+        # graphs when the drafter can (read back with the step's tokens), else on the
+        # host; a drafter's own trees (and a DFlash2 selector's) are drafted on the host
         self.drafts: DraftSource = (
-            HostDrafts(target, drafter, block_size) if self.tree_budget is not None
-            else draft_source(target, drafter, block_size)
+            HostDrafts(target, drafter, block_size)
+            if self.tree_budget is not None and isinstance(drafter, TreeDrafter)
+            else draft_source(target, drafter, block_size,
+                              TREE_CANDIDATES if self.tree_budget is not None else 0)
         )
         dtype = target.model.embed_tokens.weight.dtype
         self.gate = CaptureGate(requested=self.policy.fast, tolerance=self_test_tolerance(dtype))
@@ -450,6 +454,7 @@ class SpecDecoder:
             )
         else:  # the chain proposal's per-slot distributions, grown best first
             proposal, _ = self.drafts.take(list(self.context), self.last)
+            device = self.drafts if isinstance(self.drafts, DeviceDrafts) else None
             branch = (  # prompt lookup's copy, kept whole as one branch when there is one
                 self.drafter.tree_branch() if isinstance(self.drafter, BranchDrafter) else None
             )
@@ -462,7 +467,8 @@ class SpecDecoder:
             if isinstance(inner, DFlash2Drafter):  # its selector's dependent paths
                 tree = inner.selector_tree(self.last, self.tree_budget, branch=branch)
             else:
-                candidates = cast(CandidateDrafter, self.drafter).candidates(TREE_CANDIDATES)
+                candidates = (device.candidates() if device is not None else
+                              cast(CandidateDrafter, self.drafter).candidates(TREE_CANDIDATES))
                 tree = best_first_tree(self.last, candidates, self.tree_budget, branch=branch)
         draft = self._tree_draft(tree)
         storages = self.target.storages() if gate else []
@@ -480,7 +486,15 @@ class SpecDecoder:
         # the fast rollback is enqueued on the device's path before the one host read
         started = (self.rollback.enqueue_fast(self.committed, T, accepted, step, tree=True)
                    if fast else None)
-        read = torch.cat([t_dev, accepted[:2]]).tolist()  # the step's one synchronisation
+        # drafting on the device: the next proposal from the accepted path's rows, enqueued
+        # first (the path's nodes, -1 past its end, are at most a block)
+        on_path = accepted[2 : 2 + min(T, self.block_size)].clamp(min=0)
+        drafted = self.drafts.enqueue_next(
+            {k: v.index_select(1, on_path.to(v.device)) for k, v in taps.items()},
+            accepted[1:2], t_dev.index_select(0, on_path.to(t_dev.device)),
+        ) if isinstance(self.drafts, DeviceDrafts) else None
+        parts = [t_dev, accepted[:2]] + ([] if drafted is None else [drafted.to(t_dev.device)])
+        read = torch.cat(parts).tolist()  # the step's one synchronisation
         t = read[:T]  # t[s]: the target's token after node s's path
         _, path = accept_tree(tree, t)  # the host's reading: the deepest confirmed node
         if path[-1] != read[T] or len(path) != read[T + 1]:
@@ -497,7 +511,7 @@ class SpecDecoder:
         if taps:  # the drafter's features of the committed tokens: the path's rows
             taps = {k: v.index_select(1, accepted[2 : 2 + len(path)].to(v.device))
                     for k, v in taps.items()}
-        self.drafts.committed(taps, len(path), [])
+        self.drafts.committed(taps, len(path), read[T + 2 :])
         self._pending = Verified(
             d, [t[s] for s in path], len(path), taps, status_before, nodes=T
         )

@@ -10,6 +10,7 @@
 """
 
 from dflash.model.drafters.base import (
+    DeviceCandidateDrafter,
     DeviceDrafter,
     Drafter,
     RevisingDrafter,
@@ -59,6 +60,7 @@ __all__ = [
     "DFlash2Drafter",
     "DFlashConfig",
     "DFlashDrafter",
+    "DeviceCandidateDrafter",
     "DeviceDrafter",
     "DraftArgumentError",
     "DraftTarget",

@@ -97,6 +97,16 @@ class DeviceDrafter(Drafter, Protocol):
 
 
 @runtime_checkable
+class DeviceCandidateDrafter(DeviceDrafter, Protocol):
+    """A device drafter whose proposals can also carry each guess slot's ``k`` best tokens
+    with their log-probabilities (``use_device_candidates(k)``; the layout of
+    :func:`~dflash.model.drafters.dflash_device.split_candidates`), so a tree grows from
+    the step's one read-back (the engine's tree steps on CUDA graphs)."""
+
+    def use_device_candidates(self, k: int) -> None: ...
+
+
+@runtime_checkable
 class RevisingDrafter(DeviceDrafter, Protocol):
     """A device drafter whose guesses the host may replace: after the step's one read-back
     the engine hands ``revise`` the guesses the device made for the next step, with the

@@ -183,6 +183,13 @@ class DFlash2Drafter(DFlashDrafter):
             "come from selector_tree(), not from independent per-slot candidates"
         )
 
+    def use_device_candidates(self, k: int) -> None:
+        if k:
+            raise DrafterFormatNotBuiltError(
+                "a DFlash2 drafter's candidates depend on the previous slot's choice: its "
+                "trees come from selector_tree() on the host, not from device candidates"
+            )
+
     def selector_tree(self, root: int, budget: int, *,
                       branch: Sequence[int] | None = None) -> DraftTree:
         """The draft tree of the last host proposal's selector paths

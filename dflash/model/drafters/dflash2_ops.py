@@ -31,6 +31,7 @@ from torch import Tensor
 
 from dflash.geometry import MAX_SLOTS
 from dflash.kernels.sample_reference import gumbel_noise_at
+from dflash.model.drafters.dflash_products import ranked_top_k
 from dflash.model.drafters.errors import DraftArgumentError
 from dflash.model.drafters.trees import DraftTree
 
@@ -93,18 +94,8 @@ def candidates(logits: Tensor, k: int, multiplier: float,
         raise ValueError(f"'k' must be in [1, {logits.shape[-1]}] (got {k})")
     if not multiplier > 0:
         raise ValueError(f"'multiplier' must be > 0 (got {multiplier})")
-    # the k best in O(V) and without a host read (a sort of the vocabulary is ~30x
-    # slower): every token above the k-th best logit, then the tokens equal to it in
-    # ascending id order (a float key: ids are exact in float32 below 2**24), then those k
-    # ordered by logit descending, id ascending (two sorts of k values)
     values = logits.float()
-    vocab = values.shape[-1]
-    kth = values.topk(k, dim=-1).values[..., -1:]                                # [Q, 1]
-    id_key = (vocab - torch.arange(vocab, device=values.device)).to(torch.float32)
-    key = torch.where(values > kth, 2.0 * vocab, torch.where(values == kth, id_key, -1.0))
-    ids = key.topk(k, dim=-1).indices.sort(dim=-1).values                        # by id
-    order = values.gather(-1, ids).sort(dim=-1, descending=True, stable=True).indices
-    ids = ids.gather(-1, order)
+    ids = ranked_top_k(values, k)  # the k best in O(V), without a host read
     return unary_scores(values.gather(-1, ids), multiplier, cap), ids
 
 

@@ -14,6 +14,11 @@ past the reach) masked out. No host value
 and no shape depends on the step, so a CUDA graph can hold it. Rows past ``commit_n``
 land at positions the next step overwrites before they become visible.
 
+For trees (:meth:`DeviceDrafting.use_candidates`), each proposal also carries its ``k``
+best tokens per guess slot with their log-probabilities (:func:`slot_candidates`, the host
+proposal's :meth:`~dflash.model.drafters.dflash_host.HostDrafting.candidates` computed
+alike), so a tree grows from the step's one read-back without a host proposal.
+
 :class:`DeviceDrafting` holds those buffers for one :class:`DFlashDrafter` (its
 ``on_device``) and runs the drafter's weights and forward pieces; the drafter's public
 device methods delegate to it.
@@ -25,7 +30,13 @@ import torch
 from torch import Tensor
 
 from dflash.model.drafters.base import check_block_size, check_token
-from dflash.model.drafters.dflash_products import DrafterWeights, DraftingPart, drafting
+from dflash.model.drafters.dflash_products import (
+    DrafterWeights,
+    DraftingPart,
+    candidate_lists,
+    drafting,
+    slot_candidates,
+)
 from dflash.model.drafters.errors import DraftArgumentError
 from dflash.sampling import GREEDY, SamplingParams, sample_tokens
 
@@ -78,6 +89,21 @@ class DeviceDrafting(DraftingPart):
         #: the rule the target draws its tokens by: the device guesses are drawn with the
         #: same noise at their absolute positions (coupled drafting); greedy by default
         self.sampling: SamplingParams = GREEDY
+        #: candidates per guess slot each proposal carries (0: the guesses alone)
+        self.candidates_k = 0
+
+    def use_candidates(self, k: int) -> None:
+        """Each proposal (:meth:`start_device`, :meth:`device_step`) returns, after its
+        ``B-1`` guesses, the ``k`` best tokens of every guess slot (``(B-1)·k`` ids, best
+        first) and their float64 log-probabilities as int64 bit patterns (``(B-1)·k``):
+        :func:`split_candidates` reads them back. ``0``: the guesses alone. A change drops
+        the captured drafting steps (they return the other layout)."""
+        vocab = self.drafter.config.vocab_size
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= vocab:
+            raise DraftArgumentError(f"'k' must be an int in [0, {vocab}] (got {k!r})")
+        if k != self.candidates_k:
+            self.candidates_k = k
+            self.device_buffers_version += 1
 
     def couple(self, sampling: SamplingParams) -> None:
         """Draw the device guesses by ``sampling``'s rule (see :attr:`sampling`); a change
@@ -241,9 +267,34 @@ class DeviceDrafting(DraftingPart):
         # the drafter's own choice (a DFlash2 selector), on the device: slot 1 at q_pos[1]
         chosen = d.select(hidden[1:], logits, last, q_pos[0, 1:2], self.sampling)
         if chosen is not None:
-            return chosen
-        if self.sampling.greedy:
-            return logits.argmax(dim=-1)
-        # coupled: guess slot i (1-based) draws position `position + i`, as the target's
-        # chain row i - 1 does, with the target's rule and noise
-        return sample_tokens(logits, q_pos[0, 1:], self.sampling)
+            guesses = chosen
+        elif self.sampling.greedy:
+            guesses = logits.argmax(dim=-1)
+        else:
+            # coupled: guess slot i (1-based) draws position `position + i`, as the
+            # target's chain row i - 1 does, with the target's rule and noise
+            guesses = sample_tokens(logits, q_pos[0, 1:], self.sampling)
+        if not self.candidates_k:
+            return guesses
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))  # as the host's
+        ids, log_probs = slot_candidates(wide, self.candidates_k)
+        return torch.cat([guesses, ids.flatten(), log_probs.view(torch.int64).flatten()])
+
+
+def split_candidates(read: list[int], slots: int, k: int
+                     ) -> tuple[list[int], list[list[tuple[int, float]]]]:
+    """A proposal read back from the device with ``k`` candidates per slot
+    (:meth:`DeviceDrafting.use_candidates`) → ``(guesses, candidates)``: the ``slots``
+    guesses and each slot's ``k`` ``(token, log_prob)`` pairs, best first."""
+    want = slots * (1 + 2 * k)
+    if len(read) != want:
+        raise DraftArgumentError(
+            f"a proposal of {slots} slots with {k} candidates each is {want} values "
+            f"(got {len(read)})"
+        )
+    n = slots * k
+    ids = read[slots : slots + n]
+    bits = torch.tensor(read[slots + n :], dtype=torch.int64).view(torch.float64).tolist()
+    return (read[:slots],
+            candidate_lists([ids[i : i + k] for i in range(0, n, k)],
+                            [bits[i : i + k] for i in range(0, n, k)]))

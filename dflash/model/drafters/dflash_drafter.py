@@ -472,6 +472,11 @@ class DFlashDrafter(nn.Module):
         """One capture-safe drafting step on the device (:meth:`DeviceDrafting.device_step`)."""
         return self.on_device.device_step()
 
+    def use_device_candidates(self, k: int) -> None:
+        """Each device proposal also carries its ``k`` best tokens per slot
+        (:meth:`DeviceDrafting.use_candidates`; 0: the guesses alone)."""
+        self.on_device.use_candidates(k)
+
     @property
     def device_buffers_version(self) -> int:
         """Bumped whenever the device buffers are allocated anew (graphs of the old ones must

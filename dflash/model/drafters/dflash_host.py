@@ -24,7 +24,9 @@ from dflash.model.drafters.dflash_products import (
     ContextKV,
     DrafterWeights,
     DraftingPart,
+    candidate_lists,
     drafting,
+    slot_candidates,
 )
 from dflash.model.drafters.errors import DraftArgumentError
 from dflash.sampling import GREEDY, SamplingParams, sample_tokens
@@ -152,14 +154,8 @@ class HostDrafting(DraftingPart):
         vocab = wide.shape[1]
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab:
             raise DraftArgumentError(f"'k' must be an int in [1, {vocab}] (got {k!r})")
-        log_probs = torch.log_softmax(wide.double(), dim=-1)
-        # a stable descending sort: equal log-probs keep the lower token id first
-        order = torch.sort(log_probs, dim=-1, descending=True, stable=True)
-        top_lp, top_ids = order.values[:, :k], order.indices[:, :k]
-        return [
-            [(int(t), min(float(lp), 0.0)) for t, lp in zip(ids, lps, strict=True)]
-            for ids, lps in zip(top_ids.tolist(), top_lp.tolist(), strict=True)
-        ]
+        ids, log_probs = slot_candidates(wide, k)  # equal log-probs: the lower id first
+        return candidate_lists(ids.tolist(), log_probs.tolist())
 
     def confidence(self) -> list[float] | None:
         """The softmax probability of each guess of the last :meth:`propose` (None before

@@ -143,3 +143,42 @@ def drafting(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenate[
 
     functools.update_wrapper(run, method)  # the method's name and docstring
     return run
+
+
+# -- a proposal's candidates per slot (what a tree grows from) -------------------------------
+
+
+def ranked_top_k(values: Tensor, k: int) -> Tensor:
+    """``values: [S, V]`` (finite) → ``[S, k]`` int64: each row's ``k`` largest entries'
+    ids, by value descending, equal values by ascending id — what a stable descending
+    sort puts first — in O(V) and without a host read (capture-safe; a sort of the
+    vocabulary is many times slower): every id above the ``k``-th largest value, then the
+    ids equal to it in ascending order (a float key: ids are exact in float32 below
+    2**24), then those ``k`` ordered by value (two sorts of ``k`` entries)."""
+    vocab = values.shape[-1]
+    kth = values.topk(k, dim=-1).values[..., -1:]                                 # [S, 1]
+    id_key = (vocab - torch.arange(vocab, device=values.device)).to(torch.float32)
+    key = torch.where(values > kth, 2.0 * vocab, torch.where(values == kth, id_key, -1.0))
+    ids = key.topk(k, dim=-1).indices.sort(dim=-1).values                         # by id
+    order = values.gather(-1, ids).sort(dim=-1, descending=True, stable=True).indices
+    return ids.gather(-1, order)
+
+
+def slot_candidates(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """A proposal's ``k`` most likely tokens per guess slot: ``logits [S, V]`` →
+    ``(ids [S, k] int64, log_probs [S, k] float64)``, best first, equal log-probabilities
+    by ascending id; the log-softmax in float64 (clamped to 0 above). The host's
+    :meth:`HostDrafting.candidates` and the device's step compute them alike, so a tree
+    grown from either is the same tree."""
+    log_probs = torch.log_softmax(logits.double(), dim=-1)
+    ids = ranked_top_k(log_probs, k)
+    return ids, log_probs.gather(-1, ids).clamp(max=0.0)
+
+
+def candidate_lists(ids: list[list[int]], log_probs: list[list[float]]
+                    ) -> list[list[tuple[int, float]]]:
+    """:func:`slot_candidates`' two tables, read to the host, as the per-slot
+    ``(token, log_prob)`` lists :func:`~dflash.model.drafters.trees.best_first_tree`
+    takes."""
+    return [[(int(t), float(lp)) for t, lp in zip(row_ids, row_lps, strict=True)]
+            for row_ids, row_lps in zip(ids, log_probs, strict=True)]

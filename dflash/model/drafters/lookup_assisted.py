@@ -187,3 +187,6 @@ class LookupAssistedDrafter:
 
     def device_step(self) -> Tensor:
         return self.dflash.device_step()
+
+    def use_device_candidates(self, k: int) -> None:
+        self.dflash.use_device_candidates(k)

@@ -29,7 +29,12 @@ from dflash.execution import RollbackMode, RollbackPolicy, ShardedTarget, SpecDe
 from dflash.execution.graphs import ShardGraphs, ShardOutput
 from dflash.kernels.checks import INTERPRET
 from dflash.model import HybridConfig, TargetModel, greedy_generate
-from dflash.model.drafters import DFlashConfig, DFlashDrafter, SyntheticDrafter
+from dflash.model.drafters import (
+    DFlashConfig,
+    DFlashDrafter,
+    LookupAssistedDrafter,
+    SyntheticDrafter,
+)
 
 pytestmark = pytest.mark.skipif(
     not INTERPRET, reason="the model's Triton kernels on CPU need TRITON_INTERPRET=1"
@@ -202,18 +207,24 @@ def _dflash(model: TargetModel, **changes: object) -> DFlashDrafter:
     return DFlashDrafter.random(cfg, model.embed_tokens.weight, model.lm_head.weight, seed=2)
 
 
-def _dflash_run(mode: RollbackMode, n: int, graphs: bool, **changes: object) -> SpecDecoder:
+def _dflash_run(mode: RollbackMode, n: int, graphs: bool, tree_budget: int | None = None,
+                lookup: bool = False, changes: dict[str, object] | None = None
+                ) -> SpecDecoder:
     model = TargetModel.seeded(HybridConfig.tiny_default(), seed=0)
     model.kernel_backend = "triton"
     # every draft verified whole, as on CUDA: a static drafting shape, and the same windows
     # for both paths (the host path's would follow the drafter's confidence, the device
     # path's cannot)
+    slots = max(BLOCK, tree_budget or 0)
     target = ShardedTarget(model, plan_shards(6, "cpu,cpu", "2,4"),
-                           max_len=len(PROMPT) + n + BLOCK + 1, max_draft=BLOCK)
+                           max_len=len(PROMPT) + n + slots + 1, max_draft=slots)
     if graphs:
         target.graphs = [ShardGraphs(s.device, capture=recorded_capture) for s in target.shards]
-    engine = SpecDecoder(target, _dflash(model, **changes), block_size=BLOCK,
-                         policy=RollbackPolicy(mode=mode), verify_window="full")
+    dflash = _dflash(model, **(changes or {}))
+    drafter = LookupAssistedDrafter(dflash) if lookup else dflash
+    engine = SpecDecoder(target, drafter, block_size=BLOCK,
+                         policy=RollbackPolicy(mode=mode), verify_window="full",
+                         tree_budget=tree_budget)
     out = [engine.prefill(PROMPT)]
     while len(out) < n:
         out.extend(engine.step())
@@ -230,14 +241,89 @@ def test_dflash_drafting_in_recorded_graphs_proposes_what_the_host_path_does(
     plain greedy's (a sliding-window layer and a full one; remap). Commits of several
     lengths: tests/cpu/model/test_drafters_dflash_device.py."""
     changes = {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 3}
-    host = _dflash_run("remap", 12, graphs=False, **changes)
-    dev = _dflash_run("remap", 12, graphs=True, **changes)
+    host = _dflash_run("remap", 12, graphs=False, changes=changes)
+    dev = _dflash_run("remap", 12, graphs=True, changes=changes)
     assert host.device_drafter is None and dev.device_drafter is not None
     drafts_h = [r.draft for r in host.records]
     drafts_d = [r.draft for r in dev.records]
     assert drafts_d == drafts_h
     tokens = [t for r in dev.records for t in r.emitted]
     assert tokens[:10] == oracle[1:11]
+    g = dev.target.graphs
+    assert g is not None
+    assert ("draft", BLOCK, False) in g[0].captured_keys and not g[0].failures
+    assert g[0].replays > 5
+
+
+_SPEC_INIT = SpecDecoder.__init__
+
+
+def _informed_trees(monkeypatch: pytest.MonkeyPatch, oracle: list[int], n: int,
+                    lookup: bool, mode: RollbackMode, graphs: bool
+                    ) -> tuple[SpecDecoder, list[tuple[int, ...]], list[list[int]]]:
+    """A DFlash tree run whose per-slot candidates get plain greedy's token as their
+    second best (the random drafter's own rarely match it), so accepted paths leave the
+    trunk; returns the engine, every tree's tokens and every accepted path."""
+    import dflash.execution.engine as engine_module
+    from dflash.model.drafters.trees import accept_tree as accept
+    from dflash.model.drafters.trees import best_first_tree as grow
+
+    full = PROMPT + oracle
+    held: list[SpecDecoder] = []
+    trees: list[tuple[int, ...]] = []
+    paths: list[list[int]] = []
+
+    def informed(last: int, candidates: list[list[tuple[int, float]]], budget: int, *,
+                 branch: list[int] | None = None) -> Any:
+        at = held[0].committed  # the position of `last`
+        slots = []
+        for depth, slot in enumerate(candidates, start=1):
+            want = full[at + depth] if at + depth < len(full) else None
+            if want is not None and want not in [t for t, _ in slot]:
+                slot = [slot[0], (want, slot[1][1]), *slot[2:]]
+            slots.append(slot)
+        tree = grow(last, slots, budget, branch=branch)
+        trees.append(tree.tokens)
+        return tree
+
+    def accepted(tree: Any, t: list[int]) -> Any:
+        found = accept(tree, t)
+        paths.append(list(found[1]))
+        return found
+
+    monkeypatch.setattr(engine_module, "best_first_tree", informed)
+    monkeypatch.setattr(engine_module, "accept_tree", accepted)
+    def keep(self: SpecDecoder, *args: Any, **kwargs: Any) -> None:
+        _SPEC_INIT(self, *args, **kwargs)
+        held.append(self)
+
+    monkeypatch.setattr(SpecDecoder, "__init__", keep)
+    engine = _dflash_run(mode, n, graphs=graphs, tree_budget=TREE_BUDGET, lookup=lookup)
+    return engine, trees, paths
+
+
+@pytest.mark.parametrize(("mode", "lookup"), [("checkpoint", False), ("remap", True)])
+@pytest.mark.usefixtures("record_launches")
+def test_trees_drafted_in_recorded_graphs_are_the_host_paths_trees(
+    oracle: list[int], mode: RollbackMode, lookup: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With graphs a tree step drafts on the device too: the drafting step's graph also
+    ranks each slot's candidates, read back with the step's tokens, and the tree grows
+    from them; the next proposal is drafted from the accepted path's rows and tokens
+    (gathered on the device, off the trunk too). Every tree equals the host path's (a host
+    proposal's candidates, a second read), alone or assisted by prompt lookup (its copy
+    one branch); every token is plain greedy's."""
+    host, host_trees, host_paths = _informed_trees(monkeypatch, oracle, 24, lookup, mode,
+                                                   graphs=False)
+    dev, dev_trees, dev_paths = _informed_trees(monkeypatch, oracle, 24, lookup, mode,
+                                                graphs=True)
+    assert host.device_drafter is None and dev.device_drafter is not None
+    assert dev_trees == host_trees and dev_paths == host_paths
+    assert max(len(t) for t in dev_trees) > BLOCK  # trees wider than the chain
+    # accepted paths that leave the trunk: their nodes are not the slots 0, 1, 2, …
+    assert any(p != list(range(len(p))) and len(p) > 1 for p in dev_paths), dev_paths
+    tokens = [t for r in dev.records for t in r.emitted]
+    assert tokens[:22] == oracle[1:23]
     g = dev.target.graphs
     assert g is not None
     assert ("draft", BLOCK, False) in g[0].captured_keys and not g[0].failures

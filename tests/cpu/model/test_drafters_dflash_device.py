@@ -146,3 +146,82 @@ def test_a_deleted_drafter_is_freed_at_once_and_its_parts_say_so() -> None:
     for part in parts:
         with pytest.raises(ReferenceError, match=r"DFlash drafter of this \w+ is gone"):
             _ = part.drafter
+
+
+# -- device proposals with each slot's candidates (tree steps) -------------------------------
+
+
+def test_ranked_top_k_is_a_stable_sorts_first_k() -> None:
+    """Each row's k largest by value descending, equal values by ascending id — what a
+    stable descending sort puts first — on rows full of ties."""
+    from dflash.model.drafters.dflash_products import ranked_top_k
+
+    gen = torch.Generator().manual_seed(4)
+    values = torch.randint(0, 6, (9, 50), generator=gen).double()
+    for k in (1, 3, 8, 50):
+        want = torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(ranked_top_k(values, k), want), k
+
+
+def test_device_candidates_are_the_host_proposals_candidates() -> None:
+    """With ``use_device_candidates(k)`` each device proposal carries, after its guesses,
+    every slot's ``k`` best tokens and their log-probabilities: the host proposal's
+    :meth:`candidates`, at the start and after commits of every length — the same tokens
+    in the same order, the log-probabilities to float32 rounding (the host's LM head
+    product is its packed copy's, the device's the drafter's own: their last bits may
+    differ)."""
+    from dflash.model.drafters.dflash_device import split_candidates
+
+    host, dev = _pair()
+    k = 6
+    version = dev.device_buffers_version
+    dev.use_device_candidates(k)
+    assert dev.device_buffers_version == version + 1  # captured steps return another layout
+    dev.use_device_candidates(k)
+    assert dev.device_buffers_version == version + 1
+    rng = random.Random(3)
+    width = host.config.feature_size
+    n, total = 6, 6 + 8 * B
+    feats = torch.randn(total + B, width, generator=torch.Generator().manual_seed(5))
+    context = [rng.randrange(VOCAB - 1) for _ in range(total + B)]
+    last = context[n]
+    want = host.propose(context[:n], last, B, feats[:n])
+    got = dev.start_device(feats[:n], last, capacity=total + 2 * B, block_size=B)
+    assert tuple(got.shape) == ((B - 1) * (1 + 2 * k),)
+    guesses, candidates = split_candidates(got.tolist(), B - 1, k)
+    assert guesses == want
+    _same_candidates(candidates, host.candidates(k))
+    for step in range(8):
+        commit = 1 + step % B
+        tokens = torch.tensor([rng.randrange(VOCAB - 1) for _ in range(B)])
+        last = int(tokens[commit - 1])
+        rows = feats[n : n + B]
+        dev.set_device_inputs(rows, torch.tensor([commit]), tokens)
+        guesses, candidates = split_candidates(dev.device_step().tolist(), B - 1, k)
+        context[n : n + commit] = [context[n], *tokens[: commit - 1].tolist()]
+        n += commit
+        assert guesses == host.propose(context[:n], last, B, rows[:commit]), step
+        _same_candidates(candidates, host.candidates(k))
+        assert all(lp <= 0.0 for slot in candidates for _, lp in slot)
+    dev.use_device_candidates(0)  # the guesses alone again
+    dev.set_device_inputs(feats[n : n + B], torch.tensor([1]), tokens)
+    assert tuple(dev.device_step().shape) == (B - 1,)
+
+
+def _same_candidates(got: list[list[tuple[int, float]]],
+                     want: list[list[tuple[int, float]]]) -> None:
+    assert [[t for t, _ in slot] for slot in got] == [[t for t, _ in slot] for slot in want]
+    lps = torch.tensor([[lp for _, lp in slot] for slot in got], dtype=torch.float64)
+    ref = torch.tensor([[lp for _, lp in slot] for slot in want], dtype=torch.float64)
+    assert torch.allclose(lps, ref, rtol=0, atol=1e-5), (lps - ref).abs().max()
+
+
+def test_device_candidate_arguments_are_named() -> None:
+    from dflash.model.drafters.dflash_device import split_candidates
+
+    _, dev = _pair()
+    for bad in (-1, VOCAB + 1, 2.0, True):
+        with pytest.raises(DraftArgumentError, match=rf"'k' must be an int in \[0, {VOCAB}\]"):
+            dev.use_device_candidates(bad)  # type: ignore[arg-type]  # bad values on purpose
+    with pytest.raises(DraftArgumentError, match=r"4 slots with 2 candidates each is 20 values"):
+        split_candidates([1] * 19, 4, 2)

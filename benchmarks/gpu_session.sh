@@ -11,6 +11,9 @@
 #                                          # profile of a 64-node tree step, then
 #                                          # dflash bench A/B/A checkpoint vs recompute with trees of
 #                                          # 64 and 16 nodes (9B, 27B at 64) and the chain (9B, block 16)
+#   bash benchmarks/gpu_session.sh default-trees # the default pair with trees of 16, 32, 64
+#                                          # nodes (candidates drafted on the device) against its
+#                                          # chain: dflash bench A/B/A (DEFAULT_BUDGETS="0 16 ...")
 #   bash benchmarks/gpu_session.sh sampling # the rule's GPU tests, benchmarks/sampling_cost.py,
 #                                          # dflash bench sampled (9B synthetic; default pair)
 #   bash benchmarks/gpu_session.sh accept  # the rule's GPU tests (graphed acceptance), top-p's mass
@@ -171,6 +174,23 @@ for phase in "$@"; do
           --acceptance 0.874 --block-size 16 --prompt-len 1024 --max-new-tokens 256 \
           "${tree[@]}" --a checkpoint --b recompute --warmup 1 --runs 3 \
           --out "$OUT/$name.json" --plot '' > "$OUT/$name.log" 2>&1
+        echo "$name rc=$?"; tail -8 "$OUT/$name.log"
+      done
+      ;;
+    default-trees)
+      # the default pair's main path with trees (the DFlash drafter drafting each tree's
+      # candidates on the device) against its chain: dflash bench A/B/A, greedy, budgets
+      # DEFAULT_BUDGETS (0: the chain); the default pair's tree tests first (parity, device
+      # drafting; DEFAULT_TREE_TESTS=0: none)
+      [ "${DEFAULT_TREE_TESTS:-1}" = 1 ] && python3 -m pytest tests/gpu/test_api.py -q -s \
+        -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_default_trees.log" | tail -8
+      for budget in ${DEFAULT_BUDGETS:-0 16 32 64}; do
+        name=bench_default_trees_t$budget
+        tree=(--tree-budget "$budget"); [ "$budget" = 0 ] && tree=()
+        timeout "${BENCH_TIMEOUT:-300}" python3 -m dflash.cli bench --model default \
+          --prompt "$DEFAULT_PROMPT" --max-new-tokens 256 "${tree[@]}" \
+          --a checkpoint --b recompute --warmup 1 --runs 3 --out "$OUT/$name.json" \
+          --plot '' > "$OUT/$name.log" 2>&1
         echo "$name rc=$?"; tail -8 "$OUT/$name.log"
       done
       ;;

@@ -37,3 +37,23 @@ def test_load_on_cuda_generates_streams_and_stops_as_plain_greedy() -> None:
     assert cut.steps < second.steps
     print(f"\ndflash.load on cuda:0: {second.steps} steps, {second.avg_commit:.2f} a step, "
           f"{second.timings.tokens_per_s:.1f} tok/s (second call)")
+
+
+@pytest.mark.parametrize("budget", [16, 64])
+def test_default_pair_trees_draft_on_the_device_and_are_plain_greedy(budget: int) -> None:
+    """Trees on the default pair with CUDA graphs: the DFlash drafter drafts each tree's
+    candidates on the device (read back with the step's tokens); every token is plain
+    greedy's, and a tree commits more per step than one token."""
+    from dflash.execution.drafts import DeviceDrafts
+
+    plain = dflash.load(device="cuda:0", dtype="bfloat16", draft=None)
+    oracle = plain.generate(PROMPT, max_new_tokens=N)
+    del plain
+    llm = dflash.load(device="cuda:0", dtype="bfloat16", tree_budget=budget)
+    first = llm.generate(PROMPT, max_new_tokens=N)
+    assert first.tokens == oracle.tokens
+    assert llm.engine is not None and isinstance(llm.engine.drafts, DeviceDrafts)
+    second = llm.generate(PROMPT, max_new_tokens=N)
+    assert second.tokens == oracle.tokens and second.avg_commit > 1.5
+    print(f"\ndefault pair, trees of {budget}: {second.steps} steps, "
+          f"{second.avg_commit:.2f} a step, {second.timings.tokens_per_s:.1f} tok/s")

@@ -86,10 +86,12 @@ def profile_forward(target: ShardedTarget, prompt_len: int, tok: int, rows: int,
             target.forward([tok], "decode", pos[0])
             pos[0] += 1
             return
-        target.forward([tok] * rows, "verify", prompt_len, geometry=geometry)
-        for shard in target.shards:  # back to the prompt: every call sees the same cache
+        # at the cache's length (earlier decodes of this target advanced it), then back
+        # there: every call sees the same cache
+        target.forward([tok] * rows, "verify", pos[0], geometry=geometry)
+        for shard in target.shards:
             shard.caches.pool.restore_pre_verify()
-            shard.truncate_kv(prompt_len)
+            shard.truncate_kv(pos[0])
 
     for _ in range(4):  # warm-up: the graphs are captured
         once()

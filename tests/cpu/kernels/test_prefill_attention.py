@@ -192,7 +192,7 @@ def test_strided_cache_views(backend: Backend) -> None:
 def test_config_shrinks_the_query_tile_for_short_chunks() -> None:
     assert prefill_config(128, 1, 2) == PrefillConfig(16, 64, 4, 3)
     assert prefill_config(128, 40, 2).block_m == 64
-    assert prefill_config(256, 4096, 2) == PrefillConfig(64, 32, 8, 2)
+    assert prefill_config(256, 4096, 2) == PrefillConfig(128, 64, 8, 2)
     assert prefill_config(64, 4096, 2).block_m == 128
     assert prefill_config(256, 4096, 4) == PrefillConfig(32, 16, 8, 2)
 

@@ -156,10 +156,18 @@ class Ops:
 
     def linear_group(self, group: LinearGroup, x: Tensor) -> list[Tensor]:
         """Every linear of ``group`` applied to ``x``, as one product: ``[..., N_i]`` views
-        (an FP8 group: one product per linear)."""
+        (a group mixing FP8 and float members: one product per linear; an FP8 group in a
+        prefill too long for the FP8 kernel: one dequantized product per linear, so no
+        more than one member's weight is dequantized at a time)."""
         if group.unfused:
             return [self.linear(m, x) for m in group.linears]
         weight, bias = group.weight_and_bias()
+        if group.fp8_block is not None:
+            rows = x.numel() // max(1, x.shape[-1])
+            if not self.invariant and rows > FP8_KERNEL_ROWS:
+                return [self.linear(m, x) for m in group.linears]
+            return group.members(fp8_linear(x, weight, group.fp8_scale(), bias,
+                                            block=group.fp8_block, backend=self.backend))
         return list(torch.split(self._matmul(x, weight, bias), group.sizes, dim=-1))
 
     def _matmul(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -249,6 +257,16 @@ class LinearGroup:
     optimizer step, ``load_state_dict`` without ``assign``) reach the product through the
     views.
 
+    **FP8 groups** (every member an :class:`~dflash.model.fp8.Fp8Linear` of one scale
+    block ``bn × bk``) fuse too: the e4m3 weights become row blocks of one weight and the
+    ``weight_scale_inv`` buffers row blocks of one scale tensor. A scale row covers ``bn``
+    weight rows, so every member but the last starts at a whole block: a member whose
+    ``out_features`` is not a multiple of ``bn`` (Gated DeltaNet's 32-row ``b``) is
+    followed by zero rows up to the next block (their outputs are computed and never
+    read; :attr:`offsets` says where each member's rows start). A group mixing FP8 and
+    float members (a checkpoint's ``modules_to_not_convert`` naming one of them), or FP8
+    members of different blocks, is multiplied member by member (:attr:`unfused`).
+
     When the fused tensor is built (:meth:`fuse_`): only at the places where parameters
     get new storage, never from a product. The group is fused when it is constructed (a
     no-op on the meta device); the :class:`GroupedModule` that owns it fuses it again
@@ -266,14 +284,20 @@ class LinearGroup:
     before it) runs :func:`fuse_linear_groups_`, one address comparison per parameter.
     """
 
-    __slots__ = ("_bias", "_ptrs", "_weight", "linears", "sizes", "unfused")
+    __slots__ = ("_bias", "_ptrs", "_scale", "_weight", "fp8_block", "linears", "offsets",
+                 "sizes", "unfused")
 
     def __init__(self, *linears: nn.Linear | Fp8Linear) -> None:
         if not linears:
             raise ValueError("a linear group needs at least one linear")
-        #: FP8 members are multiplied one by one (their block scales do not concatenate
-        #: across row counts that are not whole blocks); never fused, never stale
-        self.unfused = any(isinstance(m, Fp8Linear) for m in linears)
+        fp8 = [isinstance(m, Fp8Linear) for m in linears]
+        blocks = {m.block for m in linears if isinstance(m, Fp8Linear)}
+        #: the scale block of an FP8 group (every member FP8, one block), else None
+        self.fp8_block: tuple[int, int] | None = (
+            next(iter(blocks)) if all(fp8) and len(blocks) == 1 else None)
+        #: FP8 and float members mixed, or FP8 blocks that differ: multiplied one by one,
+        #: never fused, never stale
+        self.unfused = any(fp8) and self.fp8_block is None
         if len({m.in_features for m in linears}) != 1:
             raise ValueError(
                 f"grouped linears must share in_features (got {[m.in_features for m in linears]})"
@@ -282,13 +306,23 @@ class LinearGroup:
             raise ValueError("grouped linears must all have a bias or none")
         self.linears = linears
         self.sizes = [m.out_features for m in linears]
+        #: the fused weight's first row of each member (FP8: but the last padded to bn)
+        self.offsets: list[int] = []
+        step = self.fp8_block[0] if self.fp8_block is not None else 1
+        lo = 0
+        for n in self.sizes:
+            self.offsets.append(lo)
+            lo += -(-n // step) * step
         self._weight: Tensor | None = None
+        self._scale: Tensor | None = None
         self._bias: Tensor | None = None
         self._ptrs: tuple[int, ...] = ()
         self.fuse_()
 
     def _params(self) -> list[Tensor]:
-        return [m.weight for m in self.linears] + [
+        scales = ([m.weight_scale_inv for m in self.linears if isinstance(m, Fp8Linear)]
+                  if self.fp8_block is not None else [])
+        return [m.weight for m in self.linears] + scales + [
             m.bias for m in self.linears if m.bias is not None
         ]
 
@@ -296,31 +330,53 @@ class LinearGroup:
         return tuple(p.data_ptr() for p in self._params())
 
     def fuse_(self) -> None:
-        """Copy the weights into one tensor and make each parameter a view of its rows.
+        """Copy the weights (FP8: and scales) into one tensor and make each parameter a
+        view of its rows.
 
         Left unfused (:attr:`stale`) while a parameter is on the meta device (a model
-        being built); parameters of different dtypes or devices are refused (a
-        concatenation would silently cast them)."""
+        being built); weights (or biases, or scales) of different dtypes, or parameters on
+        different devices, are refused (a concatenation would silently cast them)."""
         if self.unfused:
             return
         params = self._params()
         if any(p.is_meta for p in params):
-            self._weight, self._bias, self._ptrs = None, None, ()
+            self._weight, self._scale, self._bias, self._ptrs = None, None, None, ()
             return
-        kinds = sorted({f"{p.dtype} on {p.device}" for p in params})
-        if len(kinds) != 1:
-            raise ValueError(f"grouped linears must share dtype and device (got {kinds})")
+        roles: dict[str, list[Tensor]] = {
+            "weights": [m.weight for m in self.linears],
+            "biases": [m.bias for m in self.linears if m.bias is not None]}
+        if self.fp8_block is not None:
+            roles["scales"] = [m.weight_scale_inv for m in self.linears
+                               if isinstance(m, Fp8Linear)]
+        devices = sorted({str(p.device) for p in params})
+        mixed = {role: sorted({str(t.dtype) for t in ts}) for role, ts in roles.items()}
+        if len(devices) != 1 or any(len(kinds) > 1 for kinds in mixed.values()):
+            raise ValueError(
+                f"grouped linears must share dtype and device (got devices {devices}, "
+                f"dtypes {mixed})")
+        last = self.offsets[-1] + self.sizes[-1]
         with torch.no_grad(), torch.inference_mode(False):
-            weight = torch.cat([m.weight.detach() for m in self.linears])
-            biases = [m.bias.detach() for m in self.linears if m.bias is not None]
-            bias = torch.cat(biases) if biases else None
-            lo = 0
-            for m, n in zip(self.linears, self.sizes, strict=True):
+            first = self.linears[0].weight
+            weight = first.new_zeros(last, first.shape[1])
+            bias = (None if not roles["biases"]
+                    else roles["biases"][0].new_zeros(last))
+            for m, lo, n in zip(self.linears, self.offsets, self.sizes, strict=True):
+                weight[lo : lo + n].copy_(m.weight.detach())
+                if bias is not None and m.bias is not None:
+                    bias[lo : lo + n].copy_(m.bias.detach())
+            scale = None
+            if self.fp8_block is not None:
+                # a member's scale rows cover its padded rows exactly (ceil(n / bn) each)
+                scale = torch.cat([m.weight_scale_inv for m in self.linears
+                                   if isinstance(m, Fp8Linear)])
+            for m, lo, n in zip(self.linears, self.offsets, self.sizes, strict=True):
                 m.weight.data = weight[lo : lo + n]
                 if bias is not None and m.bias is not None:
                     m.bias.data = bias[lo : lo + n]
-                lo += n
-        self._weight, self._bias = weight, bias
+                if scale is not None and isinstance(m, Fp8Linear):
+                    bn = m.block[0]
+                    m.weight_scale_inv = scale[lo // bn : lo // bn + -(-n // bn)]
+        self._weight, self._scale, self._bias = weight, scale, bias
         self._ptrs = self._current_ptrs()
 
     @property
@@ -333,14 +389,26 @@ class LinearGroup:
         return self._weight is None or self._current_ptrs() != self._ptrs
 
     def weight_and_bias(self) -> tuple[Tensor, Tensor | None]:
-        """The fused ``[sum N_i, K]`` weight and ``[sum N_i]`` bias (or None), as built by
-        the last :meth:`fuse_` (no check of the parameters: see the class docstring)."""
+        """The fused ``[rows, K]`` weight and ``[rows]`` bias (or None), as built by the
+        last :meth:`fuse_` (no check of the parameters: see the class docstring); ``rows``
+        is ``sum N_i`` plus an FP8 group's padding."""
         if self._weight is None:
             raise RuntimeError(
                 "this linear group was never fused: its weights were on the meta device "
                 "when it was last built, moved or loaded"
             )
         return self._weight, self._bias
+
+    def fp8_scale(self) -> Tensor:
+        """An FP8 group's fused ``weight_scale_inv`` ``[rows / bn, ceil(K / bk)]``."""
+        self.weight_and_bias()  # the same never-fused error
+        if self._scale is None:
+            raise RuntimeError("this linear group is not an FP8 group")
+        return self._scale
+
+    def members(self, y: Tensor) -> list[Tensor]:
+        """Each member's ``[..., N_i]`` view of the fused product ``y`` (padding left out)."""
+        return [y[..., lo : lo + n] for lo, n in zip(self.offsets, self.sizes, strict=True)]
 
 
 def fuse_linear_groups_(module: nn.Module) -> None:

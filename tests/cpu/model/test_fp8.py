@@ -12,12 +12,14 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from dflash.execution import ROLLBACK_MODES, RollbackMode, RollbackPolicy, generate, plan_shards
 from dflash.model import CheckpointError, TargetModel, greedy_generate
 from dflash.model.drafters import PromptLookupDrafter
 from dflash.model.fp8 import FP8, Fp8Linear, Fp8Spec
+from dflash.model.layers import FP8_KERNEL_ROWS, LinearGroup, Ops, fuse_linear_groups_
 
 PROMPT = [5, 17, 200, 3, 5, 17, 200, 3, 9, 40, 41, 5, 17]
 
@@ -36,7 +38,79 @@ def test_the_projections_are_fp8_and_the_rest_is_not(fp8_tiny: TargetModel) -> N
     assert fp8_tiny.lm_head.weight.dtype == torch.float32
     mixer = fp8_tiny.get_submodule("layers.0.linear_attn")
     assert mixer.get_submodule("in_proj_qkv").weight.dtype == FP8
-    assert getattr(mixer, "in_proj").unfused  # noqa: B009 - typed as a module attribute
+
+
+CPU = torch.device("cpu")
+
+
+def _fp8_group(model: TargetModel) -> tuple[LinearGroup, list[Fp8Linear]]:
+    """Layer 0's Gated DeltaNet projections: 128, 64, 4 and 4 rows at 32-row blocks."""
+    mixer = model.get_submodule("layers.0.linear_attn")
+    group = getattr(mixer, "in_proj")  # noqa: B009 - typed as a module attribute
+    members = [mixer.get_submodule(n) for n in ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                                "in_proj_a")]
+    assert all(isinstance(m, Fp8Linear) for m in members)
+    return group, [m for m in members if isinstance(m, Fp8Linear)]
+
+
+def test_an_fp8_group_is_one_weight_padded_to_whole_scale_blocks(fp8_tiny: TargetModel) -> None:
+    group, members = _fp8_group(fp8_tiny)
+    assert not group.unfused and group.fp8_block == (32, 32)
+    assert group.sizes == [128, 64, 4, 4]
+    assert group.offsets == [0, 128, 192, 224]   # b (4 rows) is followed by 28 zero rows
+    weight, bias = group.weight_and_bias()
+    scale = group.fp8_scale()
+    assert bias is None and weight.dtype == FP8 and tuple(weight.shape) == (228, 64)
+    assert tuple(scale.shape) == (8, 2)
+    for m, lo in zip(members, group.offsets, strict=True):
+        n = m.out_features
+        # each member's weight and scales are views of the group's rows
+        assert m.weight.data_ptr() == weight[lo].data_ptr()
+        assert m.weight_scale_inv.data_ptr() == scale[lo // 32].data_ptr()
+        assert tuple(m.weight_scale_inv.shape) == (-(-n // 32), 2)
+    assert not weight[196:224].float().any()   # the padding after b
+
+
+@torch.inference_mode()
+def test_an_fp8_group_computes_each_member_s_product(fp8_tiny: TargetModel) -> None:
+    group, members = _fp8_group(fp8_tiny)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    fused = Ops(invariant=True, backend="reference", device=CPU, start=0).linear_group(group, x)
+    assert [tuple(y.shape) for y in fused] == [(5, 128), (5, 64), (5, 4), (5, 4)]
+    for m, got in zip(members, fused, strict=True):
+        want = F.linear(x.double(), m.dequantized(torch.float64)).float()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a long prefill multiplies member by member through the dequantized weights
+    long = torch.randn(FP8_KERNEL_ROWS + 1, 64, generator=torch.Generator().manual_seed(4))
+    prefill = Ops(invariant=False, backend="reference", device=CPU)
+    for m, got in zip(members, prefill.linear_group(group, long), strict=True):
+        torch.testing.assert_close(got, F.linear(long, m.dequantized(torch.float32)))
+
+
+@torch.inference_mode()
+def test_an_fp8_group_fuses_again_after_a_member_s_scales_are_replaced() -> None:
+    model = TargetModel.tiny_default(seed=2).quantize_fp8_(Fp8Spec(block=(32, 32)))
+    group, members = _fp8_group(model)
+    assert not group.stale
+    members[1].weight_scale_inv = members[1].weight_scale_inv * 2
+    assert group.stale
+    fuse_linear_groups_(model)
+    assert not group.stale
+    torch.testing.assert_close(group.fp8_scale()[4:6], members[1].weight_scale_inv)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(5))
+    z = Ops(invariant=True, backend="reference", device=CPU, start=0).linear_group(group, x)[1]
+    want = F.linear(x.double(), members[1].dequantized(torch.float64)).float()
+    torch.testing.assert_close(z, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_group_mixing_fp8_and_float_linears_is_multiplied_member_by_member() -> None:
+    model = TargetModel.tiny_default(seed=2).quantize_fp8_(
+        Fp8Spec(block=(32, 32), modules_to_not_convert=("layers.0.linear_attn.in_proj_a",)))
+    mixer = model.get_submodule("layers.0.linear_attn")
+    group = getattr(mixer, "in_proj")  # noqa: B009 - typed as a module attribute
+    assert group.unfused and group.fp8_block is None and not group.stale
+    assert type(mixer.get_submodule("in_proj_a")).__name__ == "Linear"
+    assert greedy_generate(model, PROMPT, 6) == greedy_generate(model, PROMPT, 6)
 
 
 @pytest.mark.parametrize("mode", ROLLBACK_MODES)

@@ -74,7 +74,8 @@ def test_mismatched_linears_are_refused() -> None:
         LinearGroup(nn.Linear(8, 2), nn.Linear(8, 2, bias=False))
     with pytest.raises(ValueError, match="at least one"):
         LinearGroup()
-    with pytest.raises(ValueError, match=r"share dtype and device \(got \['torch.float32 on cpu"):
+    with pytest.raises(ValueError, match=r"share dtype and device \(got devices \['cpu'\], "
+                       r"dtypes \{'weights': \['torch.float32', 'torch.float64'\]"):
         LinearGroup(nn.Linear(8, 2), nn.Linear(8, 2, dtype=torch.float64))
 
 

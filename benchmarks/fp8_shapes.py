@@ -44,8 +44,8 @@ BLOCK = (128, 128)
 
 def shapes(config: HybridConfig) -> list[tuple[str, int, int, bool]]:
     """``(name, N, K, fused)`` of every projection launch of ``config``'s decoder layers:
-    each group's members and the group as one weight (members but the last padded to
-    whole 128-row scale blocks, as an FP8 group is fused)."""
+    each group's members and the group as one weight (every member padded to whole
+    128-row scale blocks, as an FP8 group is fused)."""
     h, i = config.hidden_size, config.intermediate_size
     d, hq, hkv = config.head_dim, config.num_attention_heads, config.num_key_value_heads
     kd = config.linear_num_key_heads * config.linear_key_head_dim
@@ -53,7 +53,7 @@ def shapes(config: HybridConfig) -> list[tuple[str, int, int, bool]]:
     hv = config.linear_num_value_heads
 
     def padded(*ns: int) -> int:
-        return sum(-(-n // BLOCK[0]) * BLOCK[0] for n in ns[:-1]) + ns[-1]
+        return sum(-(-n // BLOCK[0]) * BLOCK[0] for n in ns)
 
     return [
         ("gdn in_proj (qkv, z, b, a)", padded(2 * kd + vd, vd, hv, hv), h, True),

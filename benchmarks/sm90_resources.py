@@ -96,7 +96,7 @@ def _fp8(x_major: bool, bits: bool, tiles: int = 1) -> Case:
     cst = dict(BN=128, BK=128, K_BLOCKS=32, K_BLOCKS_PER_SPLIT=32 // cfg.split_k,
                SPLIT_K=cfg.split_k, HAS_BIAS=False, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                BLOCK_M=16, M_TILES=tiles, F32_DOT=False, EMULATE=False, X_MAJOR=x_major,
-               BITS=bits)
+               BITS=bits, EVEN=True)
     form = ("x-major" if x_major else "weight-major") + (", bit conversion" if bits else "")
     form += f", {tiles} row tile{'s' if tiles > 1 else ''}"
     return Case(f"fp8_linear 4096x4096 {form}", fp8.fp8_linear_kernel, sig, cst,

@@ -148,6 +148,9 @@ class Fp8LinearLaunch:
     k_blocks_per_split: int
     split: int
     grid: tuple[int, int, int]
+    #: no load needs a mask but the rows': N a multiple of the N tile, K of the scale
+    #: block ``bk`` (itself a power of two, the K tile) and the splits end at the last block
+    even: bool = False
 
 
 def fp8_linear_config(
@@ -219,13 +222,16 @@ def fp8_linear_launch(
     split = triton.cdiv(k_blocks, per_split)   # never an empty split
     groups = triton.cdiv(triton.cdiv(M, BLOCK_M), tiles)
     grid = (groups, triton.cdiv(N, cfg.block_n), split)
-    return Fp8LinearLaunch(cfg, tiles, per_split, split, grid)
+    even = (N % cfg.block_n == 0 and block[1] == cfg.block_k and K % block[1] == 0
+            and k_blocks % per_split == 0)
+    return Fp8LinearLaunch(cfg, tiles, per_split, split, grid, even)
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
 def row_tile_scaled_dot(  # type: ignore[no-untyped-def]  # Triton values are untyped
     b_acc, b_w, b_s, x, o_k, m_k, i_t, M, s_xm,
     BLOCK_M: tl.constexpr, F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
     """``b_acc + (b_w @ x[rows of tile i_t, o_k].T) * b_s[:, None]``: one row tile's K
     block, its product summed from zero in float32, then scaled (rows past M load
@@ -233,7 +239,10 @@ def row_tile_scaled_dot(  # type: ignore[no-untyped-def]  # Triton values are un
     [BLOCK_N]`` the block's scale of each output row."""
     o_m = i_t * BLOCK_M + tl.arange(0, BLOCK_M)
     p_x = x + o_m[None, :] * s_xm + o_k[:, None]
-    b_x = tl.load(p_x, mask=m_k[:, None] & (o_m < M)[None, :], other=0)   # [BLOCK_K, BLOCK_M]
+    if EVEN:   # every column of the block lies inside K: rows past M are the only mask
+        b_x = tl.load(p_x, mask=(o_m < M)[None, :], other=0)
+    else:
+        b_x = tl.load(p_x, mask=m_k[:, None] & (o_m < M)[None, :], other=0)   # [BLOCK_K, BLOCK_M]
     b_p = mma(b_w, b_x, tl.zeros_like(b_acc), F32_DOT, EMULATE)
     # one explicit fused multiply-add: a multiply then an add may be contracted into an
     # fma or not at the compiler's choice; spelled out, every variant rounds alike
@@ -241,29 +250,29 @@ def row_tile_scaled_dot(  # type: ignore[no-untyped-def]  # Triton values are un
 
 
 #: PTX for four e4m3 bytes (one 32-bit register, byte ``i`` element ``i``) to four
-#: bfloat16 (two registers, element 0 in the low half): each byte ``s eeee mmm`` is spread
-#: into a 16-bit lane as ``s 0000 eeee mmm 0000`` (a bfloat16 of the same sign, exponent
-#: field ``eeee`` and mantissa ``mmm``: the byte's value times 2^-120, a bfloat16
-#: subnormal for a subnormal byte), then multiplied by 2^120 (``0x7B80``) in bf16x2: exact,
-#: the product is the byte's value, which bfloat16 holds. A NaN byte (``x 1111 111``)
-#: would give ±480, so NaN bytes are refused at load (``dflash.model.loading``: every
-#: tensor must be finite).
+#: bfloat16 (two registers, element 0 in the low half): one ``prmt`` moves two bytes into
+#: the high bytes of two 16-bit lanes (``s eeee mmm 0000 0000``: the sign already where a
+#: bfloat16 has it), one shift right by 4 and one mask put ``eeee mmm`` under it
+#: (``s 0000 eeee mmm 0000``, one ``lop3`` with the sign: a bfloat16 of the same sign,
+#: exponent field ``eeee`` and mantissa ``mmm``, the byte's value times 2^-120, a bfloat16
+#: subnormal for a subnormal byte), then a bf16x2 multiply by 2^120 (``0x7B80``): exact,
+#: the product is the byte's value, which bfloat16 holds. Five instructions per two
+#: elements. A NaN byte (``x 1111 111``) would give ±480, so NaN bytes are refused at load
+#: (``dflash.model.loading``: every tensor must be finite).
 E4M3_TO_BF16 = tl.constexpr("""
 {
 .reg .b32 lo, hi, t0, t1, c;
 mov.b32 c, 0x7B807B80;
-prmt.b32 lo, $2, 0, 0x4140;
-prmt.b32 hi, $2, 0, 0x4342;
-shl.b32 t0, lo, 4;
+prmt.b32 lo, $2, 0, 0x1404;
+prmt.b32 hi, $2, 0, 0x3424;
+shr.b32 t0, lo, 4;
+shr.b32 t1, hi, 4;
 and.b32 t0, t0, 0x07F007F0;
-shl.b32 t1, lo, 8;
-and.b32 t1, t1, 0x80008000;
-or.b32 lo, t0, t1;
-shl.b32 t0, hi, 4;
-and.b32 t0, t0, 0x07F007F0;
-shl.b32 t1, hi, 8;
-and.b32 t1, t1, 0x80008000;
-or.b32 hi, t0, t1;
+and.b32 t1, t1, 0x07F007F0;
+and.b32 lo, lo, 0x80008000;
+and.b32 hi, hi, 0x80008000;
+or.b32 lo, lo, t0;
+or.b32 hi, hi, t1;
 mul.rn.bf16x2 $0, lo, c;
 mul.rn.bf16x2 $1, hi, c;
 }
@@ -289,13 +298,17 @@ def e4m3_values(  # type: ignore[no-untyped-def]  # Triton values are untyped
 def x_major_scaled_dot(  # type: ignore[no-untyped-def]  # Triton values are untyped
     b_acc, b_w, b_s, x, o_k, m_k, i_t, M, s_xm,
     BLOCK_M: tl.constexpr, F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
     """:func:`row_tile_scaled_dot` with the product the other way round: ``b_acc +
     (x[rows of tile i_t, o_k] @ b_w.T) * b_s[None, :]``, ``b_acc [BLOCK_M, BLOCK_N]`` the
     tile's output as it is stored (not transposed)."""
     o_m = i_t * BLOCK_M + tl.arange(0, BLOCK_M)
     p_x = x + o_m[:, None] * s_xm + o_k[None, :]
-    b_x = tl.load(p_x, mask=(o_m < M)[:, None] & m_k[None, :], other=0)   # [BLOCK_M, BLOCK_K]
+    if EVEN:   # every column of the block lies inside K: rows past M are the only mask
+        b_x = tl.load(p_x, mask=(o_m < M)[:, None], other=0)
+    else:
+        b_x = tl.load(p_x, mask=(o_m < M)[:, None] & m_k[None, :], other=0)   # [BLOCK_M, BLOCK_K]
     b_p = mma(b_x, tl.trans(b_w), tl.zeros_like(b_acc), F32_DOT, EMULATE)
     return tl.fma(b_p, b_s[None, :], b_acc)
 
@@ -316,15 +329,15 @@ def tile_zeros(  # type: ignore[no-untyped-def]  # Triton values are untyped
 def tile_step(  # type: ignore[no-untyped-def]  # Triton values are untyped
     b_acc, b_w, b_s, x, o_k, m_k, i_t, M, s_xm,
     BLOCK_M: tl.constexpr, F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
-    X_MAJOR: tl.constexpr,
+    X_MAJOR: tl.constexpr, EVEN: tl.constexpr,
 ):
     """One row tile's K block in the kernel's product form."""
     if X_MAJOR:
         r = x_major_scaled_dot(b_acc, b_w, b_s, x, o_k, m_k, i_t, M, s_xm,
-                               BLOCK_M, F32_DOT, EMULATE)
+                               BLOCK_M, F32_DOT, EMULATE, EVEN)
     else:
         r = row_tile_scaled_dot(b_acc, b_w, b_s, x, o_k, m_k, i_t, M, s_xm,
-                                BLOCK_M, F32_DOT, EMULATE)
+                                BLOCK_M, F32_DOT, EMULATE, EVEN)
     return r
 
 
@@ -346,7 +359,7 @@ def fp8_linear_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
     K_BLOCKS_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
     M_TILES: tl.constexpr, F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
-    X_MAJOR: tl.constexpr, BITS: tl.constexpr,
+    X_MAJOR: tl.constexpr, BITS: tl.constexpr, EVEN: tl.constexpr,
 ):
     i_g = tl.program_id(0).to(tl.int64)   # row group: tiles i_g * M_TILES + 0 … M_TILES - 1
     i_n = tl.program_id(1).to(tl.int64)
@@ -377,32 +390,36 @@ def fp8_linear_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
         o_k = kb * BK + o_kk
         m_k = (o_kk < BK) & (o_k < K)
         p_w = w + o_n[:, None] * s_wn + o_k[None, :]
-        # [BLOCK_N, BLOCK_K] e4m3; ``other`` a float zero (Triton casts no int to float8)
-        b_w = tl.load(p_w, mask=m_n[:, None] & m_k[None, :], other=0.0)
+        if EVEN:   # whole tiles, whole blocks, no split past the last block: no masks
+            b_w = tl.load(p_w)
+            b_s = tl.load(p_s + kb * s_sk)
+        else:
+            # [BLOCK_N, BLOCK_K] e4m3; ``other`` a float zero (Triton casts no int to float8)
+            b_w = tl.load(p_w, mask=m_n[:, None] & m_k[None, :], other=0.0)
+            # the block bound as a [BLOCK_N] comparison: a scalar and-ed into the mask makes
+            # a mask of another dtype under some interpreters
+            m_s = m_n & ((o_n * 0 + kb) < K_BLOCKS)
+            b_s = tl.load(p_s + kb * s_sk, mask=m_s, other=0)   # [BLOCK_N]
         b_w = e4m3_values(b_w, x.dtype.element_ty, BITS)
-        # the block bound as a [BLOCK_N] comparison: a scalar and-ed into the mask makes a
-        # mask of another dtype under some interpreters
-        m_s = m_n & ((o_n * 0 + kb) < K_BLOCKS)
-        b_s = tl.load(p_s + kb * s_sk, mask=m_s, other=0)   # [BLOCK_N]
         b_acc0 = tile_step(b_acc0, b_w, b_s, x, o_k, m_k, t0, M, s_xm,
-                           BLOCK_M, F32_DOT, EMULATE, X_MAJOR)
+                           BLOCK_M, F32_DOT, EMULATE, X_MAJOR, EVEN)
         if M_TILES > 1:
             b_acc1 = tile_step(b_acc1, b_w, b_s, x, o_k, m_k, t0 + 1, M, s_xm,
-                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR)
+                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR, EVEN)
         if M_TILES > 2:
             b_acc2 = tile_step(b_acc2, b_w, b_s, x, o_k, m_k, t0 + 2, M, s_xm,
-                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR)
+                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR, EVEN)
             b_acc3 = tile_step(b_acc3, b_w, b_s, x, o_k, m_k, t0 + 3, M, s_xm,
-                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR)
+                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR, EVEN)
         if M_TILES > 4:
             b_acc4 = tile_step(b_acc4, b_w, b_s, x, o_k, m_k, t0 + 4, M, s_xm,
-                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR)
+                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR, EVEN)
             b_acc5 = tile_step(b_acc5, b_w, b_s, x, o_k, m_k, t0 + 5, M, s_xm,
-                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR)
+                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR, EVEN)
             b_acc6 = tile_step(b_acc6, b_w, b_s, x, o_k, m_k, t0 + 6, M, s_xm,
-                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR)
+                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR, EVEN)
             b_acc7 = tile_step(b_acc7, b_w, b_s, x, o_k, m_k, t0 + 7, M, s_xm,
-                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR)
+                               BLOCK_M, F32_DOT, EMULATE, X_MAJOR, EVEN)
 
     row_tile_store(tile_out(b_acc0, X_MAJOR), t0, o_n, m_n, b, y, ws, i_s, M, N, s_ym,
                    SPLIT_K, HAS_BIAS, BLOCK_M)
@@ -460,7 +477,7 @@ def launch_fp8_linear(
         F32_DOT=x.dtype == torch.float32, EMULATE=INTERPRET, X_MAJOR=cfg.x_major,
         # the PTX conversion in compiled kernels only (the interpreter runs no PTX)
         BITS=cfg.bit_convert and x.dtype == torch.bfloat16 and not INTERPRET,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN=plan.even, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:
         linear_reduce_kernel[(triton.cdiv(N, BLOCK_REDUCE), M)](

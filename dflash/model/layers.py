@@ -260,10 +260,11 @@ class LinearGroup:
     **FP8 groups** (every member an :class:`~dflash.model.fp8.Fp8Linear` of one scale
     block ``bn × bk``) fuse too: the e4m3 weights become row blocks of one weight and the
     ``weight_scale_inv`` buffers row blocks of one scale tensor. A scale row covers ``bn``
-    weight rows, so every member but the last starts at a whole block: a member whose
-    ``out_features`` is not a multiple of ``bn`` (Gated DeltaNet's 32-row ``b``) is
-    followed by zero rows up to the next block (their outputs are computed and never
-    read; :attr:`offsets` says where each member's rows start). A group mixing FP8 and
+    weight rows, so every member starts at a whole block: a member whose ``out_features``
+    is not a multiple of ``bn`` (Gated DeltaNet's 32-row ``b`` and ``a``) is followed by
+    zero rows up to the next block, the last one too, so the fused weight is whole 128-row
+    tiles (the kernel then loads without masks). Their outputs are computed and never read;
+    :attr:`offsets` says where each member's rows start. A group mixing FP8 and
     float members (a checkpoint's ``modules_to_not_convert`` naming one of them), or FP8
     members of different blocks, is multiplied member by member (:attr:`unfused`).
 
@@ -285,7 +286,7 @@ class LinearGroup:
     """
 
     __slots__ = ("_bias", "_ptrs", "_scale", "_weight", "fp8_block", "linears", "offsets",
-                 "sizes", "unfused")
+                 "rows", "sizes", "unfused")
 
     def __init__(self, *linears: nn.Linear | Fp8Linear) -> None:
         if not linears:
@@ -306,13 +307,15 @@ class LinearGroup:
             raise ValueError("grouped linears must all have a bias or none")
         self.linears = linears
         self.sizes = [m.out_features for m in linears]
-        #: the fused weight's first row of each member (FP8: but the last padded to bn)
+        #: the fused weight's first row of each member (FP8: each padded to whole blocks)
         self.offsets: list[int] = []
         step = self.fp8_block[0] if self.fp8_block is not None else 1
         lo = 0
         for n in self.sizes:
             self.offsets.append(lo)
             lo += -(-n // step) * step
+        #: the fused weight's rows (FP8: every member padded, so whole N tiles stay whole)
+        self.rows = lo
         self._weight: Tensor | None = None
         self._scale: Tensor | None = None
         self._bias: Tensor | None = None
@@ -354,7 +357,7 @@ class LinearGroup:
             raise ValueError(
                 f"grouped linears must share dtype and device (got devices {devices}, "
                 f"dtypes {mixed})")
-        last = self.offsets[-1] + self.sizes[-1]
+        last = self.rows
         with torch.no_grad(), torch.inference_mode(False):
             first = self.linears[0].weight
             weight = first.new_zeros(last, first.shape[1])
@@ -391,7 +394,7 @@ class LinearGroup:
     def weight_and_bias(self) -> tuple[Tensor, Tensor | None]:
         """The fused ``[rows, K]`` weight and ``[rows]`` bias (or None), as built by the
         last :meth:`fuse_` (no check of the parameters: see the class docstring); ``rows``
-        is ``sum N_i`` plus an FP8 group's padding."""
+        is :attr:`rows`: ``sum N_i`` plus an FP8 group's padding."""
         if self._weight is None:
             raise RuntimeError(
                 "this linear group was never fused: its weights were on the meta device "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -226,6 +227,30 @@ def test_zero_rows(backend: Backend) -> None:
     assert fp8_linear(x, q, s, backend=backend).shape == (0, N)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_whole_tiles_load_without_masks_and_give_the_masked_bits(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shape of whole N tiles and whole scale blocks whose splits end at the last block
+    launches without masks but the rows' (``even``): the masked loads give its bits
+    exactly; a shape that is not whole keeps its masks."""
+    from dflash.kernels import fp8_linear_triton as ft
+    n, k, block = 128, 256, (32, 32)
+    q, s = quantize_fp8(_float_weight(n, k, block, seed=7), block)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(17, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    assert ft.fp8_linear_launch(17, n, k, dtype, block).even
+    assert not ft.fp8_linear_launch(17, N, K, dtype, block).even
+    got = launch_fp8_linear(x, q, s, b, block, None)
+    real = ft.fp8_linear_launch
+    monkeypatch.setattr(ft, "fp8_linear_launch",
+                        lambda *a, **kw: replace(real(*a, **kw), even=False))
+    assert torch.equal(got, launch_fp8_linear(x, q, s, b, block, None))
+    assert rel_rms(got, _oracle(x, q, s, block, b)) <= TOL[dtype]
+
+
 def test_config_is_a_function_of_the_shape() -> None:
     """Tiles and splits depend on (N, K, block) only; M moves the pipeline depth alone.
     The 9B shapes: 128-row N tiles; split 8 for 4096 × 4096, 16 for 4096 × 12288, 4 for
@@ -254,11 +279,12 @@ def test_config_is_a_function_of_the_shape() -> None:
 
 def e4m3_bits_to_bf16(raw: torch.Tensor) -> torch.Tensor:
     """What :data:`~dflash.kernels.fp8_linear_triton.E4M3_TO_BF16` computes, in torch: each
-    byte ``s eeee mmm`` (uint8) spread into the bfloat16 pattern ``s 0000 eeee mmm 0000``
-    (the byte's value times 2^-120), then multiplied by 2^120 in float32 and rounded to
-    bfloat16 (the PTX multiplies in bf16x2: the product is exact either way)."""
-    u = raw.to(torch.int32)
-    bits = ((u & 0x7F) << 4) | ((u & 0x80) << 8)
+    byte ``s eeee mmm`` (uint8) moved to the high byte of a 16-bit lane, ``eeee mmm``
+    shifted right by 4 and masked under the sign: the bfloat16 pattern ``s 0000 eeee mmm
+    0000`` (the byte's value times 2^-120), then multiplied by 2^120 in float32 and rounded
+    to bfloat16 (the PTX multiplies in bf16x2: the product is exact either way)."""
+    lane = raw.to(torch.int32) << 8
+    bits = ((lane >> 4) & 0x07F0) | (lane & 0x8000)
     small = bits.to(torch.int16).view(torch.bfloat16)
     return (small.float() * 2.0**120).to(torch.bfloat16)
 

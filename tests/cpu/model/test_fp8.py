@@ -57,10 +57,11 @@ def test_an_fp8_group_is_one_weight_padded_to_whole_scale_blocks(fp8_tiny: Targe
     group, members = _fp8_group(fp8_tiny)
     assert not group.unfused and group.fp8_block == (32, 32)
     assert group.sizes == [128, 64, 4, 4]
-    assert group.offsets == [0, 128, 192, 224]   # b (4 rows) is followed by 28 zero rows
+    assert group.offsets == [0, 128, 192, 224]   # b and a (4 rows) each padded to 32
+    assert group.rows == 256
     weight, bias = group.weight_and_bias()
     scale = group.fp8_scale()
-    assert bias is None and weight.dtype == FP8 and tuple(weight.shape) == (228, 64)
+    assert bias is None and weight.dtype == FP8 and tuple(weight.shape) == (256, 64)
     assert tuple(scale.shape) == (8, 2)
     for m, lo in zip(members, group.offsets, strict=True):
         n = m.out_features
@@ -68,7 +69,7 @@ def test_an_fp8_group_is_one_weight_padded_to_whole_scale_blocks(fp8_tiny: Targe
         assert m.weight.data_ptr() == weight[lo].data_ptr()
         assert m.weight_scale_inv.data_ptr() == scale[lo // 32].data_ptr()
         assert tuple(m.weight_scale_inv.shape) == (-(-n // 32), 2)
-    assert not weight[196:224].float().any()   # the padding after b
+    assert not weight[196:224].float().any() and not weight[228:].float().any()   # padding
 
 
 @torch.inference_mode()

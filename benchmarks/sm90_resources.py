@@ -90,13 +90,13 @@ def _gdn(part: str, C: int, precision: str) -> Case:
 
 def _fp8(x_major: bool, bits: bool, tiles: int = 1) -> Case:
     sig = {"x": "*bf16", "w": "*fp8e4nv", "s": "*fp32", "b": "*bf16", "y": "*bf16",
-           "ws": "*fp32", "M": "i32", "N": "i32", "K": "i32", "s_xm": "i32", "s_wn": "i32",
-           "s_sn": "i32", "s_sk": "i32", "s_ym": "i32"}
+           "ws": "*fp32", "counters": "*i32", "M": "i32", "N": "i32", "K": "i32",
+           "s_xm": "i32", "s_wn": "i32", "s_sn": "i32", "s_sk": "i32", "s_ym": "i32"}
     cfg = fp8.fp8_linear_config(4096, 4096, torch.bfloat16, m_tiles=tiles)
     cst = dict(BN=128, BK=128, K_BLOCKS=32, K_BLOCKS_PER_SPLIT=32 // cfg.split_k,
                SPLIT_K=cfg.split_k, HAS_BIAS=False, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                BLOCK_M=16, M_TILES=tiles, F32_DOT=False, EMULATE=False, X_MAJOR=x_major,
-               BITS=bits, EVEN=True)
+               BITS=bits, EVEN=True, FIXUP=True)
     form = ("x-major" if x_major else "weight-major") + (", bit conversion" if bits else "")
     form += f", {tiles} row tile{'s' if tiles > 1 else ''}"
     return Case(f"fp8_linear 4096x4096 {form}", fp8.fp8_linear_kernel, sig, cst,

@@ -56,10 +56,10 @@ def run_linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, block_m: int) 
     groups = triton.cdiv(triton.cdiv(M, block_m), tiles)
     ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
     linear_kernel[(groups, triton.cdiv(N, cfg.block_n), split)](
-        x, w, w, y, ws, M, N, K, x.stride(0), w.stride(0), y.stride(0),
+        x, w, w, y, ws, ws, M, N, K, x.stride(0), w.stride(0), y.stride(0),
         K_PER_SPLIT=k_per, SPLIT_K=split, HAS_BIAS=False, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, BLOCK_M=block_m, M_TILES=tiles,
-        F32_DOT=x.dtype == torch.float32, EMULATE=False,
+        F32_DOT=x.dtype == torch.float32, EMULATE=False, FIXUP=False,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split > 1:

@@ -5,8 +5,8 @@ The weight stays in HBM as float8 e4m3 (one byte per element, half the bytes of 
 decode is a stream over the weights, so the bytes are the time) with one float32 scale
 per ``bn × bk`` block. The layout and the row invariance are those of
 :mod:`dflash.kernels.linear_triton`, whose row-tile product (:func:`mma`), store
-(:func:`row_tile_store`) and split-K reduction pass (:func:`linear_reduce_kernel`) this
-kernel shares:
+(:func:`row_tile_store`) and split-K reductions (:func:`last_split_reduces` inside the
+kernel up to two row tiles, :func:`linear_reduce_kernel` past them) this kernel shares:
 
 - rows travel in FIXED 16-row tiles (masked), up to ``M_TILES`` tiles per program (the
   next power of two of ``cdiv(M, 16)``, at most 8); each K step loads the weight tile
@@ -18,8 +18,9 @@ kernel shares:
   K step covers exactly one column of scales;
 - ``BLOCK_N`` and the split-K count come from :func:`fp8_linear_config`
   ``(N, K, dtype, block)``, never from M; with split-K each split walks a fixed run of
-  whole K blocks and writes float32 partial sums to a workspace, and a second pass adds
-  the splits in ascending order (then the bias) and rounds once — no atomics.
+  whole K blocks and writes float32 partial sums to a workspace, and the last split to
+  finish (or a second pass) adds the splits in ascending order (then the bias) and rounds
+  once — no value added by an atomic.
 
 Scale application (one K block ``j``, output element ``(m, n)``)::
 
@@ -63,10 +64,12 @@ from dflash.kernels.linear_triton import (
     MIN_STAGES,
     STAGE_BYTES,
     TARGET_PROGRAMS,
+    last_split_reduces,
     linear_reduce_kernel,
     m_tiles_for,
     mma,
     row_tile_store,
+    split_counters,
 )
 
 #: the widest scale block along K the kernel walks in one step (one K tile per block)
@@ -354,12 +357,13 @@ def tile_out(b_acc, X_MAJOR: tl.constexpr):  # type: ignore[no-untyped-def]  # u
 @triton.jit(do_not_specialize=["M"])  # type: ignore[untyped-decorator]  # triton ships no types
 def fp8_linear_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
     x, w, s, b, y, ws,       # x [M, K] (s_xm), w [N, K] e4m3 (s_wn), s [NB, KB] f32, b [N]
+    counters,                # int32 arrival counters (FIXUP), zero between launches
     M, N, K, s_xm, s_wn, s_sn, s_sk, s_ym,   # y [M, N] (s_ym); ws [SPLIT_K, M, N] float32
     BN: tl.constexpr, BK: tl.constexpr, K_BLOCKS: tl.constexpr,
     K_BLOCKS_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
     M_TILES: tl.constexpr, F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
-    X_MAJOR: tl.constexpr, BITS: tl.constexpr, EVEN: tl.constexpr,
+    X_MAJOR: tl.constexpr, BITS: tl.constexpr, EVEN: tl.constexpr, FIXUP: tl.constexpr,
 ):
     i_g = tl.program_id(0).to(tl.int64)   # row group: tiles i_g * M_TILES + 0 … M_TILES - 1
     i_n = tl.program_id(1).to(tl.int64)
@@ -440,6 +444,9 @@ def fp8_linear_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
                        s_ym, SPLIT_K, HAS_BIAS, BLOCK_M)
         row_tile_store(tile_out(b_acc7, X_MAJOR), t0 + 7, o_n, m_n, b, y, ws, i_s, M, N,
                        s_ym, SPLIT_K, HAS_BIAS, BLOCK_M)
+    if SPLIT_K > 1 and FIXUP:
+        last_split_reduces(ws, b, y, counters, t0, o_n, m_n, M, N, s_ym,
+                           SPLIT_K, HAS_BIAS, BLOCK_M, M_TILES)
 
 
 def launch_fp8_linear(
@@ -468,8 +475,13 @@ def launch_fp8_linear(
     ws = (torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1
           else y2)
     b = scale_inv if bias is None else bias
+    # the in-kernel reduction up to two row tiles (32 rows): past them its registers spill
+    # (sm_90: 16 bytes at 4 tiles, 408 at 8), and the reduction pass costs the same
+    counters = (split_counters(x.device, plan.grid[0] * plan.grid[1])
+                if split > 1 and plan.m_tiles <= 2 else None)
     fp8_linear_kernel[plan.grid](
-        x2, weight, scale_inv, b, y2, ws, M, N, K, x2.stride(0), weight.stride(0),
+        x2, weight, scale_inv, b, y2, ws, ws if counters is None else counters,
+        M, N, K, x2.stride(0), weight.stride(0),
         scale_inv.stride(0), scale_inv.stride(1), y2.stride(0),
         BN=bn, BK=bk, K_BLOCKS=triton.cdiv(K, bk), K_BLOCKS_PER_SPLIT=plan.k_blocks_per_split,
         SPLIT_K=split, HAS_BIAS=bias is not None,
@@ -477,9 +489,10 @@ def launch_fp8_linear(
         F32_DOT=x.dtype == torch.float32, EMULATE=INTERPRET, X_MAJOR=cfg.x_major,
         # the PTX conversion in compiled kernels only (the interpreter runs no PTX)
         BITS=cfg.bit_convert and x.dtype == torch.bfloat16 and not INTERPRET,
-        EVEN=plan.even, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN=plan.even, FIXUP=counters is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split > 1:
+    if split > 1 and counters is None:
         linear_reduce_kernel[(triton.cdiv(N, BLOCK_REDUCE), M)](
             ws, b, y2, M, N, y2.stride(0),
             SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=BLOCK_REDUCE, num_warps=4,

@@ -22,8 +22,12 @@ The reduction order of every output element is fixed by ``(N, K)`` alone:
   not stored;
 - K is walked in ascending ``BLOCK_K`` blocks; ``BLOCK_N``, ``BLOCK_K`` and the split-K
   count come from :func:`linear_config` ``(N, K, dtype)``, never from M;
-- with split-K, each split writes its float32 partial sums to a workspace and a second
-  pass adds the splits in ascending order (then the bias) and rounds once — no atomics.
+- with split-K, each split writes its float32 partial sums to a workspace; the last
+  split of a ``(row group, N tile)`` to finish (an arrival counter per tile,
+  :func:`last_split_reduces`) adds the splits in ascending order (then the bias) and
+  rounds once, inside the same launch. No value is added by an atomic, and the order
+  never depends on which split finished last; where the counters are not available a
+  second pass (:func:`linear_reduce_kernel`) adds them in the same order, to the same bits.
 
 **Wide row tiles are guarded.** A 64-row MMA is another instruction than a 16-row one; the
 tensor cores reduce each output element from its own row and column the same way whatever
@@ -75,6 +79,9 @@ STAGE_BYTES = 112 * 1024
 MIN_STAGES = 2
 #: output elements per program of the split-K reduction pass
 BLOCK_REDUCE = 512
+#: arrival counters per device for the in-kernel split-K reduction (one per row group and
+#: N tile of a launch; a launch with more falls back to the reduction pass)
+SPLIT_COUNTERS = 65536
 
 
 @dataclass(frozen=True)
@@ -231,13 +238,56 @@ def row_tile_store(  # type: ignore[no-untyped-def]  # Triton values are untyped
         tl.store(p_ws, b_acc, mask=m_y)
 
 
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def last_split_reduces(  # type: ignore[no-untyped-def]  # Triton values are untyped
+    ws, b, y, counters, t0, o_n, m_n, M, N, s_ym,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    M_TILES: tl.constexpr,
+):
+    """The split-K reduction inside the kernel, run by the last split to finish.
+
+    Called after the program stored its row tiles' float32 partial sums. The program
+    synchronises (its threads' stores ordered before what follows, as a CTA barrier
+    orders them), then one thread adds 1 to the ``(row group, N tile)``'s arrival counter
+    with an acquire-release atomic at GPU scope (the release publishes the program's
+    stores, the acquire makes the earlier splits' visible). The program that sees
+    ``SPLIT_K - 1`` arrived last: every split's partials are visible to it, and it adds
+    them exactly as :func:`linear_reduce_kernel` does — split 0, then 1 … ``SPLIT_K - 1``
+    in ascending order, then the bias, rounded once — for each of its row tiles, then sets
+    the counter back to 0 for the next launch. The order of the sum never depends on which
+    split arrives last, so the bits are the reduction pass's; no value is added by an
+    atomic. The counters are shared by every launch on the device: launches on one stream
+    run one after another (two streams multiplying at once on one device would share them).
+    """
+    tl.debug_barrier()
+    i_c = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    arrived = tl.atomic_add(counters + i_c, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT_K - 1:
+        for t in range(0, M_TILES):   # a loop, not unrolled (registers)
+            o_m = (t0 + t) * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_y = m_n[:, None] & (o_m < M)[None, :]
+            p_ws = ws + o_m[None, :] * N + o_n[:, None]
+            # .cg: from L2, never a line this SM's L1 may hold from before
+            b_acc = tl.load(p_ws, mask=m_y, other=0, cache_modifier=".cg")
+            # ascending split order, fixed; a loop, not unrolled: one tile of registers
+            for i_s in range(1, SPLIT_K):
+                b_acc += tl.load(p_ws + i_s * M * N, mask=m_y, other=0, cache_modifier=".cg")
+            if HAS_BIAS:
+                b_acc += tl.load(b + o_n, mask=m_n, other=0).to(tl.float32)[:, None]
+            p_y = y + o_m[None, :] * s_ym + o_n[:, None]
+            tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=m_y)
+        tl.atomic_xchg(counters + i_c, 0, sem="relaxed", scope="gpu")
+
+
 @triton.jit(do_not_specialize=["M"])  # type: ignore[untyped-decorator]  # triton ships no types
 def linear_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
     x, w, b, y, ws,          # x [M, K] (row stride s_xm), w [N, K] (s_wn), b [N], y [M, N] (s_ym)
+    counters,                # int32 arrival counters (FIXUP), zero between launches
     M, N, K, s_xm, s_wn, s_ym,   # ws [SPLIT_K, M, N] float32 partials (SPLIT_K > 1)
     K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
     M_TILES: tl.constexpr, F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
+    FIXUP: tl.constexpr,
 ):
     i_g = tl.program_id(0).to(tl.int64)   # row group: tiles i_g * M_TILES + 0 … M_TILES - 1
     i_n = tl.program_id(1).to(tl.int64)
@@ -304,6 +354,9 @@ def linear_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untype
                        SPLIT_K, HAS_BIAS, BLOCK_M)
         row_tile_store(b_acc7, t0 + 7, o_n, m_n, b, y, ws, i_s, M, N, s_ym,
                        SPLIT_K, HAS_BIAS, BLOCK_M)
+    if SPLIT_K > 1 and FIXUP:
+        last_split_reduces(ws, b, y, counters, t0, o_n, m_n, M, N, s_ym,
+                           SPLIT_K, HAS_BIAS, BLOCK_M, M_TILES)
 
 
 @triton.jit(do_not_specialize=["M"])  # type: ignore[untyped-decorator]  # triton ships no types
@@ -321,6 +374,32 @@ def linear_reduce_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are
     if HAS_BIAS:
         b_acc += tl.load(b + o_n, mask=m_n, other=0).to(tl.float32)
     tl.store(y + i_m * s_ym + o_n, b_acc.to(y.dtype.element_ty), mask=m_n)
+
+
+#: per device: the arrival counters of the in-kernel split-K reduction (all zero between
+#: launches: the last split of each counter sets it back)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+#: whether the split-K partial sums are reduced inside the kernel (``DFLASH_SPLIT_FIXUP=0``:
+#: by the separate reduction pass, the same bits)
+SPLIT_FIXUP = os.environ.get("DFLASH_SPLIT_FIXUP", "1") != "0"
+
+
+def split_counters(device: torch.device, count: int) -> torch.Tensor | None:
+    """The device's arrival counters for a split-K launch of ``count`` (row group, N tile)
+    pairs (:func:`last_split_reduces`), or None: the reduction pass then adds the splits
+    (the same bits). None when :data:`SPLIT_FIXUP` is off, when ``count`` exceeds
+    :data:`SPLIT_COUNTERS`, and while a CUDA graph is being captured on a device whose
+    counters were never allocated (they are allocated eagerly, zeroed once, and kept for
+    the process: a captured graph holds their address)."""
+    if not SPLIT_FIXUP or count > SPLIT_COUNTERS:
+        return None
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
 
 
 def launch_linear(
@@ -352,14 +431,16 @@ def launch_linear(
     ws = (torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1
           else y2)
     b = weight if bias is None else bias
+    counters = split_counters(x.device, plan.grid[0] * plan.grid[1]) if split > 1 else None
     linear_kernel[plan.grid](
-        x2, weight, b, y2, ws, M, N, K, x2.stride(0), weight.stride(0), y2.stride(0),
+        x2, weight, b, y2, ws, ws if counters is None else counters,
+        M, N, K, x2.stride(0), weight.stride(0), y2.stride(0),
         K_PER_SPLIT=plan.k_per_split, SPLIT_K=split, HAS_BIAS=bias is not None,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=plan.block_m, M_TILES=plan.m_tiles,
-        F32_DOT=x.dtype == torch.float32, EMULATE=INTERPRET,
+        F32_DOT=x.dtype == torch.float32, EMULATE=INTERPRET, FIXUP=counters is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split > 1:
+    if split > 1 and counters is None:
         linear_reduce_kernel[(triton.cdiv(N, BLOCK_REDUCE), M)](
             ws, b, y2, M, N, y2.stride(0),
             SPLIT_K=split, HAS_BIAS=bias is not None, BLOCK=BLOCK_REDUCE, num_warps=4,

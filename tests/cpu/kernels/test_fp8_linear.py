@@ -443,3 +443,33 @@ def test_quantizer_bad_arguments_are_named(
 ) -> None:
     with pytest.raises(exc, match=match):
         call()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("M", [1, 17, 40])
+def test_the_last_split_adds_the_partials_with_the_reduction_pass_bits(
+    M: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to two row tiles the last split to arrive adds the split-K partial sums inside
+    the kernel (the reduction pass is not launched), call after call; from four tiles the
+    reduction pass does. Either way the bits are the reduction pass's (float32 output, so
+    another order would show)."""
+    from dflash.kernels import fp8_linear_triton as ft
+    from dflash.kernels import linear_triton as lt
+    n, k, block = 64, 512, (32, 32)
+    q, s = quantize_fp8(_float_weight(n, k, block, seed=9), block)
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(M, k, generator=gen) * 2.0 ** torch.randint(-12, 13, (M, k), generator=gen)
+    b = torch.randn(n, generator=gen) * 64
+    plan = ft.fp8_linear_launch(M, n, k, torch.float32, block)
+    assert plan.split == 4 and plan.m_tiles == (1 if M == 1 else 2 if M == 17 else 4)
+    if plan.m_tiles <= 2:
+        monkeypatch.setattr(ft, "linear_reduce_kernel", None)   # never launched
+    got = [launch_fp8_linear(x, q, s, b, block, torch.full((M, n), NAN)) for _ in range(2)]
+    assert not lt._COUNTERS[torch.device("cpu")].any()
+    monkeypatch.undo()
+    monkeypatch.setattr(lt, "SPLIT_FIXUP", False)
+    want = launch_fp8_linear(x, q, s, b, block, torch.full((M, n), NAN))
+    assert not want.isnan().any()
+    for y in got:
+        assert torch.equal(y.view(torch.int32), want.view(torch.int32))

@@ -344,3 +344,34 @@ def test_wide_row_tiles_become_effective_only_after_their_self_test(
     monkeypatch.setattr(linear_triton, "wide_rows_hold", refuse)
     monkeypatch.setenv("DFLASH_WIDE_ROWS", "0")
     assert not wide_row_tiles(cpu, torch.bfloat16)
+
+
+# ---------------------------------------------------------------- split-K in the kernel
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("M", "wide"), [(1, False), (17, False), (40, False), (40, True)])
+def test_the_last_split_adds_the_partials_with_the_reduction_pass_bits(
+    M: int, wide: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Split-K partial sums added inside the kernel by the last split to arrive: the bits
+    of the separate reduction pass (split order ascending, then the bias), call after call
+    (every arrival counter back at 0), at one and several row tiles and a wide tile; the
+    reduction pass is not launched. float32 output, so another order shows in the bits."""
+    N, K, dtype = 96, 2048, torch.float32
+    gen = torch.Generator().manual_seed(11)
+    w = linear_triton._hostile(N, K, dtype, gen)
+    x = linear_triton._hostile(M, K, dtype, gen)
+    # a bias as large as the sums (2^4 … 2^44): where it is added changes the rounding
+    b = linear_triton._hostile(1, N, dtype, gen)[0] * 2.0**24
+    assert linear_triton.linear_launch(M, N, K, dtype, wide=wide).split == 8
+    reduction_pass = linear_triton.linear_reduce_kernel
+    monkeypatch.setattr(linear_triton, "linear_reduce_kernel", None)   # never launched
+    got = [launch_linear(x, w, b, torch.full((M, N), NAN), wide=wide) for _ in range(2)]
+    assert not linear_triton._COUNTERS[torch.device("cpu")].any()
+    monkeypatch.setattr(linear_triton, "linear_reduce_kernel", reduction_pass)
+    monkeypatch.setattr(linear_triton, "SPLIT_FIXUP", False)
+    want = launch_linear(x, w, b, torch.full((M, N), NAN), wide=wide)
+    assert not want.isnan().any()
+    for y in got:
+        assert torch.equal(y.view(torch.int32), want.view(torch.int32))

@@ -129,3 +129,23 @@ def test_the_x_major_forms(N: int, K: int) -> None:
         for first in sorted({f for f in (0, 7, 64 - M) if f + M <= 64}):
             got = run(x[first : first + M], True)
             assert torch.equal(got, full[first : first + M]), f"M={M} rows {first}.."
+
+
+@pytest.mark.parametrize(("N", "K"), [(4096, 4096), (4096, 12288), (12288, 4096)])
+def test_the_split_k_reduced_in_the_kernel_is_the_reduction_pass(
+    N: int, K: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to two row tiles the last split to finish adds the partials inside the kernel:
+    bitwise the reduction pass's result over 50 back-to-back launches, at 1 and 32 rows;
+    every arrival counter is back at 0 after them."""
+    from dflash.kernels import linear_triton as lt
+    x, q, s = _inputs(N, K, torch.bfloat16, seed=N + K)
+    for rows in (1, 32):
+        monkeypatch.setattr(lt, "SPLIT_FIXUP", False)
+        want = fp8_linear(x[:rows], q, s)
+        monkeypatch.setattr(lt, "SPLIT_FIXUP", True)
+        outs = [fp8_linear(x[:rows], q, s) for _ in range(50)]
+        torch.cuda.synchronize()
+        for got in outs:
+            assert torch.equal(got, want)
+    assert not lt._COUNTERS[x.device].any()

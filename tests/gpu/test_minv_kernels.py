@@ -298,3 +298,25 @@ def test_attention_tree_rows_equal_plain_decoding_and_replay_from_a_graph() -> N
     table.copy_(_tree_table([-1, *range(T - 1)]))
     graph.replay()
     assert torch.equal(out, decode_attention(q, k, v, start)), "chain table vs no table"
+
+
+@pytest.mark.parametrize(("N", "K"), [(4096, HIDDEN), (1024, HIDDEN), (4096, 12288), (32, HIDDEN)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_split_k_reduced_in_the_kernel_is_the_reduction_pass(
+    N: int, K: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last split to finish adds the partials inside the kernel: bitwise the separate
+    reduction pass's result, over 50 back-to-back launches (any order of arrival), at 1,
+    16 and 64 rows, with a bias; every arrival counter is back at 0 after them."""
+    from dflash.kernels import linear_triton as lt
+    x, w, b = _weights(N, K, dtype, seed=N + K, rows=64)
+    for rows in (1, 16, 64):
+        assert lt.linear_launch(rows, N, K, dtype).split > 1
+        monkeypatch.setattr(lt, "SPLIT_FIXUP", False)
+        want = linear(x[:rows], w, b)
+        monkeypatch.setattr(lt, "SPLIT_FIXUP", True)
+        outs = [linear(x[:rows], w, b) for _ in range(50)]
+        torch.cuda.synchronize()
+        for got in outs:
+            assert torch.equal(got, want)
+    assert not lt._COUNTERS[x.device].any()

@@ -446,7 +446,7 @@ def fp8_linear_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are un
                        s_ym, SPLIT_K, HAS_BIAS, BLOCK_M)
     if SPLIT_K > 1 and FIXUP:
         last_split_reduces(ws, b, y, counters, t0, o_n, m_n, M, N, s_ym,
-                           SPLIT_K, HAS_BIAS, BLOCK_M, M_TILES)
+                           SPLIT_K, HAS_BIAS, BLOCK_M, M_TILES, BLOCK_N)
 
 
 def launch_fp8_linear(

@@ -5,8 +5,9 @@ The weight stays in HBM as float8 e4m3 (one byte per element, half the bytes of 
 decode is a stream over the weights, so the bytes are the time) with one float32 scale
 per ``bn × bk`` block. The layout and the row invariance are those of
 :mod:`dflash.kernels.linear_triton`, whose row-tile product (:func:`mma`), store
-(:func:`row_tile_store`) and split-K reductions (:func:`last_split_reduces` inside the
-kernel up to two row tiles, :func:`linear_reduce_kernel` past them) this kernel shares:
+(:func:`row_tile_store`) and split-K reductions (the pass :func:`linear_reduce_kernel`;
+with ``DFLASH_SPLIT_FIXUP=1``, :func:`last_split_reduces` inside the kernel up to two row
+tiles) this kernel shares:
 
 - rows travel in FIXED 16-row tiles (masked), up to ``M_TILES`` tiles per program (the
   next power of two of ``cdiv(M, 16)``, at most 8); each K step loads the weight tile
@@ -18,8 +19,8 @@ kernel up to two row tiles, :func:`linear_reduce_kernel` past them) this kernel 
   K step covers exactly one column of scales;
 - ``BLOCK_N`` and the split-K count come from :func:`fp8_linear_config`
   ``(N, K, dtype, block)``, never from M; with split-K each split walks a fixed run of
-  whole K blocks and writes float32 partial sums to a workspace, and the last split to
-  finish (or a second pass) adds the splits in ascending order (then the bias) and rounds
+  whole K blocks and writes float32 partial sums to a workspace, and a second pass (or
+  the last split to finish) adds the splits in ascending order (then the bias) and rounds
   once — no value added by an atomic.
 
 Scale application (one K block ``j``, output element ``(m, n)``)::

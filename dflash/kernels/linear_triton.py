@@ -22,12 +22,12 @@ The reduction order of every output element is fixed by ``(N, K)`` alone:
   not stored;
 - K is walked in ascending ``BLOCK_K`` blocks; ``BLOCK_N``, ``BLOCK_K`` and the split-K
   count come from :func:`linear_config` ``(N, K, dtype)``, never from M;
-- with split-K, each split writes its float32 partial sums to a workspace; the last
-  split of a ``(row group, N tile)`` to finish (an arrival counter per tile,
-  :func:`last_split_reduces`) adds the splits in ascending order (then the bias) and
-  rounds once, inside the same launch. No value is added by an atomic, and the order
-  never depends on which split finished last; where the counters are not available a
-  second pass (:func:`linear_reduce_kernel`) adds them in the same order, to the same bits.
+- with split-K, each split writes its float32 partial sums to a workspace and a second
+  pass (:func:`linear_reduce_kernel`) adds the splits in ascending order (then the bias)
+  and rounds once. With ``DFLASH_SPLIT_FIXUP=1`` the last split of each ``(row group, N
+  tile)`` to finish does it inside the same launch instead (an arrival counter per tile,
+  :func:`last_split_reduces`), in the same order, to the same bits. No value is ever added
+  by an atomic.
 
 **Wide row tiles are guarded.** A 64-row MMA is another instruction than a 16-row one; the
 tensor cores reduce each output element from its own row and column the same way whatever
@@ -389,9 +389,11 @@ def linear_reduce_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are
 #: per device: the arrival counters of the in-kernel split-K reduction (all zero between
 #: launches: the last split of each counter sets it back)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-#: whether the split-K partial sums are reduced inside the kernel (``DFLASH_SPLIT_FIXUP=0``:
-#: by the separate reduction pass, the same bits)
-SPLIT_FIXUP = os.environ.get("DFLASH_SPLIT_FIXUP", "1") != "0"
+#: whether the split-K partial sums are reduced inside the kernel (``DFLASH_SPLIT_FIXUP=1``)
+#: or by the separate reduction pass (the default): the same bits. Off by default: measured
+#: on an H100 (``BENCHMARKS.md``, "FP8 projection groups fused") it took what the pass
+#: takes, and the four-loads-in-flight form has not been timed
+SPLIT_FIXUP = os.environ.get("DFLASH_SPLIT_FIXUP", "0") == "1"
 
 
 def split_counters(device: torch.device, count: int) -> torch.Tensor | None:

@@ -366,6 +366,7 @@ def test_the_last_split_adds_the_partials_with_the_reduction_pass_bits(
     b = linear_triton._hostile(1, N, dtype, gen)[0] * 2.0**24
     assert linear_triton.linear_launch(M, N, K, dtype, wide=wide).split == 8
     reduction_pass = linear_triton.linear_reduce_kernel
+    monkeypatch.setattr(linear_triton, "SPLIT_FIXUP", True)
     monkeypatch.setattr(linear_triton, "linear_reduce_kernel", None)   # never launched
     got = [launch_linear(x, w, b, torch.full((M, N), NAN), wide=wide) for _ in range(2)]
     assert not linear_triton._COUNTERS[torch.device("cpu")].any()

@@ -48,6 +48,9 @@
 #                                          # and GDN prefill against their floors (HOT_PARTS=...;
 #                                          # also "tiles", and "prefill": the prefill attention's
 #                                          # tiles, warps and stages in TFLOPS)
+#   bash benchmarks/gpu_session.sh fp8-shapes # benchmarks/fp8_shapes.py: each 9B projection
+#                                          # launch (FP8 groups fused and their members) against
+#                                          # its floor, split-K in the kernel on and off, a sweep
 #   bash benchmarks/gpu_session.sh wide    # the wide-verify linear: GPU tests + benchmarks/linear_wide.py
 #                                          # + benchmarks/wide_mma.py (wide row tiles: bits, µs)
 #   bash benchmarks/gpu_session.sh kernels # benchmarks/kernels.py (kernels-sweep: with its config sweep)
@@ -299,6 +302,17 @@ for phase in "$@"; do
       timeout "${HOT_TIMEOUT:-420}" python3 benchmarks/hot_kernels.py \
         --part ${HOT_PARTS:-attention fp8 gdn} --out "$OUT/hot_kernels.json" 2>&1 \
         | tee "$OUT/hot_kernels.log" | grep -v '^ *["{}]\|^ *\]\|^ *[0-9.,-]*$'
+      ;;
+    fp8-shapes)
+      # every 9B projection launch, fused groups and members, bf16 and FP8 against the
+      # floor: the in-kernel split-K reduction on and off, then the fused shapes' sweep
+      for f in 1 0; do
+        echo "-- DFLASH_SPLIT_FIXUP=$f"
+        (cd benchmarks && DFLASH_SPLIT_FIXUP=$f timeout 100 python3 fp8_shapes.py \
+          --json "$OUT/fp8_shapes_fixup$f.json" 2>&1 | grep "M=1 ")
+      done
+      (cd benchmarks && timeout "${SWEEP_TIMEOUT:-200}" python3 fp8_shapes.py --sweep \
+        --json "$OUT/fp8_shapes_sweep.json" 2>/dev/null | grep best)
       ;;
     wide)
       python3 -m pytest tests/gpu/test_minv_kernels.py -q -p no:cacheprovider 2>&1 \

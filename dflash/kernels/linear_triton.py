@@ -392,7 +392,7 @@ _COUNTERS: dict[torch.device, torch.Tensor] = {}
 #: whether the split-K partial sums are reduced inside the kernel (``DFLASH_SPLIT_FIXUP=1``)
 #: or by the separate reduction pass (the default): the same bits. Off by default: measured
 #: on an H100 (``BENCHMARKS.md``, "FP8 projection groups fused") it took what the pass
-#: takes, and the four-loads-in-flight form has not been timed
+#: takes, with its loads in series and four at a time alike
 SPLIT_FIXUP = os.environ.get("DFLASH_SPLIT_FIXUP", "0") == "1"
 
 

@@ -86,14 +86,15 @@ def _graphed(run: Callable[[], object], calls: int) -> float:
     return float(start.elapsed_time(end)) / (4 * calls)
 
 
-def _profile(rows: int) -> None:
-    """Each rule's acceptance on random ``[rows, vocab]`` bf16 logits under torch.profiler:
-    the CUDA kernels it runs, by total time."""
+def _profile(rows: int, spread: float) -> None:
+    """Each rule's acceptance on random ``[rows, vocab]`` bf16 logits (``N(0, spread²)``)
+    under torch.profiler: the CUDA kernels it runs, by total time."""
     from torch.profiler import ProfilerActivity, profile
 
     vocab = HybridConfig.nine_b_shape().vocab_size
     gen = torch.Generator(device="cuda").manual_seed(0)
-    logits = (torch.randn(rows, vocab, generator=gen, device="cuda") * 4).to(torch.bfloat16)
+    logits = (torch.randn(rows, vocab, generator=gen, device="cuda") * spread
+              ).to(torch.bfloat16)
     ids = torch.zeros(rows, dtype=torch.int64, device="cuda")
     positions = torch.arange(rows, device="cuda")
     for name, params in RULES.items():
@@ -132,9 +133,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="only profile each rule's acceptance on random logits (no model): "
                          "its CUDA kernels by total time")
+    ap.add_argument("--spread", type=float, default=4.0,
+                    help="--profile's logits: N(0, spread²) (1: the seeded model's flat rows)")
     args = ap.parse_args()
     if args.profile:
-        _profile(args.rows)
+        _profile(args.rows, args.spread)
         return
     config = HybridConfig.nine_b_shape()
     model = TargetModel.seeded(config, seed=0, dtype=torch.bfloat16, device="cuda:0")

@@ -50,6 +50,8 @@ class Case:
     constants: dict[str, Any]
     num_warps: int
     num_stages: int = 2
+    #: False for the launches compiled as written (``filter_triton.EXACT``)
+    fp_fusion: bool = True
 
 
 def _attention(tree: bool, tiles: int, warps: int) -> Case:
@@ -110,25 +112,28 @@ def _filter(part: str, level: int = 0, coarse: bool = True) -> Case:
     if part == "maxima":
         sig = {"bits16": "*i16", "maxima": "*i32", "hist": "*i32", "V": "i32", "chunks": "i32"}
         return Case("filter maxima (+ the histogram's zeroing)", filt.filter_maxima_kernel,
-                    sig, dict(BV=filt.CHUNK, SUB=filt.GROUPS), 4)
+                    sig, dict(BV=filt.CHUNK, SUB=filt.GROUPS), 4, fp_fusion=False)
+    if part == "table":
+        sig = {"maxima": "*i32", "tops": "*i32", "table": "*i64", "inv_t": "fp32",
+               "log_min_p": "fp32", "n": "i32"}
+        cst = dict(HAS_MIN_P=False, IS_BF16=True, TB=filt.TABLE_BLOCK, NB=filt.BUCKETS,
+                   BN=filt.block_of(chunks * filt.GROUPS))
+        return Case("filter table", filt.filter_table_kernel, sig, cst, 4, fp_fusion=False)
     if part == "mass":
-        sig = {n: "*i32" for n in ("bits16", "maxima", "tops", "masses", "lowest", "prior",
+        sig = {n: "*i32" for n in ("bits16", "table", "masses", "lowest", "prior",
                                    "coarse", "above", "total", "least")}
-        sig.update(bits16="*i16", masses="*i64", prior="*i64", above="*i64", total="*i64",
-                   inv_t="fp32", log_min_p="fp32", top_p="fp32", V="i32", n="i32")
-        cst = dict(LEVEL=level, HAS_MIN_P=False, IS_BF16=True, BV=filt.MASS_CHUNK,
-                   BS=filt.MASS_BLOCK, NB=filt.BUCKETS, BN=filt.block_of(chunks * filt.GROUPS),
+        sig.update(bits16="*i16", table="*i64", masses="*i64", prior="*i64", above="*i64",
+                   total="*i64", top_p="fp32", V="i32")
+        cst = dict(LEVEL=level, HAS_MIN_P=False, BV=filt.MASS_CHUNK, BS=filt.MASS_BLOCK,
                    BC=filt.block_of(parts))
         return Case(f"filter mass level {level}", filt.filter_mass_kernel, sig, cst,
-                    filt.MASS_WARPS)
-    sig = {"bits16": "*i16", "bound": "*i32", "tops": "*i32", "hist": "*i32",
+                    filt.MASS_WARPS, fp_fusion=False)
+    sig = {"bits16": "*i16", "bound": "*i32", "high": "*i32", "hist": "*i32",
            "masses": "*i64", "coarse": "*i32", "prior_above": "*i64", "total": "*i64",
-           "bucket": "*i32", "above": "*i64", "inv_t": "fp32", "top_p": "fp32", "V": "i32",
-           "parts": "i32"}
-    cst = dict(COARSE=coarse, IS_BF16=True, BV=filt.CHUNK, NB=filt.BUCKETS,
-               BC=filt.block_of(parts if coarse else 1))
+           "bucket": "*i32", "above": "*i64", "top_p": "fp32", "V": "i32", "parts": "i32"}
+    cst = dict(COARSE=coarse, BV=filt.CHUNK, BC=filt.block_of(parts if coarse else 1))
     return Case(f"filter hist{' (top-p alone)' if coarse else ''}", filt.filter_hist_kernel,
-                sig, cst, 4)
+                sig, cst, 4, fp_fusion=False)
 
 
 def _norm(form: str) -> Case:
@@ -183,8 +188,8 @@ def cases() -> list[Case]:
             for prec in ("ieee", "tf32")]
     out += [_fp8(False, False), _fp8(True, False), _fp8(True, True), _fp8(True, True, 4),
             _fp8(True, True, 8)]
-    out += [_filter("maxima"), _filter("mass", 0), _filter("mass", 1), _filter("hist"),
-            _filter("hist", coarse=False)]
+    out += [_filter("maxima"), _filter("table"), _filter("mass", 0), _filter("mass", 1),
+            _filter("hist"), _filter("hist", coarse=False)]
     out += [_norm(f) for f in ("plain", "residual", "rotary", "gated")]
     out += [_act_mul(True), _act_mul(False), _conv(False), _conv(True)]
     out += [_gumbel(False), _gumbel(True)]
@@ -197,7 +202,8 @@ def resources(case: Case) -> dict[str, Any]:
                if case.signature[n].startswith("*") or n in ALIGNED_INTS}
     src = ASTSource(case.kernel, case.signature, case.constants, attrs=aligned)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": case.num_warps, "num_stages": case.num_stages})
+                       options={"num_warps": case.num_warps, "num_stages": case.num_stages,
+                                "enable_fp_fusion": case.fp_fusion})
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])

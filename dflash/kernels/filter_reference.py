@@ -51,6 +51,33 @@ def top_p_weights(s: Tensor, m: Tensor) -> Tensor:
     return torch.floor(torch.exp(d.to(torch.float64)) * WEIGHT_ONE).to(torch.int64)
 
 
+def top_p_table_reference(
+    top: Tensor, inv_temperature: float, dtype: torch.dtype, log_min_p: float | None = None,
+    buckets: int = 64,
+) -> Tensor:
+    """What top-p needs of each 16-bit pattern of ``dtype`` (bfloat16 or float16), for rows
+    whose largest logit is ``top`` (``[T]`` float32): ``[T, 65536]`` int64 entries indexed
+    by the pattern's bits, as the Triton filters gather them. Bits 0-39: the pattern's
+    top-p weight (:func:`top_p_weights` of ``s = l * inv_temperature`` against ``m = top *
+    inv_temperature``); bits 40-45: its bucket, ``floor(min(max(m - s, 0) * (buckets /
+    22.25), buckets - 1))`` in float32 (a NaN difference as 0): equal slices of the 22.25
+    below the top, past which every weight is 0; bit 48 (with ``log_min_p``): min-p keeps
+    it (``s >= m + log_min_p`` in float32)."""
+    patterns = torch.arange(1 << 16, dtype=torch.int32, device=top.device)
+    l = patterns.to(torch.int16).view(dtype).to(torch.float32) + 0.0  # -0.0 is +0.0
+    s = (l * inv_temperature)[None, :]
+    m = (top.to(torch.float32) * inv_temperature)[:, None]
+    d = s - m
+    d = torch.where(torch.isnan(d), 0.0, d)
+    slope = float(torch.tensor(buckets / 22.25, dtype=torch.float32))
+    k = torch.floor(torch.clamp(torch.clamp(-d, min=0.0) * slope, max=buckets - 1.0))
+    entry = top_p_weights(s, m) | (k.to(torch.int64) << 40)
+    if log_min_p is not None:
+        low = m + float(torch.tensor(log_min_p, dtype=torch.float32))
+        entry |= (s >= low).to(torch.int64) << 48
+    return entry
+
+
 def stricter(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
     """Row by row, the floor that keeps the shorter prefix (a higher logit, or the same
     logit and a lower id)."""

@@ -69,6 +69,11 @@ MASS_CHUNK = 2048
 MASS_BLOCK = 128
 #: warps per program of the mass pass
 MASS_WARPS = 4
+#: patterns per program of top-p's table
+TABLE_BLOCK = 1024
+#: every launch compiles its float operations as written: ``s * inv_t - m`` is not fused
+#: into one rounding (an FMA), so a weight is the reference's, bit for bit
+EXACT: dict[str, bool] = {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -174,37 +179,64 @@ def _cut(per, start, z, top_p):  # type: ignore[no-untyped-def]  # Triton values
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def filter_table_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
+    maxima, tops, table,  # [T, n] int32 (the groups' top bins); [T] int32; [T, NBINS] int64
+    inv_t, log_min_p, n,
+    HAS_MIN_P: tl.constexpr, IS_BF16: tl.constexpr, TB: tl.constexpr, NB: tl.constexpr,
+    BN: tl.constexpr,
+):
+    """What top-p needs of each of the 65,536 16-bit patterns, relative to the row's top
+    bin (found here from the ``n`` group ``maxima``; program 0 of the row stores it in
+    ``tops``): ``table[t, u]`` packs the top-p weight (bits 0-39, :func:`_weight`), the
+    bucket of ``s - m`` (bits 40-45, :func:`_bucket`) and whether min-p keeps the pattern
+    (bit 48). Every token of a pattern has the same entry, so the mass launches gather it
+    instead of computing a float64 ``exp`` per token. A block of patterns that all weigh 0
+    (22.25 or more below the top) computes no ``exp``."""
+    i_t = tl.program_id(0).to(tl.int64)
+    i_b = tl.program_id(1)
+    o_n = tl.arange(0, BN)
+    top = tl.max(tl.load(maxima + i_t * n + o_n, mask=o_n < n, other=-1), 0)
+    if i_b == 0:
+        tl.store(tops + i_t, top)
+    m = _logit_of(top, IS_BF16) * inv_t
+    u = i_b * TB + tl.arange(0, TB)
+    s = _logit_of(_bin_of(u), IS_BF16) * inv_t
+    d = s - m
+    w = tl.zeros([TB], dtype=tl.int64)
+    # 22.25 below the top or further a pattern weighs 0: exp(-22.25) * 2**32 < 1
+    if tl.max(((d != d) | (d >= -22.25)).to(tl.int32), 0) > 0:
+        w = _weight(s, m)  # int64 in [0, 2**32]
+    e = w | (_bucket(s, m, NB).to(tl.int64) << 40)
+    if HAS_MIN_P:
+        e = e | ((s >= m + log_min_p).to(tl.int64) << 48)
+    tl.store(table + i_t * 65536 + u, e)
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
 def filter_mass_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
-    bits16, maxima, tops, masses, lowest,  # [T, V] i16; [T, n] i32; [T] i32; [T, chunks, 8]
-    prior, coarse, above, total, least,  # i64 x2; lowest [T, chunks] i32; [T] i32 i64 i64 i32
-    inv_t, log_min_p, top_p, V, n,
-    LEVEL: tl.constexpr, HAS_MIN_P: tl.constexpr, IS_BF16: tl.constexpr,
-    BV: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, BN: tl.constexpr,
+    bits16, table, masses, lowest,  # [T, V] i16; [T, NBINS] i64; [T, chunks, 8] i64; [T, chunks]
+    prior, coarse, above, total, least,  # [T, chunks, 8] i64; [T] i32 i64 i64 i32
+    top_p, V,
+    LEVEL: tl.constexpr, HAS_MIN_P: tl.constexpr, BV: tl.constexpr, BS: tl.constexpr,
     BC: tl.constexpr,
 ):
-    """One level of top-p's mass: every token's weight summed by eighth of the ``NB``
-    buckets of ``s - m`` into ``masses`` — level 0: by bucket ``// 8`` (every token);
-    level 1: by bucket ``% 8``, the tokens of the row's coarse eighth only. Integer sums,
-    exact in any order; the sums stay in per-lane accumulators until the chunk's end.
+    """One level of top-p's mass: every token's weight (gathered from the row's ``table``,
+    :func:`filter_table_kernel`) summed by eighth of the 64 buckets of ``s - m`` into
+    ``masses`` — level 0: by bucket ``// 8`` (every token; and min-p's lowest kept bin
+    into ``lowest``); level 1: by bucket ``% 8``, the tokens of the row's coarse eighth
+    only. Integer sums, exact in any order; the sums stay in per-lane accumulators until
+    the chunk's end.
 
-    Each level first finishes the launch before it, in every program: level 0 takes the
-    row's top bin from the ``n`` group ``maxima``; level 1 sums level 0's partials
+    Level 1 first finishes level 0, in every program: it sums level 0's partials
     (``prior``) into ``Z`` and finds the coarse eighth, the mass above it and min-p's
-    lowest kept bin. Program 0 of the row stores them (``tops``; ``total``, ``coarse``,
-    ``above``, ``least``) for the launches after."""
-    tl.static_assert(NB == 64, "the two levels split 64 buckets into 8 eighths of 8")
+    lowest kept bin. Program 0 of the row stores them (``total``, ``coarse``, ``above``,
+    ``least``) for the launches after."""
     i_t = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
     chunks = tl.num_programs(1)
     o_8 = tl.arange(0, 8)
     inside = -1
-    if LEVEL == 0:
-        o_n = tl.arange(0, BN)
-        top = tl.max(tl.load(maxima + i_t * n + o_n, mask=o_n < n, other=-1), 0)
-        if i_c == 0:
-            tl.store(tops + i_t, top)
-    else:
-        top = tl.load(tops + i_t)
+    if LEVEL == 1:
         per = _partials(prior, i_t, chunks, BC)
         z = tl.sum(per, 0)
         inside, mass_above = _cut(per, tl.zeros([], dtype=tl.int64), z, top_p)
@@ -216,47 +248,44 @@ def filter_mass_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are u
                 o_c = tl.arange(0, BC)
                 x = tl.load(lowest + i_t * chunks + o_c, mask=o_c < chunks, other=65536)
                 tl.store(least + i_t, tl.min(x, 0))
-    m = _logit_of(top, IS_BF16) * inv_t
-    low = m + log_min_p
     acc = tl.zeros([8, BS], dtype=tl.int64)
-    least = 65536
+    low = 65536
     for sub in range(0, BV, BS):
         o_v = i_c * BV + sub + tl.arange(0, BS)
         m_v = o_v < V
         u = tl.load(bits16 + i_t * V + o_v, mask=m_v, other=0).to(tl.int32) & 0xFFFF
-        b = _bin_of(u)
-        sv = _logit_of(b, IS_BF16) * inv_t
-        k = _bucket(sv, m, NB)
+        e = tl.load(table + i_t * 65536 + u)
+        w = e & 0xFFFFFFFFFF
+        k = ((e >> 40) & 63).to(tl.int32)
         if LEVEL == 0:  # a compile-time branch: each level compiles one arm
-            # 22.25 below the top or further a token weighs 0: exp(-22.25) * 2**32 < 1
-            d = sv - m
-            key = tl.where(m_v & ((d != d) | (d >= -22.25)), k >> 3, 8)
+            key = tl.where(m_v & (w > 0), k >> 3, 8)
+            if HAS_MIN_P:
+                kept = m_v & (((e >> 48) & 1) != 0)
+                low = tl.minimum(low, tl.min(tl.where(kept, _bin_of(u), 65536), 0))
         else:
             key = tl.where(m_v & ((k >> 3) == inside), k & 7, 8)
         # a block whose every token weighs 0 (level 0) or lies outside the coarse eighth
-        # (level 1) adds nothing: its float64 weights are not computed
+        # (level 1) adds nothing
         if tl.min(key, 0) < 8:
-            w = _weight(sv, m)  # int64 in [0, 2**32]
             acc += tl.where(key[None, :] == o_8[:, None], w[None, :], 0)
-        if HAS_MIN_P:
-            least = tl.minimum(least, tl.min(tl.where(m_v & (sv >= low), b, 65536), 0))
     tl.store(masses + ((i_t * chunks + i_c) * 8) + o_8, tl.sum(acc, 1))
     if LEVEL == 0:
-        tl.store(lowest + i_t * chunks + i_c, least)
+        tl.store(lowest + i_t * chunks + i_c, low)
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
 def filter_hist_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
-    bits16, bound, tops, hist,  # [T, V] i16; [T] i32 x2; [T, NBINS] i32, zeroed
+    bits16, bound, high, hist,  # [T, V] i16; [T] i32; [T, NBINS, 2] i32; [T, NBINS] i32, zeroed
     masses, coarse, prior_above, total, bucket, above,  # top-p alone: level 1's partials
-    inv_t, top_p, V, parts,  # [T, parts, 8] i64, [T] i32 i64 i64; out: [T] i32 i64
-    COARSE: tl.constexpr, IS_BF16: tl.constexpr, BV: tl.constexpr, NB: tl.constexpr,
-    BC: tl.constexpr,
+    top_p, V, parts,  # [T, parts, 8] i64, [T] i32 i64 i64; out: [T] i32 i64
+    COARSE: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
 ):
     """Count each token that can matter into the bin of its logit. Top-p alone
     (``COARSE``) first finishes the second mass level, in every program: the bucket where
     the running mass reaches ``top_p * Z`` inside the coarse eighth, and the mass above it
-    (program 0 of the row stores them: ``bucket``, ``above``); only that bucket counts."""
+    (program 0 of the row stores them: ``bucket``, ``above``); only that bucket's tokens
+    count (a token's bucket: bits 8-13 of the high word of its pattern's entry in the row's
+    table, ``high``: the table viewed as int32 pairs)."""
     i_t = tl.program_id(0).to(tl.int64)
     o_v = tl.program_id(1) * BV + tl.arange(0, BV)
     m_v = o_v < V
@@ -269,8 +298,8 @@ def filter_hist_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are u
         if tl.program_id(1) == 0:
             tl.store(bucket + i_t, cut)
             tl.store(above + i_t, mass_above)
-        m = _logit_of(tl.load(tops + i_t), IS_BF16) * inv_t
-        m_b = m_v & (_bucket(_logit_of(b, IS_BF16) * inv_t, m, NB) == cut)
+        k = (tl.load(high + (i_t * 65536 + u) * 2 + 1, mask=m_v, other=0) >> 8) & 63
+        m_b = m_v & (k == cut)
     else:
         m_b = m_v & (b >= tl.load(bound + i_t))
     tl.atomic_add(hist + i_t * 65536 + b, 1, mask=m_b, sem="relaxed")
@@ -429,15 +458,17 @@ def launch_filter_nucleus(
     log_min_p: float | None, is_bf16: bool, *, chunk: int | None = None,
     block: int | None = None, warps: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Top-p alone's two mass launches over ``bits16: [T, V]`` (the 16-bit logits' bits)
-    with the rows' group maxima ``maxima: [T, n]`` (:func:`filter_maxima_kernel`). Returns
-    the tensors the histogram and the scan read: ``tops`` ``[T]`` int32 (the rows' top
-    bins), ``masses`` ``[T, parts, 8]`` int64 (level 1's partials inside the coarse
-    eighth), ``coarse`` ``[T]`` int32 (that eighth of the :data:`BUCKETS` buckets of
-    ``s - m``), ``above`` ``[T]`` int64 (the mass above it), ``total`` ``[T]`` int64
-    (``Z``) and ``least`` ``[T]`` int32 (min-p's lowest kept bin; ``log_min_p`` is
-    ``log(min_p)``, None when off, and ``least`` is then unwritten). ``chunk`` (tokens per
-    program), ``block`` (tokens per step) and ``warps`` default to the measured best
+    """Top-p alone's table and two mass launches over ``bits16: [T, V]`` (the 16-bit
+    logits' bits) with the rows' group maxima ``maxima: [T, n]``
+    (:func:`filter_maxima_kernel`). Returns the tensors the histogram and the scan read:
+    ``tops`` ``[T]`` int32 (the rows' top bins), ``table`` ``[T, NBINS]`` int64 (each
+    pattern's weight, bucket and min-p flag: :func:`filter_table_kernel`), ``masses``
+    ``[T, parts, 8]`` int64 (level 1's partials inside the coarse eighth), ``coarse``
+    ``[T]`` int32 (that eighth of the :data:`BUCKETS` buckets of ``s - m``), ``above``
+    ``[T]`` int64 (the mass above it), ``total`` ``[T]`` int64 (``Z``) and ``least``
+    ``[T]`` int32 (min-p's lowest kept bin; ``log_min_p`` is ``log(min_p)``, None when
+    off, and ``least`` is then unwritten). ``chunk`` (tokens per program), ``block``
+    (tokens per step) and ``warps`` of the mass launches default to the measured best
     (:data:`MASS_CHUNK`, :data:`MASS_BLOCK`, :data:`MASS_WARPS`); every choice gives the
     same integers (``masses`` summed over its parts)."""
     chunk, block = chunk or MASS_CHUNK, block or MASS_BLOCK
@@ -450,18 +481,23 @@ def launch_filter_nucleus(
         return torch.empty(*shape, dtype=dtype, device=device)
 
     out = {
-        "tops": ints(T), "masses": ints(T, parts, 8, dtype=torch.int64), "coarse": ints(T),
+        "tops": ints(T), "table": ints(T, NBINS, dtype=torch.int64),
+        "masses": ints(T, parts, 8, dtype=torch.int64), "coarse": ints(T),
         "above": ints(T, dtype=torch.int64), "total": ints(T, dtype=torch.int64),
         "least": ints(T),
     }
+    filter_table_kernel[(T, NBINS // TABLE_BLOCK)](
+        maxima, out["tops"], out["table"], inv_temperature, log_min_p or 0.0, n,
+        HAS_MIN_P=log_min_p is not None, IS_BF16=is_bf16, TB=TABLE_BLOCK, NB=BUCKETS,
+        BN=block_of(n), num_warps=4, **EXACT,
+    )
     prior, lowest = ints(T, parts, 8, dtype=torch.int64), ints(T, parts)
     for level, masses in ((0, prior), (1, out["masses"])):
         filter_mass_kernel[(T, parts)](
-            bits16, maxima, out["tops"], masses, lowest, prior, out["coarse"], out["above"],
-            out["total"], out["least"], inv_temperature, log_min_p or 0.0, top_p, V, n,
-            LEVEL=level, HAS_MIN_P=log_min_p is not None, IS_BF16=is_bf16, BV=chunk,
-            BS=block, NB=BUCKETS, BN=block_of(n), BC=block_of(parts),
-            num_warps=warps or MASS_WARPS,
+            bits16, out["table"], masses, lowest, prior, out["coarse"], out["above"],
+            out["total"], out["least"], top_p, V,
+            LEVEL=level, HAS_MIN_P=log_min_p is not None, BV=chunk, BS=block,
+            BC=block_of(parts), num_warps=warps or MASS_WARPS, **EXACT,
         )
     return out
 
@@ -497,40 +533,39 @@ def launch_filter_floors(
     maxima, bound, cut_bin, counts = ints(T, n), ints(T), ints(T), ints(T, chunks)
     cut_rank = ints(T, dtype=torch.int64)
     filter_maxima_kernel[(T, chunks)](
-        bits16, maxima, hist, V, chunks, BV=CHUNK, SUB=GROUPS, num_warps=4
+        bits16, maxima, hist, V, chunks, BV=CHUNK, SUB=GROUPS, num_warps=4, **EXACT
     )
     if coarse:  # the top bins come from the first mass launch; the bound is not read
         m = launch_filter_nucleus(
             bits16, maxima, inv_temperature, top_p, log_min_p if has_min_p else None, is_bf16
         )
-        tops, parts = m["tops"], m["masses"].shape[1]
+        tops, high, parts = m["tops"], m["table"].view(torch.int32), m["masses"].shape[1]
         nucleus = (m["masses"], m["coarse"], m["above"], m["total"])
         above, totals, least = ints(T, dtype=torch.int64), m["total"], m["least"]
     else:
-        tops, parts = ints(T), 1
+        tops, high, parts = ints(T), maxima, 1  # no table is read without top-p alone
         filter_bound_kernel[(T,)](
             maxima, tops, bound, n, top_k if has_k else 0,
-            HAS_K=has_k, BN=block_of(n), num_warps=8,
+            HAS_K=has_k, BN=block_of(n), num_warps=8, **EXACT,
         )
         above, totals, least = (ints(T, dtype=torch.int64) for _ in range(3))
         nucleus = (above, bound, above, above)  # not read without top-p alone
     bucket = ints(T)
     filter_hist_kernel[(T, chunks)](
-        bits16, bound, tops, hist, *nucleus, bucket, above, inv_temperature, top_p, V, parts,
-        COARSE=coarse, IS_BF16=is_bf16, BV=CHUNK, NB=BUCKETS, BC=block_of(parts),
-        num_warps=4,
+        bits16, bound, high, hist, *nucleus, bucket, above, top_p, V, parts,
+        COARSE=coarse, BV=CHUNK, BC=block_of(parts), num_warps=4, **EXACT,
     )
     filter_scan_kernel[(T,)](
         hist, tops, above, totals, least, floor, floor_id, cut_bin, cut_rank,
         inv_temperature, top_k if has_k else 0, top_p, log_min_p, V,
         HAS_K=has_k, HAS_P=has_p, HAS_MIN_P=has_min_p, COARSE=coarse,
-        IS_BF16=is_bf16, BB=SCAN_BLOCK, num_warps=8,
+        IS_BF16=is_bf16, BB=SCAN_BLOCK, num_warps=8, **EXACT,
     )
     filter_ties_count_kernel[(T, chunks)](
-        bits16, cut_bin, cut_rank, counts, V, chunks, BV=CHUNK, num_warps=4
+        bits16, cut_bin, cut_rank, counts, V, chunks, BV=CHUNK, num_warps=4, **EXACT
     )
     filter_ties_pick_kernel[(T, chunks)](
         bits16, cut_bin, cut_rank, counts, floor_id, V, chunks,
-        BV=CHUNK, BC=block_of(chunks), num_warps=4,
+        BV=CHUNK, BC=block_of(chunks), num_warps=4, **EXACT,
     )
     return floor, floor_id

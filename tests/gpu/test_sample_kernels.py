@@ -66,6 +66,35 @@ def test_filter_floors_match_the_reference_at_full_vocabulary(
     assert float(alone[0][0]) == float(got[0][40]) and int(alone[1][0]) == int(got[1][40])
 
 
+def test_top_p_integers_are_the_references_on_the_gpu() -> None:
+    """Top-p's table (every 16-bit pattern's weight, bucket and min-p flag) and the total
+    mass ``Z`` the mass launches sum equal their torch references bit for bit on the GPU,
+    at temperatures whose ``1 / T`` makes ``l * inv_t`` inexact: a launch compiled with
+    ``l * inv_t - m`` fused into one rounding (an FMA) gives other weights."""
+    from dflash.kernels import filter_triton as ft
+    from dflash.kernels.filter_reference import top_p_table_reference, top_p_weights
+
+    logits = _logits(16, 2)
+    logits[8:] = (logits[8:].float() * 0.25).to(torch.bfloat16)  # flat rows: all weigh
+    bits16 = logits.view(torch.int16)
+    chunks = -(-VOCAB // ft.CHUNK)
+    maxima = torch.empty(16, chunks * ft.GROUPS, dtype=torch.int32, device="cuda")
+    hist = torch.empty(16, ft.NBINS, dtype=torch.int32, device="cuda")
+    ft.filter_maxima_kernel[(16, chunks)](bits16, maxima, hist, VOCAB, chunks, BV=ft.CHUNK,
+                                          SUB=ft.GROUPS, num_warps=4)
+    l = logits.float() + 0.0
+    top = l.max(-1).values
+    for temperature in (0.6, 0.7, 1.5):
+        inv_t = float(torch.tensor(1 / temperature, dtype=torch.float32))
+        log_min_p = math.log(0.02)
+        got = ft.launch_filter_nucleus(bits16, maxima, inv_t, 0.95, log_min_p, True)
+        want = top_p_table_reference(top, inv_t, torch.bfloat16, log_min_p)
+        differ = int((got["table"] != want).sum())
+        assert differ == 0, f"{differ} table entries differ at T={temperature}"
+        z = top_p_weights(l * inv_t, (top * inv_t)[:, None]).sum(-1)
+        assert torch.equal(got["total"], z), temperature
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0.7, seed=3),
     SamplingParams(temperature=1.0, top_k=50, top_p=0.95, min_p=0.02, seed=4),

@@ -12,7 +12,8 @@ from kernels_support import NAN, needs_interpreter
 
 from dflash.errors import KernelBoundsError
 from dflash.kernels import filter_floors, filter_floors_reference
-from dflash.kernels.filter_triton import CHUNK
+from dflash.kernels.filter_reference import top_p_table_reference
+from dflash.kernels.filter_triton import CHUNK, GROUPS, NBINS
 
 SENTINEL = -7  # an int64 output cannot hold NaN: an id the kernel does not write stays -7
 
@@ -101,6 +102,36 @@ def test_no_scratch_is_read_before_it_is_written(
         got = run_triton(logits, 1 / 0.7, k, p, mp)
         ref = filter_floors_reference(logits, float(torch.tensor(1 / 0.7).float()), k, p, mp)
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (k, p, mp)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("log_min_p", [None, math.log(0.05)])
+def test_the_table_holds_each_patterns_weight_bucket_and_min_p_flag(
+    dtype: torch.dtype, log_min_p: float | None
+) -> None:
+    """Top-p's table (every one of the 65,536 patterns, NaN and infinities included) equals
+    its torch reference bit for bit, each row against its own top, at two temperatures;
+    each row's top bin is stored."""
+    from dflash.kernels import filter_triton as ft
+
+    logits = hostile_rows(CHUNK + 3, dtype, seed=11)[:5]  # the finite rows
+    T, V = logits.shape
+    chunks = -(-V // CHUNK)
+    maxima = torch.full((T, chunks * GROUPS), -123_457, dtype=torch.int32)
+    ft.filter_maxima_kernel[(T, chunks)](
+        logits.view(torch.int16), maxima, torch.empty(T, NBINS, dtype=torch.int32), V, chunks,
+        BV=CHUNK, SUB=GROUPS,
+    )
+    top = logits.float().max(-1).values + 0.0
+    for inv_t in (1.0, float(torch.tensor(1 / 0.7, dtype=torch.float32))):
+        out = ft.launch_filter_nucleus(logits.view(torch.int16), maxima, inv_t, 0.9, log_min_p,
+                                       dtype == torch.bfloat16)
+        want = top_p_table_reference(top, inv_t, dtype, log_min_p)
+        assert torch.equal(out["table"], want), inv_t
+        bins = out["tops"]  # back to 16-bit float patterns
+        back = torch.where(bins >= 0x8000, bins - 0x8000, 0xFFFF - bins).to(torch.int16)
+        assert torch.equal(back.view(dtype).float() + 0.0, top), bins
 
 
 @needs_interpreter

@@ -7,7 +7,7 @@ decide a cut are counted: global atomics cost about 30 µs per million tokens on
 so counting a whole 248,320-token vocabulary for 16 rows would cost over 100 µs. Each
 launch is a phase that needs the one before it in every program of a row, so a row's
 small reductions are folded into the launch after them (every program of that launch
-repeats the reduction; program 0 of the row stores it): six launches with top-k, seven
+repeats the reduction; program 0 of the row stores it): six launches with top-k, eight
 with top-p alone, no memset.
 
 1. ``filter_maxima_kernel`` (``[T, chunks]``): the top bin of each group of 256 tokens;
@@ -16,35 +16,41 @@ with top-p alone, no memset.
    scaled logit ``m`` every weight is relative to) and the lowest bin that can matter:
    the ``k``-th largest group maximum (``k`` tokens lie at or above it, so the ``k``-th
    token does). Without top-k the bound is 0 (every token), and top-p alone finds the top
-   bin in its first mass launch.
-3. Top-p alone, whose cut may lie deep in a flat row, in two levels
-   (:func:`launch_filter_nucleus`) of ``filter_mass_kernel`` (``[T, chunks]``): level 0
-   finds the row's top bin from the group maxima and sums every token's top-p weight by
-   eighth of 64 buckets of ``s - m`` (integer sums in per-lane accumulators, exact in any
-   order), and min-p's lowest kept bin. Level 1 first finds the eighth where the running
-   mass reaches ``top_p * Z`` from level 0's partials (:func:`_cut`), then sums that
-   eighth's tokens by bucket. A block of tokens that adds nothing (level 0: every token
-   22.25 or more below the top, where a weight is 0; level 1: none in the eighth) skips
-   the float64 weights, which are most of the pass's time. The histogram launch finds
-   the bucket and the mass above it from level 1's partials; only that bucket's tokens
-   are counted.
+   bin in its table launch.
+3. Top-p alone, whose cut may lie deep in a flat row (:func:`launch_filter_nucleus`):
+   ``filter_table_kernel`` (``[T, 65536 / 1024]``) finds the row's top bin from the group
+   maxima and writes, for each of the 65,536 patterns, its top-p weight, its bucket (one
+   of 64 slices of ``s - m``) and its min-p flag. Every token of a pattern has that entry,
+   so the float64 ``exp`` runs once per pattern (none for a block of patterns 22.25 or
+   more below the top, which weigh 0), not once per token and level. Then two levels of
+   ``filter_mass_kernel`` (``[T, chunks]``) gather each token's entry: level 0 sums
+   every weight by eighth of the buckets (integer sums in per-lane accumulators, exact in
+   any order) and min-p's lowest kept bin; level 1 first finds the eighth where the
+   running mass reaches ``top_p * Z`` from level 0's partials (:func:`_cut`), then sums
+   that eighth's tokens by bucket. A block of tokens that adds nothing (level 0: every
+   weight 0; level 1: none in the eighth) skips the sums. The histogram launch finds the
+   bucket and the mass above it from level 1's partials; only that bucket's tokens are
+   counted, and the highest bin counted is where the scan starts.
 4. ``filter_hist_kernel`` (``[T, chunks]``): each token that can matter adds one to the
    bin of its logit's bits, mapped to an order-preserving index (``-0.0`` counted as
    ``+0.0``). Integer atomics: the counts do not depend on the order they land in.
-5. ``filter_scan_kernel`` (one program per row): walks the bins from the top, in blocks,
-   carrying integer sums. Every token of a bin has the same logit, hence the same scaled
-   score and top-p weight, so a bin's weight is its count times one token's. The walk
-   finds the bin where top-k's count reaches ``k`` and the bin where top-p's mass reaches
-   ``top_p * Z``, and min-p's lowest kept bin, and leaves the cut's bin and its rank among
-   the bin's tokens (or, when min-p is the strictest, the finished floor). A min-p floor
-   under the histogram's bound is never the strictest: the cut of top-k lies above it.
+5. ``filter_scan_kernel`` (one program per row): walks the bins from the top (top-p
+   alone: from the cut's bucket, the mass above it known), in blocks, carrying integer
+   sums. Every token of a bin has the same logit, hence the same scaled score and top-p
+   weight, so a bin's weight is its count times one token's. The walk finds the bin where
+   top-k's count reaches ``k`` and the bin where top-p's mass reaches ``top_p * Z``, and
+   min-p's lowest kept bin, and leaves the cut's bin and its rank among the bin's tokens
+   (or, when min-p is the strictest, the finished floor). A min-p floor under the
+   histogram's bound is never the strictest: the cut of top-k lies above it.
 6. ``filter_ties_count_kernel`` (``[T, chunks]``): how many tokens of each chunk lie in the
    cut's bin.
 7. ``filter_ties_pick_kernel`` (``[T, chunks]``): the chunk that holds the cut's rank finds
    the token (ties are ordered by id) and writes its id.
 
 Each row's result depends on that row alone (M-invariance) and equals the torch
-reference's (``filter_reference.py``), whose weights use the same float64 ``exp``.
+reference's (``filter_reference.py``), whose weights use the same float64 ``exp``: every
+launch is compiled without contracting ``l * inv_t - m`` into one FMA rounding
+(:data:`EXACT`), so the scaled logits are the reference's float32 products, bit for bit.
 """
 
 from __future__ import annotations
@@ -64,9 +70,9 @@ GROUPS = 16
 #: top-p's coarse buckets of scaled logits below the top (equal slices of 22.25)
 BUCKETS = 64
 #: tokens per program of the mass pass
-MASS_CHUNK = 2048
+MASS_CHUNK = 4096
 #: tokens per step of the mass pass
-MASS_BLOCK = 128
+MASS_BLOCK = 512
 #: warps per program of the mass pass
 MASS_WARPS = 4
 #: patterns per program of top-p's table
@@ -215,8 +221,8 @@ def filter_table_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
 def filter_mass_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
     bits16, table, masses, lowest,  # [T, V] i16; [T, NBINS] i64; [T, chunks, 8] i64; [T, chunks]
-    prior, coarse, above, total, least,  # [T, chunks, 8] i64; [T] i32 i64 i64 i32
-    top_p, V,
+    prior, coarse, above, total, least, cut_top,  # [T, chunks, 8] i64; [T] i32 i64 i64 i32
+    top_p, V,  # cut_top [T] i32
     LEVEL: tl.constexpr, HAS_MIN_P: tl.constexpr, BV: tl.constexpr, BS: tl.constexpr,
     BC: tl.constexpr,
 ):
@@ -230,7 +236,8 @@ def filter_mass_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are u
     Level 1 first finishes level 0, in every program: it sums level 0's partials
     (``prior``) into ``Z`` and finds the coarse eighth, the mass above it and min-p's
     lowest kept bin. Program 0 of the row stores them (``total``, ``coarse``, ``above``,
-    ``least``) for the launches after."""
+    ``least``) for the launches after, and sets ``cut_top`` (the highest bin the histogram
+    counts, raised by its programs) to -1."""
     i_t = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -244,6 +251,7 @@ def filter_mass_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are u
             tl.store(total + i_t, z)
             tl.store(coarse + i_t, inside)
             tl.store(above + i_t, mass_above)
+            tl.store(cut_top + i_t, -1)
             if HAS_MIN_P:
                 o_c = tl.arange(0, BC)
                 x = tl.load(lowest + i_t * chunks + o_c, mask=o_c < chunks, other=65536)
@@ -276,8 +284,8 @@ def filter_mass_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are u
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
 def filter_hist_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
     bits16, bound, high, hist,  # [T, V] i16; [T] i32; [T, NBINS, 2] i32; [T, NBINS] i32, zeroed
-    masses, coarse, prior_above, total, bucket, above,  # top-p alone: level 1's partials
-    top_p, V, parts,  # [T, parts, 8] i64, [T] i32 i64 i64; out: [T] i32 i64
+    masses, coarse, prior_above, total, bucket, above, cut_top,  # top-p alone: level 1's
+    top_p, V, parts,  # partials [T, parts, 8] i64, [T] i32 i64 i64; out: [T] i32 i64 i32
     COARSE: tl.constexpr, BV: tl.constexpr, BC: tl.constexpr,
 ):
     """Count each token that can matter into the bin of its logit. Top-p alone
@@ -285,7 +293,8 @@ def filter_hist_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are u
     the running mass reaches ``top_p * Z`` inside the coarse eighth, and the mass above it
     (program 0 of the row stores them: ``bucket``, ``above``); only that bucket's tokens
     count (a token's bucket: bits 8-13 of the high word of its pattern's entry in the row's
-    table, ``high``: the table viewed as int32 pairs)."""
+    table, ``high``: the table viewed as int32 pairs), and each program raises ``cut_top``
+    to the highest bin it counts, where the scan's walk starts."""
     i_t = tl.program_id(0).to(tl.int64)
     o_v = tl.program_id(1) * BV + tl.arange(0, BV)
     m_v = o_v < V
@@ -300,6 +309,7 @@ def filter_hist_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are u
             tl.store(above + i_t, mass_above)
         k = (tl.load(high + (i_t * 65536 + u) * 2 + 1, mask=m_v, other=0) >> 8) & 63
         m_b = m_v & (k == cut)
+        tl.atomic_max(cut_top + i_t, tl.max(tl.where(m_b, b, -1), 0), sem="relaxed")
     else:
         m_b = m_v & (b >= tl.load(bound + i_t))
     tl.atomic_add(hist + i_t * 65536 + b, 1, mask=m_b, sem="relaxed")
@@ -307,7 +317,7 @@ def filter_hist_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are u
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
 def filter_scan_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are untyped
-    hist, tops, above, totals, least,  # [T, NBINS] i32; [T] i32, i64, i64, i32
+    hist, tops, above, totals, least, cut_top,  # [T, NBINS] i32; [T] i32, i64, i64, i32, i32
     floor, floor_id, cut_bin, cut_rank,  # [T] f32, i64, i32, i64
     inv_t, top_k, top_p, log_min_p, V,
     HAS_K: tl.constexpr, HAS_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
@@ -355,10 +365,13 @@ def filter_scan_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are u
         k_bin = cut
         k_rank = rank
         run_w = tl.zeros([], dtype=tl.int64)
-        if COARSE:  # the histogram holds the cut's bucket only: the mass above it is known
-            run_w = tl.load(above + i_t)
-        found = 0
         hi = start
+        if COARSE:  # the histogram holds the cut's bucket only: the mass above it is known,
+            run_w = tl.load(above + i_t)  # and the walk starts at the bucket's highest bin
+            highest = tl.load(cut_top + i_t)
+            if highest >= 0:
+                hi = (highest // BB + 1) * BB
+        found = 0
         while (found == 0) & (hi > 0):
             b = hi - 1 - o
             c = tl.load(p_h + b).to(tl.int64)
@@ -467,7 +480,8 @@ def launch_filter_nucleus(
     ``[T]`` int32 (that eighth of the :data:`BUCKETS` buckets of ``s - m``), ``above``
     ``[T]`` int64 (the mass above it), ``total`` ``[T]`` int64 (``Z``) and ``least``
     ``[T]`` int32 (min-p's lowest kept bin; ``log_min_p`` is ``log(min_p)``, None when
-    off, and ``least`` is then unwritten). ``chunk`` (tokens per program), ``block``
+    off, and ``least`` is then unwritten) and ``cut_top`` ``[T]`` int32 (-1, raised by the
+    histogram to the highest bin it counts). ``chunk`` (tokens per program), ``block``
     (tokens per step) and ``warps`` of the mass launches default to the measured best
     (:data:`MASS_CHUNK`, :data:`MASS_BLOCK`, :data:`MASS_WARPS`); every choice gives the
     same integers (``masses`` summed over its parts)."""
@@ -484,7 +498,7 @@ def launch_filter_nucleus(
         "tops": ints(T), "table": ints(T, NBINS, dtype=torch.int64),
         "masses": ints(T, parts, 8, dtype=torch.int64), "coarse": ints(T),
         "above": ints(T, dtype=torch.int64), "total": ints(T, dtype=torch.int64),
-        "least": ints(T),
+        "least": ints(T), "cut_top": ints(T),
     }
     filter_table_kernel[(T, NBINS // TABLE_BLOCK)](
         maxima, out["tops"], out["table"], inv_temperature, log_min_p or 0.0, n,
@@ -495,7 +509,7 @@ def launch_filter_nucleus(
     for level, masses in ((0, prior), (1, out["masses"])):
         filter_mass_kernel[(T, parts)](
             bits16, out["table"], masses, lowest, prior, out["coarse"], out["above"],
-            out["total"], out["least"], top_p, V,
+            out["total"], out["least"], out["cut_top"], top_p, V,
             LEVEL=level, HAS_MIN_P=log_min_p is not None, BV=chunk, BS=block,
             BC=block_of(parts), num_warps=warps or MASS_WARPS, **EXACT,
         )
@@ -542,6 +556,7 @@ def launch_filter_floors(
         tops, high, parts = m["tops"], m["table"].view(torch.int32), m["masses"].shape[1]
         nucleus = (m["masses"], m["coarse"], m["above"], m["total"])
         above, totals, least = ints(T, dtype=torch.int64), m["total"], m["least"]
+        cut_top = m["cut_top"]
     else:
         tops, high, parts = ints(T), maxima, 1  # no table is read without top-p alone
         filter_bound_kernel[(T,)](
@@ -550,13 +565,14 @@ def launch_filter_floors(
         )
         above, totals, least = (ints(T, dtype=torch.int64) for _ in range(3))
         nucleus = (above, bound, above, above)  # not read without top-p alone
+        cut_top = bound  # neither
     bucket = ints(T)
     filter_hist_kernel[(T, chunks)](
-        bits16, bound, high, hist, *nucleus, bucket, above, top_p, V, parts,
+        bits16, bound, high, hist, *nucleus, bucket, above, cut_top, top_p, V, parts,
         COARSE=coarse, BV=CHUNK, BC=block_of(parts), num_warps=4, **EXACT,
     )
     filter_scan_kernel[(T,)](
-        hist, tops, above, totals, least, floor, floor_id, cut_bin, cut_rank,
+        hist, tops, above, totals, least, cut_top, floor, floor_id, cut_bin, cut_rank,
         inv_temperature, top_k if has_k else 0, top_p, log_min_p, V,
         HAS_K=has_k, HAS_P=has_p, HAS_MIN_P=has_min_p, COARSE=coarse,
         IS_BF16=is_bf16, BB=SCAN_BLOCK, num_warps=8, **EXACT,

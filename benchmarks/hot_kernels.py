@@ -8,7 +8,7 @@
   into its two passes with the torch profiler.
 - ``tiles``: the same attention, T = 1 and 16, by the row tiles one program holds (1, 2,
   4: the K/V loaded once per program) and warps (4, 8), the default splits; and whether
-  the T = 16 call's rows equal 16 T = 1 calls bit for bit at each warp count.
+  each call's rows equal 16 T = 1 calls at the default warps, bit for bit.
 - ``fp8``: :func:`dflash.kernels.fp8_linear` at the 9B shape's projections (M = 1 and 16)
   over N tiles, split-K counts, warps, pipeline stages and the kernel's forms (x-major,
   the bit conversion), beside the bf16 M-invariant linear; the floor is the weight bytes
@@ -148,11 +148,12 @@ def tiles_part(bw: float, contexts: list[int]) -> list[dict[str, Any]]:
         floor_us = 2 * L * HKV * D * 2 / bw * 1e6
         q = torch.randn(1, 16, H, D, generator=gen, device=DEVICE).bfloat16()
         start = torch.tensor([L - 16], device=DEVICE)
+        # rows of every call against 16 one-row calls as plain decoding makes them (the
+        # default warps): a row's bits depend on neither the row tiles nor the warps
+        alone = torch.cat([
+            launch_decode_attention(q[:, t : t + 1], k, v, start + t, D**-0.5, None)
+            for t in range(16)], 1)
         for warps in (4, 8):
-            # rows of the 16-row call against 16 one-row calls, this warp count
-            alone = torch.cat([
-                launch_decode_attention(q[:, t : t + 1], k, v, start + t, D**-0.5, None,
-                                        num_warps=warps) for t in range(16)], 1)
             for T, tiles in ((1, 1), (16, 1), (16, 2), (16, 4)):
                 out = torch.empty_like(q[:, :T])
                 fn = partial(launch_decode_attention, q[:, :T], k, v, start, D**-0.5, out,

@@ -103,6 +103,10 @@ def row_tiles_from_env(default: int) -> int:
 #: ``DFLASH_ATTENTION_ROW_TILES`` (read once, at import) sets it for a process: any value
 #: gives the same bits, so a benchmark can time a whole run with it
 MAX_ROW_TILES = row_tiles_from_env(1)
+#: warps per program by its row tiles (a row's bits do not depend on them: see
+#: :func:`softmax_block`): for sm_90 four tiles spill 896 bytes of stack at 4 warps and 16
+#: at 8 (``benchmarks/sm90_resources.py``)
+WARPS_FOR_TILES = {1: 4, 2: 4, 4: 8}
 #: the score of a masked key (a constexpr: Triton kernels read only constexpr globals)
 NEG_INF = tl.constexpr(float("-inf"))
 LOG2E = 1.4426950408889634
@@ -116,7 +120,13 @@ def softmax_block(  # type: ignore[no-untyped-def]  # Triton values are untyped
 ):
     """One key block of the online softmax: keys/values ``b_k, b_v [BLOCK_N, BD]``,
     ``visible [BLOCK_M, BLOCK_N]``; returns the updated ``(b_m, b_l, b_o)``. A row that sees
-    no key of the block keeps its state exactly (``p = 0``, rescale factor exactly 1)."""
+    no key of the block keeps its state exactly (``p = 0``, rescale factor exactly 1).
+
+    Every reduction whose order could depend on the program's warp count goes through the
+    MMA, whose K order is fixed: the row sum of the (rounded) probabilities is their product
+    with a block of ones, the same weights the output's product takes. The row max is
+    exact in any order. So a row's bits do not depend on ``num_warps`` (a warp splits a
+    tile's columns, and a cross-warp sum's order follows the warp count)."""
     b_s = mma(b_q, tl.trans(b_k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
               F32_DOT, EMULATE)
     b_s = tl.where(visible, b_s * qk_scale, NEG_INF)
@@ -125,9 +135,13 @@ def softmax_block(  # type: ignore[no-untyped-def]  # Triton values are untyped
     b_m_use = tl.where(b_m_new == NEG_INF, 0.0, b_m_new)
     # a block that does not raise the max rescales by exactly 1
     b_alpha = tl.where(b_m_new == b_m, 1.0, tl.math.exp2(b_m - b_m_use))
-    b_p = tl.math.exp2(b_s - b_m_use[:, None])
-    b_l = b_l * b_alpha + tl.sum(b_p, 1)
-    b_o = mma(b_p.to(b_v.dtype), b_v, b_o * b_alpha[:, None], F32_DOT, EMULATE)
+    b_p = tl.math.exp2(b_s - b_m_use[:, None]).to(b_v.dtype)
+    ones = tl.full([BLOCK_N, 16], 1.0, tl.float32).to(b_v.dtype)
+    # every column of the product is the row's sum, so their max is it, exactly
+    b_sum = tl.max(mma(b_p, ones, tl.zeros([BLOCK_M, 16], dtype=tl.float32), F32_DOT,
+                       EMULATE), 1)
+    b_l = b_l * b_alpha + b_sum
+    b_o = mma(b_p, b_v, b_o * b_alpha[:, None], F32_DOT, EMULATE)
     return b_m_new, b_l, b_o
 
 
@@ -436,7 +450,7 @@ def row_tiles_for(rows: int, most: int = MAX_ROW_TILES) -> int:
 
 def launch_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: torch.Tensor,
-    scale: float, out: torch.Tensor | None, *, num_warps: int = 4, num_stages: int = 2,
+    scale: float, out: torch.Tensor | None, *, num_warps: int | None = None, num_stages: int = 2,
     split_keys: int = SPLIT_KEYS, block_n: int = BLOCK_N, paths: torch.Tensor | None = None,
     combine_splits: int = COMBINE_SPLITS, wide_from: int = WIDE_FROM, wide_keys: int = WIDE_KEYS,
     row_tiles: int | None = None,
@@ -456,6 +470,7 @@ def launch_decode_attention(
     ``row_tiles`` (1, 2 or 4): the 16-row tiles a program holds; default
     :func:`row_tiles_for` (a KV head's tiles, up to :data:`MAX_ROW_TILES`).
     Any value gives the same bits: a tile's arithmetic does not depend on its neighbours.
+    ``num_warps``: default :data:`WARPS_FOR_TILES`; any value gives the same bits.
     """
     if split_keys % block_n != 0 or wide_keys % block_n != 0:
         raise ValueError(f"'block_n'={block_n} must divide 'split_keys'={split_keys} and "
@@ -472,6 +487,8 @@ def launch_decode_attention(
         row_tiles = row_tiles_for(G * T)
     elif row_tiles not in (1, 2, 4):
         raise ValueError(f"'row_tiles' must be 1, 2 or 4 (got {row_tiles})")
+    if num_warps is None:
+        num_warps = WARPS_FOR_TILES[row_tiles]
     if out is None:
         out = torch.empty_like(q)
     NS = split_count(S_max, split_keys, wide_from, wide_keys)

@@ -377,24 +377,27 @@ def filter_scan_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are u
             c = tl.load(p_h + b).to(tl.int64)
             if HAS_K:
                 c = tl.where(b > k_bin, c, tl.where(b == k_bin, k_rank, 0))
-            w = _weight(_logit_of(b, IS_BF16) * inv_t, m)
-            cw = c * w
-            cum = run_w + tl.cumsum(cw, 0)
-            first = tl.min(tl.where((cum.to(tl.float64) >= target) & (c > 0), o, BB), 0)
-            sel = o == first
-            if first < BB:
-                found = 1
-                cut = hi - 1 - first
-                before = tl.sum(tl.where(sel, cum - cw, 0), 0)
-                w_cut = tl.maximum(tl.sum(tl.where(sel, w, 0), 0), 1)
-                # the smallest r >= 1 with before + r * w_cut >= target, exact in float64
-                need = (target - before.to(tl.float64)) / w_cut.to(tl.float64)
-                r = tl.maximum(tl.ceil(need), 1.0).to(tl.int64)
-                below = (before + (r - 1) * w_cut).to(tl.float64) >= target
-                r = tl.where((r > 1) & below, r - 1, r)
-                r = tl.where((before + r * w_cut).to(tl.float64) < target, r + 1, r)
-                rank = r
-            run_w += tl.sum(cw, 0)
+            # a block of empty bins adds nothing (the tiny magnitudes a bucket straddling
+            # zero spans, thousands of bins): its float64 weights are not computed
+            if tl.max(c, 0) > 0:
+                w = _weight(_logit_of(b, IS_BF16) * inv_t, m)
+                cw = c * w
+                cum = run_w + tl.cumsum(cw, 0)
+                first = tl.min(tl.where((cum.to(tl.float64) >= target) & (c > 0), o, BB), 0)
+                sel = o == first
+                if first < BB:
+                    found = 1
+                    cut = hi - 1 - first
+                    before = tl.sum(tl.where(sel, cum - cw, 0), 0)
+                    w_cut = tl.maximum(tl.sum(tl.where(sel, w, 0), 0), 1)
+                    # the smallest r >= 1 with before + r * w_cut >= target, exact in float64
+                    need = (target - before.to(tl.float64)) / w_cut.to(tl.float64)
+                    r = tl.maximum(tl.ceil(need), 1.0).to(tl.int64)
+                    below = (before + (r - 1) * w_cut).to(tl.float64) >= target
+                    r = tl.where((r > 1) & below, r - 1, r)
+                    r = tl.where((before + r * w_cut).to(tl.float64) < target, r + 1, r)
+                    rank = r
+                run_w += tl.sum(cw, 0)
             hi -= BB
     done = 0
     if HAS_MIN_P:

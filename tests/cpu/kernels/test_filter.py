@@ -135,6 +135,23 @@ def test_the_table_holds_each_patterns_weight_bucket_and_min_p_flag(
 
 
 @needs_interpreter
+@pytest.mark.parametrize("top_p", [0.93, 0.99])
+def test_top_p_cut_across_the_empty_bins_around_zero(top_p: float) -> None:
+    """A nucleus cut in a bucket that straddles zero: ``+1e-3`` and ``-1e-3`` lie in one
+    bucket, about 30,000 empty bins apart (every tiny magnitude between them), and the cut
+    falls among the positive tokens (0.93) or past them, among the negative ones (0.99).
+    The scan skips the empty blocks of bins and still finds the reference's floor."""
+    row = torch.cat([torch.tensor([10.0]), torch.full((1000,), 1e-3),
+                     torch.full((1000,), -1e-3)])
+    logits = row[torch.randperm(len(row), generator=torch.Generator().manual_seed(3))]
+    logits = logits[None].to(torch.bfloat16)
+    got = run_triton(logits, 1.0, 0, top_p, 0.0)
+    ref = filter_floors_reference(logits, 1.0, 0, top_p, 0.0)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (got, ref)
+    assert (float(got[0][0]) > 0) == (top_p < 0.98), float(got[0][0])
+
+
+@needs_interpreter
 def test_a_rows_floor_does_not_depend_on_the_call() -> None:
     logits = hostile_rows(700, torch.bfloat16, seed=1)
     whole = run_triton(logits, 1.25, 20, 0.9, 0.01)

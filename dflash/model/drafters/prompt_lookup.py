@@ -10,6 +10,7 @@ is ``last`` repeated. Everything is deterministic; no model is involved.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -57,42 +58,52 @@ class PromptLookupDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.max_search = max_search
-        # the context of the previous call, every entry validated: a context that extends
-        # it (the engine's, step after step) needs only its new entries checked
-        self._checked: list[int] = []
+        # the context of the previous call, every entry validated (the caller's own int
+        # objects), and where each token occurs in it: a context that extends it (the
+        # engine's, step after step) needs only its new entries checked and indexed, so a
+        # step costs about the same at 128k tokens as at 1k
+        self._known: list[int] = []
+        self._where: dict[int, list[int]] = {}
 
     def _check_context(self, context: object) -> list[int]:
-        """``check_context(context)``, re-checking only what the previous call did not."""
+        """``check_context(context)``, checking and indexing only what the previous call
+        did not: the validated context (the same list object from call to call)."""
         if not isinstance(context, (list, tuple)):
             return check_context(context)  # raises, naming the type
-        known = self._checked
+        known = self._known
         k = len(known)
-        prefix = list(context[:k])
-        # equal values are not enough: True == 1 and 1.0 == 1, so the types must be int too
-        if not (k and len(context) >= k and prefix == known and set(map(type, prefix)) == {int}):
-            k = 0
+        # the same objects (a fast identity walk in C), or equal values that are all ints
+        # (True == 1 and 1.0 == 1: equal values are not enough)
+        same = k > 0 and len(context) >= k and (
+            all(map(operator.is_, context, known))
+            or (list(context[:k]) == known and set(map(type, context[:k])) == {int}))
+        if not same:
+            known, k = [], 0
+            self._known, self._where = known, {}
+        where = self._where
         for i in range(k, len(context)):
-            check_token(f"context[{i}]", context[i])
-        self._checked = list(context)
-        return self._checked
+            token = check_token(f"context[{i}]", context[i])
+            known.append(token)
+            where.setdefault(token, []).append(i)
+        return known
 
     def lookup(self, context: list[int], last: int, block_size: int) -> LookupResult:
         """The proposal for ``context + [last]`` with its provenance."""
         check_block_size(block_size)
         check_token("last", last)
-        seq = [*self._check_context(context), last]
-        if self.max_search is not None:
-            seq = seq[-self.max_search :]
-        length = len(seq)
-        match = _longest_recent_match(seq, self.max_ngram)
+        known = self._check_context(context)
+        length = len(known) + 1  # seq = context + [last]
+        lowest = 0 if self.max_search is None else max(0, length - self.max_search)
+        match = self._longest_recent_match(known, last, lowest)
         if match is not None and match[0] >= self.min_ngram:
             n, start = match
-            ext = list(seq)
+            tokens: list[int] = []
             for k in range(block_size - 1):
-                ext.append(ext[start + n + k])  # start+n+k < len(ext): periodic once past seq
+                j = start + n + k  # past seq, the proposal repeats itself periodically
+                tokens.append(known[j] if j < length - 1 else
+                              last if j == length - 1 else tokens[j - length])
             copied = min(block_size - 1, length - (start + n))
-            offset = len(context) + 1 - length  # index shift when max_search trimmed seq
-            return LookupResult(tuple(ext[length:]), n, start + offset, copied)
+            return LookupResult(tuple(tokens), n, start, copied)
         return LookupResult((last,) * (block_size - 1), 0, None, 0)
 
     def propose(
@@ -101,28 +112,26 @@ class PromptLookupDrafter:
         """``block_size - 1`` tokens; ``features`` is ignored (this drafter reads no target)."""
         return list(self.lookup(context, last, block_size).tokens)
 
-
-def _longest_recent_match(seq: list[int], max_ngram: int) -> tuple[int, int] | None:
-    """``(n, j)``: the largest ``n <= max_ngram`` such that ``seq[j:j+n] == seq[-n:]`` for some
-    ``j < len(seq) - n``, with the largest such ``j``; None when ``seq[-1]`` never occurred
-    before. Every occurrence ends on a copy of ``seq[-1]``, so only those are examined,
-    most recent first."""
-    length = len(seq)
-    last = seq[-1]
-    backwards = seq[-2::-1]  # seq[:-1] reversed: r-th entry is seq[length - 2 - r]
-    best: tuple[int, int] | None = None
-    r = -1
-    while True:  # the earlier occurrences of seq[-1], most recent first (searched in C)
-        try:
-            r = backwards.index(last, r + 1)
-        except ValueError:
-            return best
-        i = length - 2 - r
-        # n = common suffix length of seq[:i+1] and seq, capped by max_ngram and by i+1
-        n = 1
-        while n < max_ngram and n <= i and seq[i - n] == seq[length - 1 - n]:
-            n += 1
-        if best is None or n > best[0]:
-            best = (n, i - n + 1)
-            if n == max_ngram:
-                return best
+    def _longest_recent_match(
+        self, known: list[int], last: int, lowest: int
+    ) -> tuple[int, int] | None:
+        """With ``seq = known + [last]`` read from index ``lowest`` on: ``(n, j)``, the
+        largest ``n <= max_ngram`` such that ``seq[j:j+n] == seq[-n:]`` for some ``lowest
+        <= j < len(seq) - n``, with the largest such ``j``; None when ``last`` never
+        occurred there. Every occurrence ends on a copy of ``last``, so only those are
+        examined (from the index), most recent first."""
+        end = len(known)  # seq[-1 - n] is known[end - n] for n >= 1
+        best: tuple[int, int] | None = None
+        for i in reversed(self._where.get(last, ())):
+            if i < lowest:
+                break
+            # n: the common suffix length of seq[:i+1] and seq, capped by max_ngram and by
+            # the searched window
+            n = 1
+            while n < self.max_ngram and n <= i - lowest and known[i - n] == known[end - n]:
+                n += 1
+            if best is None or n > best[0]:
+                best = (n, i - n + 1)
+                if n == self.max_ngram:
+                    return best
+        return best

@@ -128,10 +128,10 @@ class SyntheticDrafter:
         """Configured acceptance probability of draft slot ``slot`` (1-based)."""
         return self._probs[0] if self._constant else self._probs[slot - 1]
 
-    def _correct(self, seq: list[int]) -> int | None:
-        """The oracle's token at position ``len(seq)`` (``None``: past a sequence oracle)."""
+    def _correct(self, seq: list[int], q: int) -> int | None:
+        """The oracle's token at position ``q`` (``None``: past a sequence oracle); a
+        callable oracle is handed ``seq``, the ``q`` tokens before it."""
         if self._oracle_fn is None:
-            q = len(seq)
             return self._oracle_seq[q] if q < len(self._oracle_seq) else None
         token = self._oracle_fn(list(seq))
         return check_token("oracle(...) result", token, self.vocab_size)
@@ -142,9 +142,15 @@ class SyntheticDrafter:
         """``block_size - 1`` tokens; ``features`` is ignored (no model is involved)."""
         check_block_size(block_size)
         check_token("last", last, self.vocab_size)
-        # a sequence oracle reads only len(context); a callable one is handed the tokens
-        tokens = check_context(context, self.vocab_size, check_tokens=self._oracle_fn is not None)
-        seq = [*tokens, last]
+        # a sequence oracle reads only len(context), so its step costs the same at any
+        # context length (no copy of the context); a callable one is handed the tokens
+        seq: list[int] = []
+        if self._oracle_fn is None:
+            if not isinstance(context, (list, tuple)):
+                check_context(context)  # raises, naming the type
+        else:
+            seq = [*check_context(context, self.vocab_size), last]
+        length = len(context) + 1
         if not self._constant and block_size - 1 > len(self._probs):
             raise DraftArgumentError(
                 f"'block_size' {block_size} needs {block_size - 1} profile entries, "
@@ -163,7 +169,7 @@ class SyntheticDrafter:
         proposal: list[int] = []
         wrong = False
         for slot in range(1, block_size):
-            correct = None if wrong else self._correct(seq)
+            correct = None if wrong else self._correct(seq, length)
             if correct is None:
                 if not wrong:
                     self._beyond += 1
@@ -177,7 +183,9 @@ class SyntheticDrafter:
                     token = (correct + 1 + rng.randrange(self.vocab_size - 1)) % self.vocab_size
                     wrong = True
             proposal.append(token)
-            seq.append(token)
+            if self._oracle_fn is not None:
+                seq.append(token)
+            length += 1
         return proposal
 
     def _grow(self, slots: int) -> None:

@@ -183,3 +183,48 @@ def test_every_call_names_a_bad_context_entry() -> None:
         with pytest.raises(DraftArgumentError, match=r"'context\[0\]'"):
             drafter.propose([equal_but_not_int, 2, 3, 4], 3, 4)  # type: ignore[list-item]  # on purpose
     assert drafter.propose([*context, 4], 3, 4) == drafter.propose([*context, 4], 3, 4)
+
+
+def _brute_force_lookup(
+    context: list[int], last: int, block: int, max_ngram: int, min_ngram: int,
+    max_search: int | None,
+) -> tuple[tuple[int, ...], int, int | None, int]:
+    """The whole proposal, spelled out on the searched window of ``context + [last]``."""
+    seq = [*context, last]
+    offset = 0 if max_search is None else max(0, len(seq) - max_search)
+    seq = seq[offset:]
+    match = _brute_force_match(seq, max_ngram)
+    if match is None or match[0] < min_ngram:
+        return (last,) * (block - 1), 0, None, 0
+    n, j = match
+    ext = list(seq)
+    for k in range(block - 1):
+        ext.append(ext[j + n + k])  # periodic once past seq
+    return tuple(ext[len(seq):]), n, j + offset, min(block - 1, len(seq) - (j + n))
+
+
+def test_the_indexed_lookup_equals_the_rule_in_a_window_as_the_context_grows() -> None:
+    """Random contexts that grow by a few tokens a call (as the engine's), sometimes
+    handed as a tuple or edited before the indexed prefix: every field of every proposal
+    equals the rule's, with and without a search window and a minimum n-gram."""
+    import random
+
+    rng = random.Random(11)
+    for trial in range(300):
+        vocab = rng.choice([2, 3, 7, 40])
+        max_ngram = rng.randrange(1, 5)
+        min_ngram = rng.randrange(1, max_ngram + 1)
+        max_search = rng.choice([None, 2, 5, 12])
+        drafter = PromptLookupDrafter(max_ngram, min_ngram, max_search)
+        context = [rng.randrange(vocab) for _ in range(rng.randrange(0, 30))]
+        for step in range(9):
+            last, block = rng.randrange(vocab), rng.randrange(2, 9)
+            given = tuple(context) if step == 3 else list(context)
+            got = drafter.lookup(given, last, block)  # type: ignore[arg-type]  # a tuple too
+            want = _brute_force_lookup(context, last, block, max_ngram, min_ngram, max_search)
+            assert (got.tokens, got.ngram, got.match_start, got.copied) == want, (
+                trial, step, context, last, block)
+            context = [*context, last, *(rng.randrange(vocab) for _ in range(rng.randrange(3)))]
+            if step in (2, 4, 6) and context:  # old entries edited: indexed again from 0
+                for _ in range(rng.randrange(1, 4)):
+                    context[rng.randrange(len(context))] = rng.randrange(vocab)

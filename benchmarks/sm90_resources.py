@@ -130,7 +130,8 @@ def _filter(part: str, level: int = 0, coarse: bool = True) -> Case:
                     filt.MASS_WARPS, fp_fusion=False)
     sig = {"bits16": "*i16", "bound": "*i32", "high": "*i32", "hist": "*i32",
            "masses": "*i64", "coarse": "*i32", "prior_above": "*i64", "total": "*i64",
-           "bucket": "*i32", "above": "*i64", "cut_top": "*i32", "top_p": "fp32", "V": "i32", "parts": "i32"}
+           "bucket": "*i32", "above": "*i64", "cut_top": "*i32", "top_p": "fp32", "V": "i32",
+           "parts": "i32"}
     cst = dict(COARSE=coarse, BV=filt.CHUNK, BC=filt.block_of(parts if coarse else 1))
     return Case(f"filter hist{' (top-p alone)' if coarse else ''}", filt.filter_hist_kernel,
                 sig, cst, 4, fp_fusion=False)

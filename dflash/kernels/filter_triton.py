@@ -198,6 +198,7 @@ def filter_table_kernel(  # type: ignore[no-untyped-def]  # Triton pointers are 
     (bit 48). Every token of a pattern has the same entry, so the mass launches gather it
     instead of computing a float64 ``exp`` per token. A block of patterns that all weigh 0
     (22.25 or more below the top) computes no ``exp``."""
+    tl.static_assert(NB == 64, "a bucket is 6 bits; the mass levels split 64 into 8 eighths")
     i_t = tl.program_id(0).to(tl.int64)
     i_b = tl.program_id(1)
     o_n = tl.arange(0, BN)

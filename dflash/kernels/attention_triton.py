@@ -97,15 +97,16 @@ def row_tiles_from_env(default: int) -> int:
 
 #: the most row tiles one program holds by default (each key block loaded once for all of
 #: them; a 16-row verify of a 4-query-head GQA group is 64 rows, four tiles). 1 until the
-#: wider programs are timed on a GPU: for sm_90 (triton 3.6, 4 warps, D = 256) the
-#: one-tile program spills 112 bytes of stack, two tiles 240, four 896
-#: (``benchmarks/sm90_resources.py``; ``benchmarks/hot_kernels.py --part tiles`` times them).
+#: wider programs pay: for sm_90 (triton 3.6, 4 warps, D = 256) the one-tile program
+#: spills 112 bytes of stack, two tiles 704, four 776 (``benchmarks/sm90_resources.py``);
+#: on an H100 a 16-row verify at 131,072 keys took 520 µs with one tile per program and
+#: 597 with four at 8 warps (``benchmarks/hot_kernels.py --part tiles``).
 #: ``DFLASH_ATTENTION_ROW_TILES`` (read once, at import) sets it for a process: any value
 #: gives the same bits, so a benchmark can time a whole run with it
 MAX_ROW_TILES = row_tiles_from_env(1)
 #: warps per program by its row tiles (a row's bits do not depend on them: see
-#: :func:`softmax_block`): for sm_90 four tiles spill 896 bytes of stack at 4 warps and 16
-#: at 8 (``benchmarks/sm90_resources.py``)
+#: :func:`softmax_block`): for sm_90 four tiles spill 776 bytes of stack at 4 warps and 56
+#: at 8 (``benchmarks/sm90_resources.py``), and were faster at 8 on an H100
 WARPS_FOR_TILES = {1: 4, 2: 4, 4: 8}
 #: the score of a masked key (a constexpr: Triton kernels read only constexpr globals)
 NEG_INF = tl.constexpr(float("-inf"))

@@ -189,6 +189,23 @@ def test_attention_rows_do_not_depend_on_T() -> None:
         assert rel_rms(got, _sdpa(q[:, :T], k, v, CONTEXT)) <= 1e-2
 
 
+def test_attention_rows_depend_on_neither_warps_nor_row_tiles() -> None:
+    """A 16-row verify's rows (four 16-row tiles of a 4-head group) equal one-row decodes
+    at the default warps, whatever warps and row tiles the verify's programs take: the
+    softmax's row sum goes through the MMA, not a cross-warp sum."""
+    from dflash.kernels.attention_triton import launch_decode_attention
+
+    q, k, v = _attention_inputs(16, seed=3)
+    start = torch.tensor([CONTEXT], device="cuda")
+    alone = torch.cat([decode_attention(q[:, t : t + 1], k, v, start + t) for t in range(16)], 1)
+    for warps in (4, 8):
+        for tiles in (1, 2, 4):
+            out = torch.full_like(q, NAN)
+            launch_decode_attention(q, k, v, start, D**-0.5, out, num_warps=warps,
+                                    row_tiles=tiles)
+            assert torch.equal(out, alone), f"warps {warps}, row tiles {tiles}"
+
+
 def test_attention_graph_replay_reads_start_on_the_device() -> None:
     q, k, v = _attention_inputs(16, seed=2)
     start = torch.tensor([CONTEXT], device="cuda")

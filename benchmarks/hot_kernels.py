@@ -137,7 +137,8 @@ def attention_part(bw: float, contexts: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
-def tiles_part(bw: float, contexts: list[int]) -> list[dict[str, Any]]:
+def tiles_part(bw: float, contexts: list[int], stages: tuple[int, ...] = (2,),
+               warp_counts: tuple[int, ...] = (4, 8)) -> list[dict[str, Any]]:
     H, HKV, D = 16, 4, 256
     S = max(contexts) + 64
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -153,20 +154,20 @@ def tiles_part(bw: float, contexts: list[int]) -> list[dict[str, Any]]:
         alone = torch.cat([
             launch_decode_attention(q[:, t : t + 1], k, v, start + t, D**-0.5, None)
             for t in range(16)], 1)
-        for warps in (4, 8):
+        for warps, st in itertools.product(warp_counts, stages):
             for T, tiles in ((1, 1), (16, 1), (16, 2), (16, 4)):
                 out = torch.empty_like(q[:, :T])
                 fn = partial(launch_decode_attention, q[:, :T], k, v, start, D**-0.5, out,
-                             num_warps=warps, row_tiles=tiles)
+                             num_warps=warps, row_tiles=tiles, num_stages=st)
                 us = timed(fn)
                 equal = bool(torch.equal(out, alone[:, :T]))
-                row = {"context": L, "T": T, "warps": warps, "row_tiles": tiles,
+                row = {"context": L, "T": T, "warps": warps, "stages": st, "row_tiles": tiles,
                        "us": round(us, 1), "floor_us": round(floor_us, 1),
                        "rows_equal_one_row_calls": equal}
                 rows.append(row)
-                print(f"attention tiles L={L:>7,} T={T:>2} warps {warps} row tiles {tiles}: "
-                      f"{us:8.1f} us (floor {floor_us:6.1f}), rows equal T=1 calls: {equal}",
-                      file=sys.stderr)
+                print(f"attention tiles L={L:>7,} T={T:>2} warps {warps} stages {st} row tiles "
+                      f"{tiles}: {us:8.1f} us (floor {floor_us:6.1f}), rows equal T=1 calls: "
+                      f"{equal}", file=sys.stderr)
     return rows
 
 
@@ -307,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default="8192,32768,131072,262144")
     ap.add_argument("--prefill-contexts", default="8192,32768,131072",
                     help="contexts at which a 4,096-token prefill chunk ends")
+    ap.add_argument("--stages", default="2", help="the tiles part's pipeline stages (a list)")
+    ap.add_argument("--warps", default="4,8", help="the tiles part's warp counts (a list)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     bw = copy_bandwidth()
@@ -318,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     if "attention" in args.part:
         report["attention"] = attention_part(bw, [int(c) for c in args.contexts.split(",")])
     if "tiles" in args.part:
-        report["tiles"] = tiles_part(bw, [int(c) for c in args.contexts.split(",")])
+        report["tiles"] = tiles_part(bw, [int(c) for c in args.contexts.split(",")],
+                                     tuple(int(s) for s in args.stages.split(",")),
+                                     tuple(int(w) for w in args.warps.split(",")))
     if "prefill" in args.part:
         report["prefill"] = prefill_part([int(c) for c in args.prefill_contexts.split(",")])
     if "fp8" in args.part:

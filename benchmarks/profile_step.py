@@ -18,6 +18,11 @@ on an H200.
     python benchmarks/profile_step.py [--calls 16] [--prompt-len 1024] [--block 16]
         [--layers 32] [--json out.json] [--table] [--tree N]
 
+``--draft synthetic``: chain steps draft with the SYNTHETIC drafter of ``dflash bench``'s
+profile (acceptance 0.874 per slot, on the target's greedy continuation) instead of prompt
+lookup. ``--host-profile``: after the table, the host's functions over the measured
+checkpoint steps by own time (cProfile), the work the GPU may wait on.
+
 ``--tree N``: the speculative steps are tree steps of ``N`` nodes (depth ``block - 1``) from
 the SYNTHETIC tree drafter (acceptance 0.874, on the target's greedy continuation), and
 ``--table`` then also lists the CUDA kernels of four eager (graphs off) tree steps by GPU
@@ -27,8 +32,10 @@ time.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
+import pstats
 import random
 import time
 from collections.abc import Callable
@@ -41,7 +48,7 @@ from dflash.execution.engine import chain_of
 from dflash.execution.oracle import reference_greedy
 from dflash.execution.session import tree_rank_probs
 from dflash.model import HybridConfig, TargetModel
-from dflash.model.drafters import PromptLookupDrafter
+from dflash.model.drafters import PromptLookupDrafter, SyntheticDrafter
 from dflash.model.drafters.trees import SyntheticTreeDrafter
 
 
@@ -90,6 +97,10 @@ def main() -> None:
     ap.add_argument("--table", action="store_true", help="also print the profiler's top ops")
     ap.add_argument("--graphs-only", action="store_true", help="skip the eager (graphs off) half")
     ap.add_argument("--tree", type=int, default=None, help="tree steps of N nodes")
+    ap.add_argument("--draft", choices=("lookup", "synthetic"), default="lookup",
+                    help="the chain steps' drafter (synthetic: dflash bench's profile)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also list the host's functions over checkpoint steps (cProfile)")
     args = ap.parse_args()
     nine = HybridConfig.nine_b_shape()
     config = HybridConfig(**{**nine.model_dump(), "layer_types": nine.layer_types[: args.layers]})
@@ -98,13 +109,17 @@ def main() -> None:
     prompt = [rng.randrange(config.vocab_size) for _ in range(args.prompt_len)]
     plan = plan_shards(config.num_hidden_layers, "cuda:0")
     calls, warm, block = args.calls, args.warmup, args.block
-    budget = (warm + 2 * calls) * (block + 1) + 8  # positions every measured loop may use
+    loops = 3 if args.host_profile else 2  # the wall loop, the GPU loop, the host profile's
+    budget = (warm + loops * calls) * (block + 1) + 8  # positions every measured loop may use
     slots = max(block, args.tree or 0)
-    oracle = prompt + (  # the tree drafter needs the target's own greedy continuation
-        reference_greedy(model, plan, prompt, budget + slots) if args.tree else [])
+    synthetic = args.tree is not None or args.draft == "synthetic"
+    oracle = prompt + (  # the synthetic drafters need the target's own greedy continuation
+        reference_greedy(model, plan, prompt, budget + slots) if synthetic else [])
 
     def drafter() -> object:
         if args.tree is None:
+            if args.draft == "synthetic":
+                return SyntheticDrafter(oracle, 0.874, config.vocab_size, seed=1)
             return PromptLookupDrafter()
         return SyntheticTreeDrafter(oracle, tree_rank_probs(0.874), config.vocab_size, seed=1)
     rows: list[dict[str, object]] = []
@@ -176,6 +191,16 @@ def main() -> None:
                     fails = [f for g in spec_target.graphs for f in g.failures]
                     if fails:
                         print(f"  capture failures: {fails}", flush=True)
+        if args.host_profile:  # before any torch.profiler run (see above)
+            step = next(run for what, g, _, run, _ in walls if g and "checkpoint" in what)
+            host = cProfile.Profile()
+            host.enable()
+            for _ in range(calls):
+                step()
+            torch.cuda.synchronize()
+            host.disable()
+            print(f"host functions over {calls} checkpoint steps (cProfile, by own time):")
+            pstats.Stats(host).sort_stats("tottime").print_stats(18)
         for what, graphs, wall, run, describe in walls:  # then the GPU times
             record(what, graphs, wall, _gpu(run, calls), describe())
         if args.table:

@@ -40,6 +40,11 @@ from dflash.kernels import sample_triton as sample
 
 #: arguments whose values are multiples of 16 at the 9B shapes (Triton's run-time hint)
 ALIGNED_INTS = {"N", "K", "s_xm", "s_wn", "s_ym"}
+#: the attention's strides that Triton specialises (all but ``do_not_specialize``'s), each a
+#: multiple of 16 at the 9B shape: without their hint the K/V loads compile to 16-bit ones,
+#: which is not what a launch runs
+ATTENTION_ALIGNED = frozenset({"s_qt", "s_qh", "s_kb", "s_kh", "s_ks", "s_vb", "s_vh", "s_vs",
+                               "s_yt", "s_yh"})
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,8 @@ class Case:
     num_stages: int = 2
     #: False for the launches compiled as written (``filter_triton.EXACT``)
     fp_fusion: bool = True
+    #: this case's integer arguments that are multiples of 16 (with :data:`ALIGNED_INTS`)
+    aligned: frozenset[str] = frozenset()
 
 
 def _attention(tree: bool, tiles: int, warps: int) -> Case:
@@ -68,7 +75,7 @@ def _attention(tree: bool, tiles: int, warps: int) -> Case:
                SPLIT_BLOCKS=max(attn.SPLIT_KEYS, attn.WIDE_KEYS) // attn.BLOCK_N)
     kind = "tree" if tree else "chain"
     return Case(f"attention {kind} row_tiles={tiles} warps={warps}",
-                attn.attention_split_kernel, sig, cst, warps)
+                attn.attention_split_kernel, sig, cst, warps, aligned=ATTENTION_ALIGNED)
 
 
 def _gdn(part: str, C: int, precision: str) -> Case:
@@ -200,7 +207,7 @@ def cases() -> list[Case]:
 def resources(case: Case) -> dict[str, Any]:
     names = list(case.signature)
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if case.signature[n].startswith("*") or n in ALIGNED_INTS}
+               if case.signature[n].startswith("*") or n in ALIGNED_INTS | case.aligned}
     src = ASTSource(case.kernel, case.signature, case.constants, attrs=aligned)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": case.num_warps, "num_stages": case.num_stages,
@@ -211,11 +218,15 @@ def resources(case: Case) -> dict[str, Any]:
         f.flush()
         text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True,
                               text=True, check=True).stdout
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+)", text)
     if found is None:
         raise RuntimeError(f"{case.name}: no resource line in cuobjdump's output:\n{text}")
     return {"kernel": case.name, "registers": int(found[1]), "stack_bytes": int(found[2]),
-            "num_warps": case.num_warps}
+            "num_warps": case.num_warps, "shared_bytes": int(k.metadata.shared),
+            # asynchronous global-to-shared copies: loads the compiler pipelined
+            "async_copies": len(re.findall(r"\bLDGSTS\b", sass))}
 
 
 def main() -> int:
@@ -224,15 +235,17 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     rows = []
-    print("| kernel (sm_90, 9B shape) | warps | registers | stack bytes |")
-    print("|---|---:|---:|---:|")
+    print("| kernel (sm_90, 9B shape) | warps | registers | stack bytes | shared bytes | "
+          "LDGSTS |")
+    print("|---|---:|---:|---:|---:|---:|")
     for case in cases():
         if not case.name.startswith(args.only):
             continue
         row = resources(case)
         rows.append(row)
         print(f"| {row['kernel']} | {row['num_warps']} | {row['registers']} | "
-              f"{row['stack_bytes']} |", flush=True)
+              f"{row['stack_bytes']} | {row['shared_bytes']:,} | {row['async_copies']} |",
+              flush=True)
     if args.json:
         args.json.write_text(json.dumps({"triton": triton.__version__, "rows": rows},
                                         indent=2) + "\n")

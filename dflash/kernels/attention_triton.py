@@ -4,9 +4,9 @@ Pass 1, one program per (row group, key split, batch x KV head), the group varyi
 fastest: the ``G * T`` query rows of one KV head (``G = H // HKV`` query heads per KV
 head, row ``r = t * G + g``) travel in FIXED 16-row tiles (masked). A program may hold
 up to four consecutive tiles (``row_tiles``), each with its own softmax state, and load
-each key block once for all of them: a 16-row verify of a 4-head GQA group, 64 rows, then
-reads its K/V once, not once per tile (on an H200 separate tile programs did not meet in
-L2: 480 µs for 64 rows at 131,072 keys against 137 µs for one). The key range
+each key block once for all of them (a 16-row verify of a 4-head GQA group, 64 rows, then
+reads its K/V once, not once per tile; one tile per program is the default, see
+:data:`MAX_ROW_TILES`). The key range
 ``0 .. S_max - 1`` is cut into splits at absolute key indices: :data:`SPLIT_KEYS` keys
 each below :data:`WIDE_FROM`, :data:`WIDE_KEYS` keys each from there (constants: many
 programs for a short context, few splits for the combine of a long one). Each split is
@@ -19,6 +19,13 @@ context, not the cache's capacity) by log-sum-exp: the max over them, then the w
 sums in tiles of :data:`COMBINE_SPLITS` splits cut at absolute multiples, each tile summed
 by one fixed reduction and the tiles added in ascending order; the lanes of a tile past
 the row's last split are exact zeros (masked loads), never workspace bytes.
+
+The key loop: on the GPU a loop bounded at run time, which the compiler software-pipelines
+(the next block's K and V copied to shared memory asynchronously while this one computes;
+for sm_90 ``benchmarks/sm90_resources.py`` counts the program's ``LDGSTS``). The
+interpreter cannot ``range()`` a run-time bound, so it walks the longest split's blocks as
+a static loop that takes a block only below the bound: the same blocks, in the same
+order, through the same block function (:func:`committed_block`).
 
 Why a row's bits do not depend on T: the splits and blocks are fixed by absolute key
 index; a block that holds no key visible to a row leaves that row's ``m``, ``l`` and
@@ -97,16 +104,17 @@ def row_tiles_from_env(default: int) -> int:
 
 #: the most row tiles one program holds by default (each key block loaded once for all of
 #: them; a 16-row verify of a 4-query-head GQA group is 64 rows, four tiles). 1 until the
-#: wider programs pay: for sm_90 (triton 3.6, 4 warps, D = 256) the one-tile program
-#: spills 112 bytes of stack, two tiles 704, four 776 (``benchmarks/sm90_resources.py``);
-#: on an H100 a 16-row verify at 131,072 keys took 520 µs with one tile per program and
-#: 597 with four at 8 warps (``benchmarks/hot_kernels.py --part tiles``).
+#: wider programs pay: for sm_90 (triton 3.6, D = 256, the pipelined key loop) one tile
+#: at 4 warps takes 195 registers and no stack, two tiles spill 136 bytes, four 712 (72
+#: at 8 warps; ``benchmarks/sm90_resources.py``); on an H100 a 16-row verify at 131,072
+#: keys took 381 µs with one tile per program, 399 with two and 431 with four at 8
+#: warps (``benchmarks/hot_kernels.py --part tiles``).
 #: ``DFLASH_ATTENTION_ROW_TILES`` (read once, at import) sets it for a process: any value
 #: gives the same bits, so a benchmark can time a whole run with it
 MAX_ROW_TILES = row_tiles_from_env(1)
 #: warps per program by its row tiles (a row's bits do not depend on them: see
-#: :func:`softmax_block`): for sm_90 four tiles spill 776 bytes of stack at 4 warps and 56
-#: at 8 (``benchmarks/sm90_resources.py``), and were faster at 8 on an H100
+#: :func:`softmax_block`): on an H100 at 131,072 keys one tile was fastest at 4 warps (381
+#: µs against 605 at 8), two at 4 (399 against 437), four at 8 (431 against 665)
 WARPS_FOR_TILES = {1: 4, 2: 4, 4: 8}
 #: the score of a masked key (a constexpr: Triton kernels read only constexpr globals)
 NEG_INF = tl.constexpr(float("-inf"))
@@ -221,6 +229,36 @@ def tile_gathered_block(  # type: ignore[no-untyped-def]  # Triton values are un
 
 
 @triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
+def committed_block(  # type: ignore[no-untyped-def]  # Triton values are untyped
+    p_k0, p_v0, kb, k_hi, s_ks, s_vs, m_d, b_q0, b_q1, b_q2, b_q3, pos0, pos1, pos2, pos3,
+    b_m0, b_l0, b_o0, b_m1, b_l1, b_o1, b_m2, b_l2, b_o2, b_m3, b_l3, b_o3, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, M_TILES: tl.constexpr,
+    F32_DOT: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """The key block from ``kb`` (keys below ``k_hi``, logical = physical): one K/V load
+    for every row of the program's ``M_TILES`` tiles, each tile's state updated (the
+    states of absent tiles are returned as they came)."""
+    o_n = kb + tl.arange(0, BLOCK_N)
+    m_kv = (o_n < k_hi)[:, None] & m_d[None, :]
+    b_k = tl.load(p_k0 + o_n[:, None] * s_ks, mask=m_kv, other=0)   # [BLOCK_N, BD] each
+    b_v = tl.load(p_v0 + o_n[:, None] * s_vs, mask=m_kv, other=0)
+    b_m0, b_l0, b_o0 = softmax_block(b_q0, b_k, b_v, o_n[None, :] <= pos0[:, None], b_m0,
+                                     b_l0, b_o0, qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+    if M_TILES > 1:
+        b_m1, b_l1, b_o1 = softmax_block(b_q1, b_k, b_v, o_n[None, :] <= pos1[:, None],
+                                         b_m1, b_l1, b_o1, qk_scale, BLOCK_M, BLOCK_N,
+                                         F32_DOT, EMULATE)
+    if M_TILES > 2:
+        b_m2, b_l2, b_o2 = softmax_block(b_q2, b_k, b_v, o_n[None, :] <= pos2[:, None],
+                                         b_m2, b_l2, b_o2, qk_scale, BLOCK_M, BLOCK_N,
+                                         F32_DOT, EMULATE)
+        b_m3, b_l3, b_o3 = softmax_block(b_q3, b_k, b_v, o_n[None, :] <= pos3[:, None],
+                                         b_m3, b_l3, b_o3, qk_scale, BLOCK_M, BLOCK_N,
+                                         F32_DOT, EMULATE)
+    return b_m0, b_l0, b_o0, b_m1, b_l1, b_o1, b_m2, b_l2, b_o2, b_m3, b_l3, b_o3
+
+
+@triton.jit  # type: ignore[untyped-decorator]  # triton ships no types
 def tile_store(  # type: ignore[no-untyped-def]  # Triton values are untyped
     b_m, b_l, b_o, i_b, i_s, o_t, o_h, m_r, o_d, m_d, ws_m, ws_l, ws_o, y,
     T, s_yb, s_yt, s_yh, H: tl.constexpr, D: tl.constexpr, NS: tl.constexpr,
@@ -308,43 +346,56 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers a
             b_m3 = tl.full([BLOCK_M], NEG_INF, dtype=tl.float32)
             b_l3 = tl.zeros([BLOCK_M], dtype=tl.float32)
             b_o3 = tl.zeros([BLOCK_M, BD], dtype=tl.float32)
+        if M_TILES == 1:   # the absent tiles' places in the block helper (never updated)
+            b_q1, pos1, b_m1, b_l1, b_o1 = b_q0, pos0, b_m0, b_l0, b_o0
+        if M_TILES < 4:
+            b_q2, pos2, b_m2, b_l2, b_o2 = b_q0, pos0, b_m0, b_l0, b_o0
+            b_q3, pos3, b_m3, b_l3, b_o3 = b_q0, pos0, b_m0, b_l0, b_o0
         p_k0 = k + i_b * s_kb + i_hk * s_kh + o_d[None, :]
         p_v0 = v + i_b * s_vb + i_hk * s_vh + o_d[None, :]
         # the split's blocks up to k_hi (those past it would load nothing and leave every
-        # row unchanged, see above: stopping there changes no bit), as a static loop over
-        # the longest split's blocks that takes a block only below k_hi: the interpreter
-        # cannot range() a runtime bound, and for sm_90 a while loop here compiles to 6x
-        # this form's stack (spilled registers; benchmarks/sm90_resources.py)
-        for j in range(0, SPLIT_BLOCKS):
-            kb = k_lo + j * BLOCK_N
-            if kb < k_hi:
-                o_n = kb + tl.arange(0, BLOCK_N)
-                if (not TREE) or (kb + BLOCK_N <= st):
-                    # a chain's block, or a tree's block of committed keys only (logical =
-                    # physical): one K/V load for every row of every tile
-                    m_kv = (o_n < k_hi)[:, None] & m_d[None, :]
-                    # [BLOCK_N, BD] each
-                    b_k = tl.load(p_k0 + o_n[:, None] * s_ks, mask=m_kv, other=0)
-                    b_v = tl.load(p_v0 + o_n[:, None] * s_vs, mask=m_kv, other=0)
-                    b_m0, b_l0, b_o0 = softmax_block(
-                        b_q0, b_k, b_v, o_n[None, :] <= pos0[:, None], b_m0, b_l0, b_o0,
-                        qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
-                    if M_TILES > 1:
-                        b_m1, b_l1, b_o1 = softmax_block(
-                            b_q1, b_k, b_v, o_n[None, :] <= pos1[:, None], b_m1, b_l1, b_o1,
-                            qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
-                    if M_TILES > 2:
-                        b_m2, b_l2, b_o2 = softmax_block(
-                            b_q2, b_k, b_v, o_n[None, :] <= pos2[:, None], b_m2, b_l2, b_o2,
-                            qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
-                        b_m3, b_l3, b_o3 = softmax_block(
-                            b_q3, b_k, b_v, o_n[None, :] <= pos3[:, None], b_m3, b_l3, b_o3,
-                            qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
-                else:
-                    # a tree's block that reaches the draft: each node of the program gathers
-                    # its own logical keys (its path's slots from start on) once and updates
-                    # its rows in the tiles that hold them; every other row sees no key of
-                    # that pass and stays unchanged
+        # row unchanged, see above: stopping there changes no bit), in ascending order:
+        # first the blocks of committed keys only, [k_lo, c_hi) (a chain's every block; a
+        # tree's blocks that end at or before start, whose logical keys are physical),
+        # then a tree's blocks that reach the draft
+        if TREE:
+            c_hi = tl.minimum(k_hi, k_lo + tl.maximum(st - k_lo, 0) // BLOCK_N * BLOCK_N)
+        else:
+            c_hi = k_hi
+        if EMULATE:
+            # the interpreter cannot range() a runtime bound: the longest split's blocks
+            # as a static loop that takes a block only below c_hi
+            for j in range(0, SPLIT_BLOCKS):
+                kb = k_lo + j * BLOCK_N
+                if kb < c_hi:
+                    (b_m0, b_l0, b_o0, b_m1, b_l1, b_o1, b_m2, b_l2, b_o2, b_m3, b_l3,
+                     b_o3) = committed_block(
+                        p_k0, p_v0, kb, c_hi, s_ks, s_vs, m_d, b_q0, b_q1, b_q2, b_q3,
+                        pos0, pos1, pos2, pos3, b_m0, b_l0, b_o0, b_m1, b_l1, b_o1, b_m2,
+                        b_l2, b_o2, b_m3, b_l3, b_o3, qk_scale, BLOCK_M, BLOCK_N, M_TILES,
+                        F32_DOT, EMULATE)
+        else:
+            # a loop bounded at run time, which the compiler software-pipelines: the next
+            # blocks' K/V are copied to shared memory (cp.async) while this one computes.
+            # A static loop that takes a block only below a bound (the interpreter's form
+            # above) is not pipelined: for sm_90 it compiled to plain loads, each block's
+            # latency exposed (benchmarks/sm90_resources.py counts LDGSTS)
+            for kb in range(k_lo, c_hi, BLOCK_N):
+                (b_m0, b_l0, b_o0, b_m1, b_l1, b_o1, b_m2, b_l2, b_o2, b_m3, b_l3,
+                 b_o3) = committed_block(
+                    p_k0, p_v0, kb, c_hi, s_ks, s_vs, m_d, b_q0, b_q1, b_q2, b_q3,
+                    pos0, pos1, pos2, pos3, b_m0, b_l0, b_o0, b_m1, b_l1, b_o1, b_m2,
+                    b_l2, b_o2, b_m3, b_l3, b_o3, qk_scale, BLOCK_M, BLOCK_N, M_TILES,
+                    F32_DOT, EMULATE)
+        if TREE:
+            for j in range(0, SPLIT_BLOCKS):
+                kb = k_lo + j * BLOCK_N
+                if (kb >= c_hi) & (kb < k_hi):
+                    # a tree's block that reaches the draft: each node of the program
+                    # gathers its own logical keys (its path's slots from start on) once
+                    # and updates its rows in the tiles that hold them; every other row
+                    # sees no key of that pass and stays unchanged
+                    o_n = kb + tl.arange(0, BLOCK_N)
                     o_a = o_n - st                       # depth of logical key n's node
                     m_a = (o_a >= 0) & (o_a < T)
                     u = t_first
@@ -362,14 +413,17 @@ def attention_split_kernel(  # type: ignore[no-untyped-def]  # Triton pointers a
                         if M_TILES > 1:
                             b_m1, b_l1, b_o1 = tile_gathered_block(
                                 b_q1, b_k, b_v, u, o_n, m_n, o_t1, m_r1, pos1, tf1, tl1,
-                                b_m1, b_l1, b_o1, qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+                                b_m1, b_l1, b_o1, qk_scale, BLOCK_M, BLOCK_N, F32_DOT,
+                                EMULATE)
                         if M_TILES > 2:
                             b_m2, b_l2, b_o2 = tile_gathered_block(
                                 b_q2, b_k, b_v, u, o_n, m_n, o_t2, m_r2, pos2, tf2, tl2,
-                                b_m2, b_l2, b_o2, qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+                                b_m2, b_l2, b_o2, qk_scale, BLOCK_M, BLOCK_N, F32_DOT,
+                                EMULATE)
                             b_m3, b_l3, b_o3 = tile_gathered_block(
                                 b_q3, b_k, b_v, u, o_n, m_n, o_t3, m_r3, pos3, tf3, tl3,
-                                b_m3, b_l3, b_o3, qk_scale, BLOCK_M, BLOCK_N, F32_DOT, EMULATE)
+                                b_m3, b_l3, b_o3, qk_scale, BLOCK_M, BLOCK_N, F32_DOT,
+                                EMULATE)
                         u += 1
         tile_store(b_m0, b_l0, b_o0, i_b, i_s, o_t0, o_h0, m_r0, o_d, m_d, ws_m, ws_l,
                    ws_o, y, T, s_yb, s_yt, s_yh, H, D, NS, TREE)

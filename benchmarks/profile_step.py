@@ -200,7 +200,7 @@ def main() -> None:
             torch.cuda.synchronize()
             host.disable()
             print(f"host functions over {calls} checkpoint steps (cProfile, by own time):")
-            pstats.Stats(host).sort_stats("tottime").print_stats(18)
+            pstats.Stats(host).sort_stats("tottime").print_stats(25)
         for what, graphs, wall, run, describe in walls:  # then the GPU times
             record(what, graphs, wall, _gpu(run, calls), describe())
         if args.table:

@@ -69,7 +69,12 @@ class DraftSource(Protocol):
         blocks see only the last committed positions); None: every row."""
         ...
 
-    def take(self, context: list[int], last: int) -> tuple[list[int], list[float] | None]: ...
+    def take(self, context: Sequence[int], last: int) -> tuple[list[int], list[float] | None]:
+        """This step's guesses. ``context``: the engine's committed tokens, its own list,
+        read here and never kept: a drafter that reads them is handed a copy (a drafter
+        cannot change the engine's context), and a source whose drafter does not read
+        them copies nothing (at 131,072 tokens a copy costs about 0.4 ms of every step)."""
+        ...
 
     def enqueue_next(self, taps: dict[int, Tensor], count: Tensor, t: Tensor) -> Tensor | None: ...
 
@@ -133,8 +138,8 @@ class HostDrafts(_Checked):
     def can_continue(self, committed: int) -> bool:
         return True  # the drafter crops or refuses its own cache (it names why)
 
-    def take(self, context: list[int], last: int) -> tuple[list[int], list[float] | None]:
-        proposal = self.drafter.propose(context, last, self.block_size, self._features)
+    def take(self, context: Sequence[int], last: int) -> tuple[list[int], list[float] | None]:
+        proposal = self.drafter.propose(list(context), last, self.block_size, self._features)
         guesses = self.guesses(proposal)
         scored = self._scored
         return guesses, None if scored is None else self.confidence(scored.confidence())
@@ -191,7 +196,7 @@ class DeviceDrafts(_Checked):
         return self.device_drafter.can_continue_device(committed, self.capacity,
                                                        self.block_size)
 
-    def take(self, context: list[int], last: int) -> tuple[list[int], list[float] | None]:
+    def take(self, context: Sequence[int], last: int) -> tuple[list[int], list[float] | None]:
         if self._next is None:
             raise ExecutionError("the device drafter has no guesses: prefill() first")
         proposal, self._next = self._next, None
@@ -203,7 +208,7 @@ class DeviceDrafts(_Checked):
             except DraftArgumentError as exc:
                 raise ExecutionError(f"drafter {self.drafter.label!r}: {exc}") from None
         if self._revising is not None:  # e.g. a copy from the context instead
-            proposal = self._revising.revise(context, last, proposal)
+            proposal = self._revising.revise(list(context), last, proposal)
         return self.guesses(proposal), None
 
     def candidates(self) -> list[list[tuple[int, float]]]:

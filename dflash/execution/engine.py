@@ -396,7 +396,7 @@ class SpecDecoder:
         if gate:
             return self._gate_step()
         step = self.steps_run
-        guesses, confidence = self.drafts.take(list(self.context), self.last)  # [B-1]
+        guesses, confidence = self.drafts.take(self.context, self.last)  # [B-1]
         T = self.window.size(self.committed, self.block_size, confidence)  # 1 … B
         draft = self._draft(guesses, T)  # d: [T], validated as a chain of T slots
         status_before = self.status
@@ -421,7 +421,7 @@ class SpecDecoder:
         inspected between the shards and judged after; the rollback through replay, then,
         when the evidence held, the one-time self-test of a checkpoint slot against it."""
         step, B = self.steps_run, self.block_size
-        guesses, _ = self.drafts.take(list(self.context), self.last)
+        guesses, _ = self.drafts.take(self.context, self.last)
         draft = self._draft(guesses, B)
         storages = self.target.storages()
         self.gate.arm(storages)
@@ -453,7 +453,7 @@ class SpecDecoder:
                 list(self.context), self.last, self.tree_budget, self.block_size - 1
             )
         else:  # the chain proposal's per-slot distributions, grown best first
-            proposal, _ = self.drafts.take(list(self.context), self.last)
+            proposal, _ = self.drafts.take(self.context, self.last)
             device = self.drafts if isinstance(self.drafts, DeviceDrafts) else None
             branch = (  # prompt lookup's copy, kept whole as one branch when there is one
                 self.drafter.tree_branch() if isinstance(self.drafter, BranchDrafter) else None

@@ -178,3 +178,38 @@ def test_check_parity_reports_true_and_the_oracle_sha(
     )
     assert result.parity is True
     assert result.parity_sha256 == result.sha256 == token_sha256(oracle)
+
+
+class _Scribbler:
+    """A drafter that proposes the synthetic drafter's guesses, then empties the context
+    it was handed and fills it with token 0 (a drafter may do anything to its argument)."""
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+        self.label = "scribbler"
+        self.tap_layers: tuple[int, ...] = ()
+        self.seen: list[int] = []
+
+    def propose(self, context: list[int], last: int, block_size: int,
+                features: object = None) -> list[int]:
+        guesses = self.inner.propose(context, last, block_size, None)
+        self.seen.append(len(context))
+        context[:] = [0] * (len(context) + 3)
+        return guesses
+
+
+@pytest.mark.parametrize("mode", ROLLBACK_MODES)
+def test_a_drafter_that_rewrites_its_context_changes_nothing(
+    tiny_of: Callable[[str], TargetModel], greedy: Callable[..., list[int]], mode: RollbackMode,
+) -> None:
+    """The engine hands a host drafter a copy of its committed tokens (never its own
+    list, which it does not copy for sources that do not read it): a drafter that rewrites
+    the list it was handed leaves the engine's context, the positions it drafts at and
+    the output as they were."""
+    model = tiny_of("float32")
+    oracle = greedy("digits", 16 + 4, "float32")
+    drafter = _Scribbler(_synthetic(model, "digits", oracle, 0.6))
+    result = _run(model, drafter, "digits", 4, mode, n=16)
+    assert result.tokens == oracle[:16]
+    prompt = len(PROMPTS["digits"])
+    assert drafter.seen[0] == prompt and drafter.seen == sorted(set(drafter.seen))

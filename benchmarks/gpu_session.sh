@@ -32,6 +32,8 @@
 #   bash benchmarks/gpu_session.sh tiles   # the attention's row tiles per program (1, 2, 4) by
 #                                          # warps at 8k and 128k keys, T = 1 and 16, with the
 #                                          # rows' bits against one-row calls; attention/tree tests
+#   bash benchmarks/gpu_session.sh spec128k # dflash bench at 131,072 tokens over 1,024 new
+#                                          # tokens (TOKENS_128K), checkpoint vs remap vs plain
 #   bash benchmarks/gpu_session.sh tiles128k # dflash bench at 131,072 tokens (9B, synthetic, block
 #                                          # 16) with 1 and 4 row tiles (TILE_COUNTS="1 2 4")
 #   bash benchmarks/gpu_session.sh fp8     # the FP8 linear's GPU tests, then dflash bench A/B/A with
@@ -274,6 +276,17 @@ for phase in "$@"; do
       timeout "${HOT_TIMEOUT:-420}" python3 benchmarks/hot_kernels.py --part tiles \
         --contexts "${TILE_CONTEXTS:-8192,131072}" --out "$OUT/hot_tiles.json" 2>&1 \
         | tee "$OUT/hot_tiles.log" | grep "attention tiles"
+      ;;
+    spec128k)
+      # dflash bench at 131,072 tokens (9B, synthetic drafter at 0.874, block 16) over
+      # TOKENS_128K new tokens (1024: the drafter's acceptance near its mean; 256 is a
+      # sample of about 45 steps)
+      name=bench_9b_128k_${TOKENS_128K:-1024}
+      timeout "${BENCH_TIMEOUT:-300}" python3 -m dflash.cli bench --model nine-b-shape \
+        --prompt-len 131072 --draft synthetic --acceptance 0.874 --block-size 16 \
+        --max-new-tokens "${TOKENS_128K:-1024}" --a checkpoint --b remap --warmup 1 --runs 1 \
+        --out "$OUT/$name.json" --plot '' > "$OUT/$name.log" 2>&1
+      echo "$name rc=$?"; tail -10 "$OUT/$name.log"
       ;;
     tiles128k)
       for tiles in ${TILE_COUNTS:-1 4}; do
